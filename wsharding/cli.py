@@ -1,0 +1,40 @@
+"""The ``wsharding`` command. Each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``main(args) -> int``; this file only wires them up."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("wsharding.demo", "shard a model on N ranks, check it against the replicated one, report"),
+    "plan": ("wsharding.plan", "the memory and traffic bill of weight sharding for a preset or model file"),
+    "info": ("wsharding.info", "torch, CUDA, GPUs, the NCCL library and what it supports"),
+    "bench": ("wsharding.bench", "measured benchmarks (ratios measured side by side in one run)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wsharding", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._main(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

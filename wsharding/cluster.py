@@ -1,0 +1,475 @@
+"""N rank processes, started once, that run package functions on every rank.
+
+A :class:`RankCluster` spawns one process per rank, each with a torch.distributed group: gloo on
+127.0.0.1 when there is no GPU (CPU processes stand in for GPUs -- every report says so), one
+process per GPU with NCCL when there are enough GPUs. ``cluster.run(fn, *args)`` runs
+``fn(ctx, *args)`` on every rank and returns the results in rank order.
+
+Why processes and not threads: each rank needs its own torch.distributed state, exactly as under
+``torchrun``; scripts started by ``torchrun`` reach the same task functions through
+:func:`init_from_env`.
+
+Why spawn: fork breaks once CUDA is initialised, and a notebook's kernel may have touched CUDA.
+Spawned workers import task functions by name, so task functions must live in an importable
+module (the package, or a test module), never in a notebook cell.
+
+Failure handling, the part that keeps notebooks and tests from hanging:
+
+* a remote exception is re-raised here as :class:`RemoteError` with its rank and traceback;
+* a worker that dies is noticed at once through its process sentinel (:class:`WorkerDied`);
+* a task that does not finish within ``task_timeout`` raises :class:`TaskTimeout`;
+* in the last two cases, and when ranks that did not fail are left stuck in a collective, all
+  workers are killed and the cluster restarts on the next ``run``;
+* leaving the ``with`` block, an error, KeyboardInterrupt or interpreter exit leave no process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+#: Words every CPU-rank report carries, so nobody mistakes CPU timings for GPU timings.
+CPU_EMULATION_NOTE = "emulated: CPU processes (gloo over 127.0.0.1) stand in for GPUs"
+SHARED_GPU_NOTE = "emulated: several ranks time-slice one GPU (NCCL multi-rank-per-GPU)"
+
+
+class ClusterError(RuntimeError):
+    """Base class of the errors a :class:`RankCluster` raises."""
+
+
+class RemoteError(ClusterError):
+    """A task raised on one or more ranks. ``rank`` is the first failing rank."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str, others: str = "") -> None:
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        text = f"rank {rank} raised {exc_type}: {message}\n--- remote traceback (rank {rank}) ---\n{remote_traceback}"
+        if others:
+            text += others
+        super().__init__(text)
+
+
+class WorkerDied(ClusterError):
+    """A rank process exited while the cluster was waiting for it."""
+
+
+class TaskTimeout(ClusterError):
+    """Ranks did not answer within the task timeout."""
+
+
+# ------------------------------------------------------------------------------------------------
+# What a task sees on its rank
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class RankContext:
+    """Everything a task function receives on its rank (first argument of every task)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    mode: str
+    #: ``""`` on real GPUs; otherwise the words that say what is emulated.
+    emulation: str
+    timeout: timedelta
+    #: State a rank keeps between tasks (a notebook builds a model once and reuses it).
+    store: dict[str, Any] = field(default_factory=dict)
+    _comms: dict[int, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def comm(self):
+        """A communicator over the whole world."""
+        return self.shard_comm(self.world_size)
+
+    def shard_comm(self, group_size: int = 8):
+        """A communicator over this rank's shard group (``(rank // g) * g``), created once.
+
+        The first call for a group size is collective: every rank must make it.
+        """
+        from wsharding.comm.torch_backend import new_shard_comms
+
+        g = min(group_size, self.world_size)
+        if g not in self._comms:
+            self._comms[g] = new_shard_comms(g, device=self.device, mode=self.mode, timeout=self.timeout)
+        return self._comms[g]
+
+
+_CONTEXT: RankContext | None = None
+
+
+def current_context() -> RankContext:
+    """The :class:`RankContext` of this process (inside a worker or a torchrun script)."""
+    if _CONTEXT is None:
+        raise ClusterError("this process is not a rank: start a RankCluster or call init_from_env()")
+    return _CONTEXT
+
+
+def _make_context(rank: int, world: int, device: torch.device, backend: str, shared_gpu: bool, timeout: timedelta) -> RankContext:
+    from wsharding.comm.torch_backend import mode_label
+
+    mode = mode_label(backend, device, shared_gpu)
+    emulation = CPU_EMULATION_NOTE if device.type == "cpu" else (SHARED_GPU_NOTE if shared_gpu else "")
+    return RankContext(rank, world, device, backend, mode, emulation, timeout)
+
+
+def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> RankContext:
+    """Join the group of a ``torchrun`` launch (``env://``) and return this rank's context.
+
+    ``backend="auto"`` picks NCCL when CUDA is available (device ``cuda:LOCAL_RANK``), else gloo.
+    """
+    import torch.distributed as dist
+
+    global _CONTEXT
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", local % max(torch.cuda.device_count(), 1)) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    shared = device.type == "cuda" and world > torch.cuda.device_count()
+    _CONTEXT = _make_context(rank, world, device, backend, shared, timeout)
+    return _CONTEXT
+
+
+# ------------------------------------------------------------------------------------------------
+# The worker side
+# ------------------------------------------------------------------------------------------------
+def _send(conn: Connection, obj: Any) -> None:
+    # Pickle here, not in a feeder thread: an unpicklable result must become an error message,
+    # not a message that silently never arrives.
+    try:
+        data = pickle.dumps(obj)
+    except Exception as e:  # noqa: BLE001 - any pickling failure becomes a remote error
+        data = pickle.dumps(("error", obj[1], ("PicklingError", f"result could not be sent back: {e}", "")))
+    conn.send_bytes(data)
+
+
+def _worker_main(
+    rank: int,
+    world: int,
+    init_method: str,
+    backend: str,
+    device_index: int | None,
+    shared_gpu: bool,
+    timeout_s: float,
+    threads: int,
+    env: dict[str, str],
+    conn: Connection,
+) -> None:
+    global _CONTEXT
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+
+    try:
+        device = torch.device("cpu") if device_index is None else torch.device("cuda", device_index)
+        kwargs: dict[str, Any] = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        _CONTEXT = _make_context(rank, world, device, backend, shared_gpu, timeout)
+        _send(conn, ("ready", None, _CONTEXT.mode))
+    except BaseException as e:  # noqa: BLE001
+        _send(conn, ("error", None, (type(e).__name__, str(e), traceback.format_exc())))
+        return
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # the parent went away: exit rather than linger
+        task = pickle.loads(msg)
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            value = fn(_CONTEXT, *args, **kwargs)
+            _send(conn, ("ok", task_id, value))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            _send(conn, ("error", task_id, (type(e).__name__, str(e), traceback.format_exc())))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# The caller side
+# ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def choose_backend(world_size: int, backend: str = "auto", ranks_per_gpu: int = 1) -> tuple[str, list[int | None]]:
+    """Pick the backend and each rank's device index.
+
+    ``auto``: NCCL with one GPU per rank when CUDA has at least ``world_size / ranks_per_gpu``
+    GPUs, else gloo on CPU. ``ranks_per_gpu > 1`` shares GPUs between ranks (needs NCCL >= 2.30
+    with ``NCCL_MULTI_RANK_GPU_ENABLE=1``).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        backend = "nccl" if gpus and gpus * ranks_per_gpu >= world_size else "gloo"
+    if backend == "gloo":
+        return backend, [None] * world_size
+    if backend != "nccl":
+        raise ClusterError(f"unknown backend {backend!r}: use 'auto', 'gloo' or 'nccl'")
+    if gpus * ranks_per_gpu < world_size:
+        raise ClusterError(
+            f"backend 'nccl' with {world_size} ranks needs {-(-world_size // ranks_per_gpu)} GPUs at "
+            f"{ranks_per_gpu} rank(s) per GPU; this machine has {gpus}. Use backend='gloo' or fewer ranks."
+        )
+    return backend, [r // ranks_per_gpu for r in range(world_size)]
+
+
+_LIVE: weakref.WeakSet[RankCluster] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for c in list(_LIVE):
+        c.close()
+
+
+class RankCluster:
+    """``world_size`` rank processes that run package functions on every rank.
+
+    >>> from wsharding.cluster import RankCluster
+    >>> from wsharding.ranks_tasks import describe_rank      # doctest: +SKIP
+    >>> with RankCluster(2) as cluster:                       # doctest: +SKIP
+    ...     cluster.run(describe_rank)
+
+    Task functions take the :class:`RankContext` first: ``fn(ctx, *args, **kwargs)``.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "auto",
+        ranks_per_gpu: int = 1,
+        task_timeout: float = 120.0,
+        collective_timeout: float = 60.0,
+        start_timeout: float = 180.0,
+        threads_per_rank: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ClusterError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self.backend, self.device_indices = choose_backend(world_size, backend, ranks_per_gpu)
+        self.shared_gpu = ranks_per_gpu > 1
+        self.task_timeout = task_timeout
+        self.collective_timeout = collective_timeout
+        self.start_timeout = start_timeout
+        self.threads_per_rank = threads_per_rank
+        self.env = dict(env or {})
+        if self.shared_gpu:
+            self.env.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        self.mode = ""
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+        self._next_task = 0
+        #: Number of times the workers were (re)started; a notebook can show it.
+        self.starts = 0
+
+    # ---- life cycle -------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    @property
+    def emulation(self) -> str:
+        if self.backend == "gloo":
+            return CPU_EMULATION_NOTE
+        return SHARED_GPU_NOTE if self.shared_gpu else ""
+
+    def start(self) -> RankCluster:
+        """Start the workers (no-op when they are running) and wait until every rank has joined."""
+        if self.running:
+            return self
+        self.close()
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(
+                target=_worker_main,
+                args=(
+                    rank, self.world_size, init_method, self.backend, self.device_indices[rank],
+                    self.shared_gpu, self.collective_timeout, self.threads_per_rank, self.env, child,
+                ),
+                name=f"wsharding-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        _LIVE.add(self)
+        self.starts += 1
+        replies = self._collect(None, self.start_timeout, "start-up")
+        self.mode = replies[0]
+        return self
+
+    def close(self) -> None:
+        """Stop every worker; kill those that do not exit within a few seconds."""
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        _LIVE.discard(self)
+
+    def __enter__(self) -> RankCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten cluster must not leave processes behind
+        try:
+            self._kill()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # ---- tasks ------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order."""
+        return self.run_with(fn, args, kwargs)
+
+    def run_with(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        per_rank_args: Sequence[Sequence[Any]] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Like :meth:`run`, with an explicit timeout and optional different arguments per rank
+        (``per_rank_args[r]`` is appended to ``args`` on rank ``r``)."""
+        if getattr(fn, "__module__", None) in ("__main__", "__mp_main__") or "<lambda>" in getattr(fn, "__qualname__", ""):
+            raise ClusterError(
+                f"task {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
+                "or is a lambda: spawned rank processes import tasks by name, so define it in an "
+                "importable module such as the wsharding package"
+            )
+        if per_rank_args is not None and len(per_rank_args) != self.world_size:
+            raise ClusterError(f"per_rank_args has {len(per_rank_args)} entries for {self.world_size} ranks")
+        self.start()
+        self._next_task += 1
+        task_id = self._next_task
+        for rank, conn in enumerate(self._conns):
+            rank_args = tuple(args) + (tuple(per_rank_args[rank]) if per_rank_args is not None else ())
+            try:
+                payload = pickle.dumps((task_id, fn, rank_args, kwargs or {}))
+            except Exception as e:  # noqa: BLE001
+                raise ClusterError(f"arguments of {fn.__qualname__} cannot be sent to the ranks: {e}") from e
+            conn.send_bytes(payload)
+        return self._collect(task_id, self.task_timeout if timeout is None else timeout, fn.__qualname__)
+
+    def _collect(self, task_id: int | None, timeout: float, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[str, str, str]] = {}
+        deadline = time.monotonic() + timeout
+        by_conn = {c: r for r, c in enumerate(self._conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        try:
+            while len(results) + len(errors) < self.world_size:
+                pending_conns = [c for c, r in by_conn.items() if r not in results and r not in errors]
+                remaining = deadline - time.monotonic()
+                if errors:  # once one rank failed, give the others a short grace period
+                    remaining = min(remaining, 3.0)
+                if remaining <= 0:
+                    break
+                ready = wait(pending_conns + list(by_sentinel), timeout=remaining)
+                if not ready:
+                    break
+                for obj in ready:
+                    if obj in by_conn:
+                        rank = by_conn[obj]
+                        try:
+                            kind, tid, value = pickle.loads(obj.recv_bytes())
+                        except (EOFError, OSError):
+                            continue  # the sentinel will report the death
+                        if task_id is not None and tid != task_id:
+                            continue  # a late answer to an earlier, abandoned task
+                        (results if kind in ("ok", "ready") else errors)[rank] = value
+                    else:
+                        rank = by_sentinel[obj]
+                        if rank in results or rank in errors:
+                            del by_sentinel[obj]
+                            continue
+                        code = self._procs[rank].exitcode
+                        self._kill()
+                        raise WorkerDied(
+                            f"rank {rank} died (exit code {code}) during {what}; all ranks were stopped "
+                            "and the cluster will restart on the next run"
+                        )
+        except KeyboardInterrupt:
+            self._kill()
+            raise
+        if errors:
+            rank = min(errors)
+            exc_type, message, tb = errors[rank]
+            others = "".join(
+                f"\n(rank {r} also raised {errors[r][0]}: {errors[r][1]})" for r in sorted(errors) if r != rank
+            )
+            missing = [r for r in range(self.world_size) if r not in results and r not in errors]
+            if missing:
+                # Ranks stuck in a collective that the failing rank never joined: restart.
+                others += f"\n(ranks {missing} did not finish; all ranks were stopped and will restart)"
+                self._kill()
+            raise RemoteError(rank, exc_type, message, tb, others)
+        if len(results) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in results]
+            self._kill()
+            raise TaskTimeout(
+                f"ranks {missing} did not answer {what} within {timeout:.1f} s; all ranks were stopped "
+                "and the cluster will restart on the next run"
+            )
+        return [results[r] for r in range(self.world_size)]
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"RankCluster(world_size={self.world_size}, backend={self.backend!r}, mode={self.mode!r}, {state})"

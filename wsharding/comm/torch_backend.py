@@ -1,0 +1,123 @@
+"""The torch.distributed backend: gloo on CPU ranks, NCCL on GPUs.
+
+Buffers are plain tensors here (no symmetric memory); our own NCCL binding (``comm.nccl``) is the
+backend that hands out registered windows and takes the copy-engine path.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from wsharding.comm.base import CommError, DoneHandle, GatherHandle, check_gather_args, is_slice_of
+from wsharding.comm.groups import shard_group_ranks
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; the GPU machine has 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _WorkHandle:
+    """Wraps a torch.distributed Work so that waiting on it names what was being gathered."""
+
+    def __init__(self, work: dist.Work, what: str) -> None:
+        self._work = work
+        self._what = what
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as e:  # gloo/NCCL timeouts and aborts arrive here
+            raise CommError(f"{self._what} did not complete: {e}") from e
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def mode_label(backend: str, device: torch.device, shared_gpu: bool = False) -> str:
+    """``cpu-gloo``, ``gpu-nccl`` or ``gpu-nccl-shared`` (several ranks time-slicing one GPU)."""
+    if device.type == "cpu":
+        return f"cpu-{backend}"
+    return f"gpu-{backend}" + ("-shared" if shared_gpu else "")
+
+
+class TorchDistComm:
+    """A :class:`~wsharding.comm.base.Communicator` over a torch.distributed process group."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: torch.device | str | None = None,
+        mode: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise CommError("torch.distributed is not initialised: start ranks with wsharding.cluster first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+        self.mode = mode or mode_label(self.backend, self.device)
+        self.timeout = timeout
+        #: Number of all-gathers issued (tests count one per sharded layer per step).
+        self.gathers_issued = 0
+
+    def all_gather_into(
+        self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False, what: str = "all-gather"
+    ) -> GatherHandle:
+        check_gather_args(self, full, chunk)
+        self.gathers_issued += 1
+        if self.world_size == 1:
+            if not is_slice_of(chunk, full, 0):
+                full.copy_(chunk)
+            return DoneHandle()
+        try:
+            work = _all_gather_single(full, chunk, group=self.group, async_op=async_op)
+        except RuntimeError as e:
+            raise CommError(f"{what} failed on rank {self.rank}: {e}") from e
+        if async_op:
+            return _WorkHandle(work, what)
+        return DoneHandle()
+
+    def alloc(self, nbytes: int, *, tag: str = "") -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            if self.backend == "nccl":
+                dist.barrier(self.group, device_ids=[self.device.index])
+            else:
+                dist.barrier(self.group)
+
+    def __repr__(self) -> str:
+        return f"TorchDistComm(rank={self.rank}, world_size={self.world_size}, mode={self.mode!r})"
+
+
+def new_shard_comms(
+    group_size: int = 8,
+    *,
+    device: torch.device | str | None = None,
+    mode: str | None = None,
+    timeout: timedelta | None = None,
+) -> TorchDistComm:
+    """Create every shard group of the world (a collective call: all ranks, same order) and
+    return a communicator over this rank's group.
+
+    World 8 with ``group_size=4`` gives two independent groups, [0..3] and [4..7].
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = shard_group_ranks(world, group_size)
+    if len(groups) == 1:
+        return TorchDistComm(None, device=device, mode=mode, timeout=timeout)
+    mine = None
+    for ranks in groups:
+        # new_group must be called by every rank for every group, in the same order.
+        pg = dist.new_group(ranks, timeout=timeout) if timeout else dist.new_group(ranks)
+        if rank in ranks:
+            mine = pg
+    return TorchDistComm(mine, device=device, mode=mode, timeout=timeout)

@@ -1,0 +1,1 @@
+"""Plotly figures built from package objects. One module per stage; tests call them directly."""
