@@ -29,6 +29,7 @@ import atexit
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -207,10 +208,10 @@ def _worker_main(
             _send(conn, ("ok", task_id, value))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             _send(conn, ("error", task_id, (type(e).__name__, str(e), traceback.format_exc())))
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort on the way out
-        pass
+    # Leave without destroy_process_group(): with gloo it waits for peers that may already be
+    # gone, and the process's exit releases sockets and memory anyway.
+    conn.close()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,10 +441,15 @@ class RankCluster:
                         if rank in results or rank in errors:
                             del by_sentinel[obj]
                             continue
-                        code = self._procs[rank].exitcode
+                        proc = self._procs[rank]
+                        proc.join(1.0)  # the sentinel fires before exitcode is filled in
+                        code = proc.exitcode
+                        how = f"exit code {code}"
+                        if code is not None and code < 0:
+                            how += f", killed by {signal.Signals(-code).name}"
                         self._kill()
                         raise WorkerDied(
-                            f"rank {rank} died (exit code {code}) during {what}; all ranks were stopped "
+                            f"rank {rank} died ({how}) during {what}; all ranks were stopped "
                             "and the cluster will restart on the next run"
                         )
         except KeyboardInterrupt:
