@@ -30,9 +30,18 @@ class _WorkHandle:
             self._work.wait()
         except RuntimeError as e:  # gloo/NCCL timeouts and aborts arrive here
             raise CommError(f"{self._what} did not complete: {e}") from e
+        for fn in getattr(self, "_late_callbacks", ()):
+            fn()
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn()`` when the collective completes (on the backend's thread for gloo)."""
+        try:
+            self._work.get_future().then(lambda _fut: fn())
+        except RuntimeError:  # a backend without futures: stamp when the caller waits instead
+            self._late_callbacks = [*getattr(self, "_late_callbacks", []), fn]
 
 
 def mode_label(backend: str, device: torch.device, shared_gpu: bool = False) -> str:

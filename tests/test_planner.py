@@ -1,0 +1,172 @@
+"""Slots, the planner's sequence, the gate, collective alignment and memory over many steps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from wsharding.cluster import RankCluster, RemoteError
+from wsharding.layout import FlatLayout
+from wsharding.shard import WeightSharding, prepare_layer_weight_shard_forward, run_layers
+from wsharding.slots import SlotPool
+
+
+class SlowBlock(nn.Module):
+    """Reads its weight, sleeps, reads it again: a long compute that keeps using its slot."""
+
+    def __init__(self, d: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc = nn.Linear(d, d, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randn(d, d, generator=g) / d**0.5)
+        self.pause = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prepare_layer_weight_shard_forward(self)
+        h = self.fc(x)
+        if self.pause:
+            time.sleep(self.pause)  # meanwhile a gather into this slot would land
+        return torch.tanh(h + self.fc(x))
+
+
+def _blocks(n_layers=6, d=32):
+    return [SlowBlock(d, seed=10 + i) for i in range(n_layers)]
+
+
+def _reference(blocks, x):
+    with torch.no_grad():
+        for b in blocks:
+            x = b(x)
+    return x
+
+
+def racy_schedule(ctx, gate: bool, pause: float):
+    """Dispatch two layers ahead: the gather of i+2 targets the slot layer i is about to read."""
+    blocks = _blocks()
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(ctx.rank))
+    expected = _reference(blocks, x)
+    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(len(blocks))}).setup().finalize()
+    planner = ws.planner
+    planner.gate = gate
+    for b in blocks:
+        b.pause = pause
+    with torch.no_grad():
+        planner.reset()
+        planner.pre_dispatch(0)
+        h = x
+        for i, b in enumerate(blocks):
+            planner.maybe_dispatch(i + 1)
+            planner.maybe_dispatch(i + 2)
+            h = b(h)
+            planner.update_done_event(i, b)
+    return torch.equal(h, expected), planner.gathers_this_step
+
+
+def test_gate_prevents_slot_overwrite(cluster_of):
+    # With the gate the two-ahead schedule is exact: the gather of i+2 is held until layer i is done.
+    assert cluster_of(2).run(racy_schedule, True, 0.02) == [(True, 6)] * 2
+    # Without it the same schedule overwrites the slot while layer i still reads it.
+    results = cluster_of(2).run(racy_schedule, False, 0.02)
+    assert [r[0] for r in results] == [False, False]
+
+
+def seed_sequence(ctx, lookahead: bool, steps: int, tokens: list[int]):
+    blocks = _blocks(d=48)
+    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(1, len(blocks))}, lookahead=lookahead,
+                        trace=True).setup().finalize()
+    outs, counts = [], []
+    with torch.no_grad():
+        for step in range(steps):
+            x = torch.randn(tokens[step % len(tokens)], 48, generator=torch.Generator().manual_seed(step))
+            y = run_layers(blocks, x, ws.planner)
+            counts.append((ws.planner.gathers_this_step, ws.planner.waits_this_step))
+            # calling wait again for a layer already waited on is free: at most once per step
+            ws.planner.wait_ready_once(3)
+            counts.append((ws.planner.gathers_this_step, ws.planner.waits_this_step))
+            trace = ws.planner.finish_step()
+            outs.append(y)
+    slots_used = [r["slot"] for r in trace.records()]
+    return counts, slots_used, ws.slots.occupancy()
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_sequence_counts_slots_and_trace(cluster_of, lookahead):
+    for counts, slots_used, occupancy in cluster_of(3).run(seed_sequence, lookahead, 3, [2, 5]):
+        assert counts == [(5, 5)] * 6  # layers 1..5 sharded: 5 gathers, 5 waits, never more
+        assert slots_used == ["A", "B", "A", "B", "A"]
+        assert occupancy == {"A": 5, "B": 4}
+
+
+def test_slot_pool_parity_and_gates():
+    class C:
+        rank, world_size, device, mode = 0, 2, torch.device("cpu"), "cpu-gloo"
+
+        def alloc(self, n, tag=""):
+            return torch.empty(n, dtype=torch.uint8)
+
+    lays = {i: FlatLayout([("w", (i + 1, 8), torch.float32)], 2) for i in (1, 2, 3, 5)}
+    pool = SlotPool(C(), lays)
+    assert [pool.slot_of(i) for i in (1, 2, 3, 5)] == [0, 1, 0, 1]
+    assert [pool.previous_occupant(i) for i in (1, 2, 3, 5)] == [None, None, 1, 2]
+    assert pool.slot_bytes == lays[5].total_bytes == 192
+    with pytest.raises(KeyError, match="layer 4 is not a sharded layer"):
+        pool.slot_of(4)
+
+
+def skip_a_step(ctx):
+    blocks = _blocks(4)
+    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(4)}).setup().finalize()
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        run_layers(blocks, x, ws.planner)
+        if ctx.rank == 1:
+            return "skipped"  # an idle rank that does not run the step
+        t0 = time.monotonic()
+        try:
+            run_layers(blocks, x, ws.planner)
+        finally:
+            ctx.store["stuck_for"] = time.monotonic() - t0
+
+
+def test_rank_that_skips_a_step_gives_a_clear_timeout():
+    with RankCluster(2, backend="gloo", collective_timeout=4, task_timeout=60) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            c.run(skip_a_step)
+        elapsed = time.monotonic() - t0
+    err = str(info.value)
+    assert info.value.rank == 0
+    assert "weight gather of layer 0 failed on rank 0 (step 1)" in err
+    assert "a rank that skips a step" in err
+    assert elapsed < 30
+
+
+def many_steps(ctx, steps: int):
+    blocks = _blocks(4, d=64)
+    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(4)}).setup().finalize()
+    ptrs = [t.data_ptr() for t in ws.chunks.values()] + [b.data_ptr() for b in ws.slots.buffers]
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    with torch.no_grad():
+        for s in range(5):
+            run_layers(blocks, torch.randn(1 + s % 3, 64), ws.planner)
+        before = rss()
+        for s in range(steps):
+            run_layers(blocks, torch.randn(1 + s % 3, 64), ws.planner)
+        after = rss()
+    same = ptrs == [t.data_ptr() for t in ws.chunks.values()] + [b.data_ptr() for b in ws.slots.buffers]
+    return after - before, same, len(ws.planner.traces), ws.planner.gathers_total
+
+
+def test_no_memory_growth_over_50_steps(cluster_of):
+    for growth, same_buffers, traces, gathers in cluster_of(2).run(many_steps, 50):
+        assert same_buffers and traces == 0  # trace off: nothing kept per step
+        assert gathers == 55 * 4
+        assert growth < 1 << 20, f"RSS grew by {growth} B over 50 steps"

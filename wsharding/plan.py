@@ -1,0 +1,89 @@
+"""``wsharding plan``: the memory and traffic bill of weight sharding, before any GPU runs.
+
+    wsharding plan --preset kimi-k3-b200-fp8 [--ranks N] [--bandwidth GBps] [--tokens T] [--json]
+    wsharding plan --model my_model.yaml --device h200 --ranks 4
+    wsharding plan --list
+
+A readable table by default (GiB = 2**30 B and GB = 10**9 B are both named); ``--json`` prints one
+object whose byte counts are integers (see :meth:`wsharding.costmodel.Plan.to_dict`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from wsharding.costmodel import (
+    GB,
+    CostModelError,
+    Deployment,
+    Plan,
+    estimate,
+    get_device,
+    load_model_file,
+    plan_table,
+)
+from wsharding.presets import list_presets, load_preset
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a shipped model preset (see --list)")
+    src.add_argument("--model", metavar="FILE", help="a model description in JSON or YAML (format: costmodel.model_from_dict)")
+    src.add_argument("--list", action="store_true", help="list the presets and exit")
+    p.add_argument("--ranks", type=int, default=None, help="shard group size N (default: the preset's)")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="GBps",
+                   help="link bandwidth per direction in GB/s (10**9 B/s; default: the device's NVLink figure)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the preset's, else 256)")
+    p.add_argument("--device", default=None, help="device peaks: b200 or h200 (default: the preset's, else b200)")
+    p.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak FLOP/s the GEMMs reach (default 1)")
+    p.add_argument("--latency-us", type=float, default=0.0, help="fixed cost of one gather in microseconds (default 0)")
+    p.add_argument("--dtype", default=None, help="re-price the same weights in another dtype (bf16, fp8_e4m3, ...)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV cache bytes per token (default: the preset's)")
+    p.add_argument("--context", type=int, default=None, help="tokens per request, to count extra concurrent requests")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """Build the :class:`~wsharding.costmodel.Plan` the arguments ask for (raises CostModelError)."""
+    if args.preset:
+        model = load_preset(args.preset)
+    elif args.model:
+        model = load_model_file(args.model)
+    else:
+        raise CostModelError("preset: give --preset NAME or --model FILE (--list shows the presets)")
+    if args.dtype:
+        model = model.with_dtype(args.dtype)
+    d = model.defaults
+    deployment = Deployment(
+        ranks=args.ranks if args.ranks is not None else int(d.get("ranks", 8)),
+        device=get_device(args.device or d.get("device", "b200")),
+        tokens=args.tokens if args.tokens is not None else int(d.get("tokens", 256)),
+        link_bandwidth=None if args.bandwidth is None else args.bandwidth * GB,
+        efficiency=args.efficiency,
+        collective_latency=args.latency_us * 1e-6,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        context=args.context if args.context is not None else d.get("context"),
+    )
+    return estimate(model, deployment)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.list:
+        for name in list_presets():
+            print(f"{name:<32} {load_preset(name).description}")
+        return 0
+    try:
+        plan = plan_from_args(args)
+    except CostModelError as e:
+        print(f"wsharding plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan_table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m wsharding.plan", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,425 @@
+"""Sharding a model's replicated weights: declare, validate, shrink, load rows, finalize, bind.
+
+A sharded weight goes through four stages (first seed, "SGLang 中的实现"):
+
+1. **declare / validate** (:class:`WeightSharding` constructor): each layer names its targets; a
+   target must have ``tp_size`` 1 (its weight is byte-identical on every rank), else an error naming
+   it; a weight whose rows the group size does not divide is skipped with a warning. The layer's
+   targets form one :class:`~wsharding.layout.FlatLayout` -- one gather per layer. Every decision that
+   needs the full shape is taken here, before anything shrinks.
+2. **setup** (:meth:`WeightSharding.setup`): each target keeps only its own 1/N rows; a row-shard
+   loader replaces the parameter's weight loader so that a checkpoint is read row range by row range
+   (merged linears: per sub-block, :meth:`row_sub_blocks`).
+3. **finalize** (:meth:`WeightSharding.finalize`): the row shards are redistributed into the flat
+   chunks -- per weight one temporary plain gather, of which each rank keeps the bytes inside its own
+   chunk window -- so the peak is one extra full weight; the row shards are then freed. The two slots
+   are allocated and every target's weight becomes a zero-copy view into its layer's slot.
+4. **forward**: the planner gathers each layer's chunk into its slot just in time.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsharding.comm.base import Communicator
+from wsharding.layout import FlatLayout
+from wsharding.planner import ShardedLayer, WeightShardPlanner
+from wsharding.slots import SlotPool
+
+#: (shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)
+RowBlock = tuple[Any, int, int, int]
+
+
+class ShardingError(ValueError):
+    """A target that cannot be sharded, or a sharding used out of order."""
+
+
+class ShardingSkipWarning(UserWarning):
+    """A declared target left replicated (its rows are not divisible by the group size)."""
+
+
+@dataclass
+class ShardTarget:
+    """One weight that is stored 1/N per rank and gathered before its layer runs."""
+
+    layer: int
+    name: str  # attribute path inside the layer, e.g. "attn.qkv_proj"
+    module: nn.Module
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    row_blocks: list[RowBlock] = field(default_factory=list)
+
+    @property
+    def entry(self) -> str:
+        return f"{self.name}.weight"
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _tp_size(module: nn.Module) -> int:
+    if isinstance(module, nn.Linear):
+        return 1
+    return int(getattr(module, "tp_size", 1))
+
+
+def _row_blocks(module: nn.Module, rows: int) -> list[RowBlock]:
+    fn = getattr(module, "row_sub_blocks", None)
+    return list(fn()) if fn is not None else [(None, 0, rows, 0)]
+
+
+def row_window(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a weight that ``rank`` keeps after setup (its 1/N row shard)."""
+    per = rows // world
+    return rank * per, (rank + 1) * per
+
+
+class RowShardLoader:
+    """Weight loader installed on a sharded parameter: copies only this rank's rows.
+
+    ``loaded_weight`` may be a tensor or a lazy safetensors slice (``get_slice``): only the needed
+    row range is read from it. For merged linears the checkpoint holds one tensor per sub-block;
+    ``loaded_shard_id`` picks the sub-block, whose rows are intersected with this rank's window.
+    """
+
+    def __init__(self, target: ShardTarget, rank: int, world: int) -> None:
+        self.target = target
+        self.window = row_window(target.rows, rank, world)
+        self.loaded_rows = 0
+
+    def __call__(self, param: torch.Tensor, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
+        t = self.target
+        blocks = [b for b in t.row_blocks if b[0] == loaded_shard_id] if len(t.row_blocks) > 1 else t.row_blocks
+        if not blocks:
+            ids = [b[0] for b in t.row_blocks]
+            raise ShardingError(f"{t.name}: no sub-block with shard id {loaded_shard_id!r} (known: {ids})")
+        _, param_off, rows, ckpt_off = blocks[0]
+        shape = tuple(loaded_weight.get_shape()) if hasattr(loaded_weight, "get_shape") else tuple(loaded_weight.shape)
+        want_cols = t.shape[1:]
+        if len(shape) != len(t.shape) or shape[1:] != want_cols or shape[0] < ckpt_off + rows:
+            raise ShardingError(
+                f"{t.name}.weight (shard {loaded_shard_id!r}): checkpoint tensor has shape {list(shape)}, expected "
+                f"at least {ckpt_off + rows} rows of {list(want_cols)}"
+            )
+        w0, w1 = self.window
+        a, b = max(w0, param_off), min(w1, param_off + rows)
+        if a >= b:
+            return  # none of this sub-block's rows live on this rank
+        piece = loaded_weight[ckpt_off + (a - param_off) : ckpt_off + (b - param_off)]
+        param.data[a - w0 : b - w0].copy_(piece)
+        self.loaded_rows += b - a
+
+
+class WeightSharding:
+    """Weight sharding of one model over a shard group.
+
+    ``layers`` are the model's blocks in execution order (index = layer id); ``targets`` maps a
+    layer id to the attribute paths of its target linears (when None, each layer's own
+    ``weight_shard_targets`` list is used, as the seed's modules declare them). ``sharded_layers``
+    restricts the range (the seed's default leaves the dense layer 0 out).
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        layers: Sequence[nn.Module],
+        targets: Mapping[int, Sequence[str]] | None = None,
+        *,
+        sharded_layers: Iterable[int] | None = None,
+        lookahead: bool = True,
+        trace: bool = False,
+    ) -> None:
+        self.comm = comm
+        self.layers = list(layers)
+        self.lookahead = lookahead
+        self.trace = trace
+        self.stage = "declared"
+        ids = range(len(self.layers)) if sharded_layers is None else sorted(set(sharded_layers))
+        self.targets: dict[int, list[ShardTarget]] = {}
+        self.skipped: list[str] = []
+        for i in ids:
+            if not 0 <= i < len(self.layers):
+                raise ShardingError(f"sharded layer {i} is outside the model's {len(self.layers)} layers")
+            names = targets.get(i, []) if targets is not None else getattr(self.layers[i], "weight_shard_targets", [])
+            chosen = []
+            for n in names:
+                t = self._validate(i, n)
+                if t is not None:
+                    chosen.append(t)
+            if chosen:
+                self.targets[i] = chosen
+        if not self.targets:
+            raise ShardingError("no layer has a shardable target: nothing to shard")
+        # One layout per layer, attention and MoE targets together: one gather per layer.
+        self.layouts = {
+            i: FlatLayout([(t.entry, t.shape, t.dtype) for t in ts], comm.world_size) for i, ts in self.targets.items()
+        }
+        self.loaders: dict[tuple[int, str], RowShardLoader] = {}
+        self.chunks: dict[int, torch.Tensor] = {}
+        self.slots: SlotPool | None = None
+        self.planner: WeightShardPlanner | None = None
+
+    # ---- 1. declare / validate --------------------------------------------------------------------
+    def _validate(self, layer: int, name: str) -> ShardTarget | None:
+        try:
+            module = self.layers[layer].get_submodule(name)
+        except AttributeError:
+            raise ShardingError(f"layer {layer}: declared target {name!r} does not exist") from None
+        tp = _tp_size(module)
+        if tp != 1:
+            raise ShardingError(
+                f"layer {layer}: target {name!r} has tp_size {tp}; weight sharding only applies to weights "
+                "replicated byte for byte on every rank (tp_size 1: ReplicatedLinear, or merged/QKV linears "
+                "built with the 'replicated' group). Remove it from the targets or build it with tp 1."
+            )
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ShardingError(f"layer {layer}: target {name!r} has no 2-D weight to shard")
+        rows = weight.shape[0]
+        if rows % self.comm.world_size:
+            msg = (f"layer {layer}: {name}.weight has {rows} rows, not divisible by the group size "
+                   f"{self.comm.world_size}: left replicated")
+            warnings.warn(msg, ShardingSkipWarning, stacklevel=3)
+            self.skipped.append(f"{layer}:{name}")
+            return None
+        return ShardTarget(layer, name, module, tuple(weight.shape), weight.dtype, _row_blocks(module, rows))
+
+    # ---- 2. setup: keep only this rank's rows -------------------------------------------------------
+    def setup(self) -> WeightSharding:
+        """Shrink every target to its 1/N rows and install the row-shard loaders.
+
+        The rows kept are copied from the current weight, so a model built with full weights (or one
+        already loaded) is sharded as it is; a checkpoint loaded afterwards goes through the loaders.
+        """
+        self._expect("declared", "setup")
+        rank, world = self.comm.rank, self.comm.world_size
+        for i, ts in self.targets.items():
+            for t in ts:
+                w0, w1 = row_window(t.rows, rank, world)
+                p = t.module.weight
+                rows = p.data[w0:w1].to(self.comm.device, copy=True)
+                p.data = rows  # the full storage is released when nothing else holds it
+                loader = RowShardLoader(t, rank, world)
+                p.weight_loader = loader
+                self.loaders[(i, t.name)] = loader
+        self.stage = "setup"
+        return self
+
+    # ---- 3. finalize: row shards -> flat chunks, slots, views --------------------------------------
+    def finalize(self) -> WeightSharding:
+        """Redistribute row shards into flat chunks, free them, allocate the slots, bind the views.
+
+        Collective: every rank calls it, and layers are handled in sorted order on every rank (the
+        order in which a symmetric-memory backend registers its windows).
+        """
+        self._expect("setup", "finalize")
+        comm = self.comm
+        rank = comm.rank
+        for i in sorted(self.targets):
+            layout = self.layouts[i]
+            chunk = comm.alloc(layout.chunk_bytes, tag=f"layer{i}.chunk")
+            chunk.zero_()
+            lo, hi = layout.chunk_range(rank)
+            for t in self.targets[i]:
+                e = layout.entry(t.entry)
+                rows = t.module.weight.data.contiguous().view(-1).view(torch.uint8)
+                # A temporary plain gather of the whole weight; this rank keeps the bytes inside its
+                # own chunk window. Peak: one extra full weight at a time.
+                full = torch.empty(e.nbytes, dtype=torch.uint8, device=comm.device)
+                comm.all_gather_into(full, rows, what=f"finalize of layer {i} {t.entry}")
+                a, b = max(lo, e.offset), min(hi, e.end)
+                if a < b:
+                    chunk[a - lo : b - lo].copy_(full[a - e.offset : b - e.offset])
+                del full
+            self.chunks[i] = chunk
+        self.slots = SlotPool(comm, self.layouts)
+        for i, ts in self.targets.items():
+            views = self.slots.views(i)
+            for t in ts:
+                _rebind(t.module, "weight", views[t.entry])  # frees the row shard
+        self.planner = WeightShardPlanner(
+            comm,
+            {i: ShardedLayer(i, self.layouts[i], self.chunks[i]) for i in self.targets},
+            self.slots,
+            lookahead=self.lookahead,
+            trace=self.trace,
+        )
+        for i in self.targets:
+            self.layers[i]._weight_shard = (self.planner, i)
+        self.stage = "finalized"
+        return self
+
+    def _expect(self, stage: str, what: str) -> None:
+        if self.stage != stage:
+            raise ShardingError(f"{what}() needs stage {stage!r}, the sharding is at {self.stage!r}")
+
+    # ---- accounting --------------------------------------------------------------------------------
+    @property
+    def sharded_layer_ids(self) -> list[int]:
+        return sorted(self.targets)
+
+    def replicated_bytes(self) -> int:
+        """R: bytes of the target weights that every rank would hold when replicated."""
+        return sum(t.nbytes for ts in self.targets.values() for t in ts)
+
+    def formula_bytes(self) -> int:
+        """``R/N + padding/N + 2 * max_l |T_l|``: what each rank must hold after finalize."""
+        return sum(lay.chunk_bytes for lay in self.layouts.values()) + 2 * max(
+            lay.total_bytes for lay in self.layouts.values()
+        )
+
+    def resident_bytes(self) -> int:
+        """Bytes actually allocated for sharded weights on this rank (chunks + two slots), measured
+        from the storages, not from the layout."""
+        self._expect("finalized", "resident_bytes")
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self.chunks.values()}
+        for b in self.slots.buffers:
+            storages[id(b.untyped_storage())] = b.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per sharded layer: targets, layout bytes, chunk bytes and slot."""
+        return [
+            {
+                "layer": i,
+                "targets": [t.name for t in self.targets[i]],
+                "layout_bytes": self.layouts[i].total_bytes,
+                "chunk_bytes": self.layouts[i].chunk_bytes,
+                "slot": "AB"[self.slots.slot_of(i)] if self.slots else "AB"[k % 2],
+            }
+            for k, i in enumerate(self.sharded_layer_ids)
+        ]
+
+
+def _rebind(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    # nn.Module refuses a plain tensor over a registered Parameter: drop the Parameter first.
+    if name in module._parameters:
+        del module._parameters[name]
+    setattr(module, name, tensor)
+
+
+def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
+    """Called at the start of a sharded layer's forward: wait (once) until its weights are in its
+    slot. A layer that is not sharded returns at once."""
+    ws = getattr(layer, "_weight_shard", None)
+    if ws is not None:
+        planner, layer_id = ws
+        planner.wait_ready_once(layer_id)
+
+
+def run_layers(
+    layers: Sequence[nn.Module],
+    hidden: Any,
+    planner: WeightShardPlanner | None,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+    call: Callable[[nn.Module, Any], Any] | None = None,
+) -> Any:
+    """The seed's layer loop with the planner wired in (``planner=None``: plain replicated loop)."""
+    end = len(layers) if end_layer is None else end_layer
+    call = call or (lambda layer, h: layer(h))
+    if planner is None:
+        for i in range(start_layer, end):
+            hidden = call(layers[i], hidden)
+        return hidden
+    planner.reset()
+    planner.pre_dispatch(start_layer)
+    for i in range(start_layer, end):
+        planner.maybe_dispatch(i + 1)  # side stream: AG(i+1), gate = done(i-1)
+        hidden = call(layers[i], hidden)  # the layer waits for its own gather at its start
+        planner.update_done_event(i, layers[i])
+    return hidden
+
+
+# ---- the generic path: any nn.Module whose blocks sit in a ModuleList ------------------------------
+def find_targets(block: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Names of the ``nn.Linear`` submodules of ``block`` that match any of ``patterns`` (fnmatch)."""
+    return [
+        name
+        for name, mod in block.named_modules()
+        if name and isinstance(mod, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def shard_blocks(
+    model: nn.Module,
+    blocks: str | nn.ModuleList,
+    patterns: Sequence[str],
+    comm: Communicator,
+    *,
+    sharded_layers: Iterable[int] | None = None,
+    lookahead: bool = True,
+    trace: bool = False,
+) -> WeightSharding:
+    """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
+
+    The model's own forward is unchanged: hooks on the model start each step (reset, pre_dispatch)
+    and hooks on each block dispatch the next block's gather, wait for the block's own, and record
+    its end. Returns the finalized :class:`WeightSharding` (``.planner`` has the counters and trace).
+    """
+    block_list = model.get_submodule(blocks) if isinstance(blocks, str) else blocks
+    if not isinstance(block_list, nn.ModuleList):
+        raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
+    targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
+    ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace)
+    ws.setup().finalize()
+    planner = ws.planner
+    count = len(block_list)
+
+    def start_step(_mod, _args):
+        planner.reset()
+        planner.pre_dispatch(0)
+
+    def end_step(_mod, _args, _out):
+        planner.finish_step()
+
+    def before_block(i):
+        def hook(_mod, _args):
+            if i + 1 < count:
+                planner.maybe_dispatch(i + 1)
+            planner.wait_ready_once(i)
+
+        return hook
+
+    def after_block(i):
+        def hook(_mod, _args, _out):
+            planner.update_done_event(i, block_list[i])
+
+        return hook
+
+    handles = [model.register_forward_pre_hook(start_step), model.register_forward_hook(end_step)]
+    for i, b in enumerate(block_list):
+        handles.append(b.register_forward_pre_hook(before_block(i)))
+        handles.append(b.register_forward_hook(after_block(i)))
+    ws.hook_handles = handles
+    return ws
+
+
+# ---- collective alignment --------------------------------------------------------------------------
+def aligned_forward(forward: Callable[[Any], Any], inputs: Any, dummy: Callable[[], Any]) -> Any | None:
+    """Run ``forward(inputs)``; when this rank has no tokens (``inputs`` is None or empty), run a
+    one-token ``dummy()`` forward instead and return None.
+
+    Why: every rank of a shard group must issue the same gathers every step. An idle DP rank that
+    skipped the forward would leave the others waiting in the gather of the first sharded layer.
+    """
+    empty = inputs is None or (isinstance(inputs, torch.Tensor) and inputs.numel() == 0)
+    if empty:
+        forward(dummy())
+        return None
+    return forward(inputs)

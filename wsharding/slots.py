@@ -1,0 +1,78 @@
+"""The two ping-pong workspaces that gathered layers land in.
+
+A full layer exists only while it computes, so two workspaces are enough: layer ``l+1`` is gathered
+into one slot while layer ``l`` reads the other. Both are sized by the largest layer's flat buffer
+and allocated once, through the communication backend, so that a backend with symmetric memory
+(our NCCL binding) hands out registered windows and every gather lands inside one.
+
+Which slot a layer uses is fixed at init by its position among the sharded layers (parity), so the
+binding of a layer's weights to slot views never changes: nothing is decided inside forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wsharding.comm.base import Communicator
+from wsharding.layout import FlatLayout
+
+SLOT_NAMES = ("A", "B")
+
+
+class SlotPool:
+    """Two workspaces of ``slot_bytes`` each, owned by sharded layers in turn.
+
+    ``layer_ids`` are the sharded layers in execution order; the k-th of them uses slot ``k % 2``.
+    """
+
+    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout]) -> None:
+        if not layouts:
+            raise ValueError("SlotPool needs at least one sharded layer")
+        self.layer_ids = sorted(layouts)
+        self.layouts = layouts
+        self.slot_bytes = max(lay.total_bytes for lay in layouts.values())
+        self.buffers: tuple[torch.Tensor, torch.Tensor] = (
+            comm.alloc(self.slot_bytes, tag="slot.A"),
+            comm.alloc(self.slot_bytes, tag="slot.B"),
+        )
+        self._slot_of = {layer: k % 2 for k, layer in enumerate(self.layer_ids)}
+        # The sharded layer that last used the same slot: the gate of a gather into that slot.
+        self._previous_occupant = {
+            layer: (self.layer_ids[k - 2] if k >= 2 else None) for k, layer in enumerate(self.layer_ids)
+        }
+        #: Which layer's weights each slot holds (or is receiving) right now.
+        self.occupant: list[int | None] = [None, None]
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.slot_bytes
+
+    def slot_of(self, layer: int) -> int:
+        """0 (slot A) or 1 (slot B): fixed by the layer's position among the sharded layers."""
+        try:
+            return self._slot_of[layer]
+        except KeyError:
+            raise KeyError(f"layer {layer} is not a sharded layer (sharded: {self.layer_ids})") from None
+
+    def previous_occupant(self, layer: int) -> int | None:
+        """The sharded layer two positions earlier, which reads the slot ``layer`` will overwrite
+        (None for the first two sharded layers of a step)."""
+        return self._previous_occupant[layer]
+
+    def full_buffer(self, layer: int) -> torch.Tensor:
+        """The first ``|T_layer|`` bytes of the layer's slot: where its gather writes."""
+        return self.buffers[self.slot_of(layer)].narrow(0, 0, self.layouts[layer].total_bytes)
+
+    def views(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's weights as zero-copy views of its slot."""
+        return self.layouts[layer].views(self.full_buffer(layer))
+
+    def occupy(self, layer: int) -> None:
+        self.occupant[self.slot_of(layer)] = layer
+
+    def occupancy(self) -> dict[str, int | None]:
+        """``{"A": layer or None, "B": layer or None}``."""
+        return dict(zip(SLOT_NAMES, self.occupant, strict=True))
+
+    def __repr__(self) -> str:
+        return f"SlotPool(2 x {self.slot_bytes} B, occupancy={self.occupancy()})"

@@ -1,0 +1,90 @@
+"""The cost-model panel of notebook 00: sliders for N, dtype, bandwidth and tokens per step driving
+the memory and overlap figures. The panel is a thin wrapper over :func:`costmodel_view`, which
+tests call directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from IPython.display import display
+
+from wsharding.costmodel import GB, Deployment, ModelSpec, Plan, estimate, get_device, plan_table
+from wsharding.viz.costmodel import memory_figure, overlap_figure, token_grid
+
+#: The dtype menu: "as given" keeps the model's own dtypes.
+DTYPE_CHOICES = ("as given", "bf16", "fp8_e4m3", "fp32")
+
+
+def costmodel_view(
+    model: ModelSpec,
+    ranks: int,
+    dtype: str = "as given",
+    bandwidth_gbps: float | None = None,
+    tokens: int = 256,
+    device: str = "b200",
+) -> tuple[Plan, go.Figure, go.Figure]:
+    """The pure function behind the panel: the plan and its two figures for one set of inputs."""
+    m = model if dtype == "as given" else model.with_dtype(dtype)
+    dep = Deployment(ranks=ranks, device=get_device(device), tokens=tokens,
+                     link_bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * GB)
+    plan = estimate(m, dep)
+    return plan, memory_figure(plan), overlap_figure(plan)
+
+
+@dataclass
+class CostModelPanel:
+    """The widget, its controls by name, and the latest ``(plan, memory figure, overlap figure)``."""
+
+    widget: widgets.Widget
+    controls: dict[str, widgets.Widget]
+    view: Any = costmodel_view
+    state: tuple[Plan, go.Figure, go.Figure] | None = None
+    renders: int = field(default=0)
+
+    @property
+    def plan(self) -> Plan:
+        assert self.state is not None
+        return self.state[0]
+
+
+def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens: int | None = None,
+                          device: str | None = None) -> CostModelPanel:
+    """Sliders (N, dtype, bandwidth GB/s, tokens per step) -> plan text, memory and overlap figures.
+
+    Changing any control recomputes through :func:`costmodel_view`; ``panel.state`` holds the result.
+    """
+    dev = get_device(device or model.defaults.get("device", "b200"))
+    controls: dict[str, widgets.Widget] = {
+        "ranks": widgets.IntSlider(value=ranks or int(model.defaults.get("ranks", 8)), min=1, max=16,
+                                   description="N ranks"),
+        "dtype": widgets.Dropdown(options=DTYPE_CHOICES, value="as given", description="dtype"),
+        "bandwidth": widgets.FloatSlider(value=dev.link_bandwidth / GB, min=25, max=1800, step=25,
+                                         description="GB/s"),
+        "tokens": widgets.SelectionSlider(options=token_grid(16384),
+                                          value=tokens or int(model.defaults.get("tokens", 256)),
+                                          description="tokens/step"),
+    }
+    text = widgets.Output()
+    figs = widgets.Output()
+    panel = CostModelPanel(widget=widgets.VBox([widgets.HBox(list(controls.values())), text, figs]),
+                           controls=controls)
+
+    def refresh(_change: Any = None) -> None:
+        panel.state = costmodel_view(model, controls["ranks"].value, controls["dtype"].value,
+                                     controls["bandwidth"].value, controls["tokens"].value, dev.name)
+        panel.renders += 1
+        text.clear_output(wait=True)
+        figs.clear_output(wait=True)
+        with text:
+            print(plan_table(panel.state[0]))
+        with figs:
+            display(panel.state[1])
+            display(panel.state[2])
+
+    for c in controls.values():
+        c.observe(refresh, names="value")
+    refresh()
+    return panel
