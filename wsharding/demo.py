@@ -1,21 +1,37 @@
 """``wsharding demo``: the main job.
 
-First form (issue #2): build the flat layout of a mixed-dtype layer, gather it on N rank processes
-and check every byte. Later stages extend it to a whole model sharded against its replicated twin.
+The seed-shaped decoder is built twice on every rank -- replicated, and with its replicated weights
+sharded over the group -- and both run the same steps, with different token counts on every rank
+(an idle rank runs a one-token dummy step, so every rank issues the same gathers). It prints a
+table and can write a JSON report and figures:
+
+* outputs compared bit for bit (``max_abs_diff`` must be 0);
+* bytes per rank: replicated R, sharded resident (measured from the storages), the formula;
+* step time replicated vs sharded (lookahead) vs sharded without lookahead, measured side by side;
+* the exposed part of the gathers, from the planner's trace.
+
+Default: all GPUs with NCCL, else 4 CPU rank processes with gloo (emulated GPUs: every line says so).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster
-from wsharding.layout import FlatLayout
-from wsharding.ranks_tasks import gather_layout
+from wsharding.cluster import RankCluster, RankContext
+from wsharding.model_tasks import _config, tokens_for
+from wsharding.models import PRESETS, build_pair
+from wsharding.runtime import gpu_count, in_ci
+from wsharding.shard import aligned_forward
 
-#: A layer with weights of several dtypes whose sizes make chunks cross weight borders.
+#: A small layer with weights of several dtypes whose sizes make chunks cross weight borders
+#: (the first form of the demo gathered it; notebook 01 still offers it as a preset).
 DEMO_LAYER = [
     ("attn.qkv_proj", (96, 64), torch.bfloat16),
     ("attn.o_proj", (64, 64), torch.bfloat16),
@@ -26,30 +42,212 @@ DEMO_LAYER = [
 ]
 
 
+def default_counts(world: int, steps: int) -> list[list[int]]:
+    """Token counts per step and rank: uneven across ranks, one idle rank in the second step."""
+    counts = []
+    for s in range(steps):
+        row = [1 + ((r * 5 + s * 3) % 7) * 4 for r in range(world)]
+        if s == 1 and world > 1:
+            row[world - 1] = 0
+        counts.append(row)
+    return counts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(fn, steps: int, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for s in range(steps):
+        fn(s)
+    _sync(device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
+              group_size: int | None = None) -> dict[str, Any]:
+    """On one rank: build both models, check equality over ``counts`` steps, time the three
+    variants side by side, trace one lookahead step and one step without lookahead."""
+    cfg = _config(preset)
+    comm = ctx.shard_comm(group_size or ctx.world_size)
+    replicated, sharded = build_pair(cfg, comm, lookahead=True, trace=False)
+    ws = sharded.weight_sharding
+    planner = ws.planner
+    dev = comm.device
+
+    def tok(step: int) -> torch.Tensor:
+        return tokens_for(ctx.rank, step, counts, cfg.vocab, dev)
+
+    equal, max_diff, gathers = [], 0.0, []
+    with torch.no_grad():
+        for s in range(len(counts)):
+            x = tok(s)
+            out = aligned_forward(sharded, x, sharded.dummy_tokens)
+            gathers.append(planner.gathers_this_step)
+            if out is not None:
+                ref = replicated(x)
+                equal.append(bool(torch.equal(ref, out)))
+                max_diff = max(max_diff, float((ref.float() - out.float()).abs().max()))
+
+        def step_sharded(s: int) -> None:
+            aligned_forward(sharded, tok(s), sharded.dummy_tokens)
+
+        def step_replicated(s: int) -> None:
+            aligned_forward(replicated, tok(s), replicated.dummy_tokens)
+
+        # warm-up, then the three variants measured one after the other in the same run
+        step_replicated(0)
+        step_sharded(0)
+        comm.barrier()
+        t_rep = _time_steps(step_replicated, timed_steps, dev)
+        comm.barrier()
+        t_sh = _time_steps(step_sharded, timed_steps, dev)
+        planner.lookahead = False
+        comm.barrier()
+        t_nol = _time_steps(step_sharded, timed_steps, dev)
+
+        traces = {}
+        for lookahead in (True, False):
+            planner.lookahead = lookahead
+            planner.trace_enabled = True
+            comm.barrier()
+            step_sharded(0)
+            traces["lookahead" if lookahead else "no_lookahead"] = planner.finish_step()
+        planner.trace_enabled = False
+        planner.lookahead = True
+
+    tr = traces["lookahead"]
+    gather_us = tr.gather_us()
+    return {
+        "rank": ctx.rank,
+        "mode": comm.mode,
+        "emulation": ctx.emulation,
+        "equal": equal,
+        "max_abs_diff": max_diff,
+        "gathers": gathers,
+        "sharded_layers": ws.sharded_layer_ids,
+        "replicated_bytes": ws.replicated_bytes(),
+        "resident_bytes": ws.resident_bytes(),
+        "formula_bytes": ws.formula_bytes(),
+        "slot_bytes": ws.slots.slot_bytes,
+        "layout_bytes": {i: ws.layouts[i].total_bytes for i in ws.sharded_layer_ids},
+        "step_ms": {"replicated": t_rep, "sharded": t_sh, "sharded_no_lookahead": t_nol},
+        "exposed_gather_us": tr.exposed_gather_us(),
+        "gather_us": gather_us,
+        "exposed_gather_fraction": tr.exposed_gather_us() / gather_us if gather_us > 0 else 0.0,
+        "trace": {k: v.records() for k, v in traces.items()},
+        "tokens": [counts[s][ctx.rank % len(counts[0])] for s in range(len(counts))],
+    }
+
+
+def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[str, Any]:
+    """The demo's JSON report from every rank's result."""
+    r0 = reports[0]
+    cfg = _config(preset)
+    mean = lambda key: sum(r["step_ms"][key] for r in reports) / len(reports)  # noqa: E731
+    return {
+        "mode": r0["mode"],
+        "emulation": r0["emulation"],
+        "preset": preset if isinstance(preset, str) else "custom",
+        "world_size": world,
+        "layers": cfg.layers,
+        "sharded_layers": r0["sharded_layers"],
+        "replicated_bytes_per_rank": r0["replicated_bytes"],
+        "sharded_resident_bytes_per_rank": r0["resident_bytes"],
+        "formula_bytes_per_rank": r0["formula_bytes"],
+        "slot_bytes": r0["slot_bytes"],
+        "max_abs_diff": max(r["max_abs_diff"] for r in reports),
+        "outputs_equal": all(all(r["equal"]) for r in reports),
+        "gathers_per_step": r0["gathers"][0],
+        "gathers_per_step_all": [r["gathers"] for r in reports],
+        "step_ms": {k: mean(k) for k in ("replicated", "sharded", "sharded_no_lookahead")},
+        "step_ms_per_rank": [r["step_ms"] for r in reports],
+        "exposed_gather_fraction": sum(r["exposed_gather_fraction"] for r in reports) / len(reports),
+        "tokens_per_rank": [r["tokens"] for r in reports],
+        "trace": [rec for r in reports for rec in r["trace"]["lookahead"]],
+        "trace_no_lookahead": [rec for r in reports for rec in r["trace"]["no_lookahead"]],
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    mib = lambda b: f"{b / 2**20:10.3f} MiB"  # noqa: E731
+    ms = report["step_ms"]
+    lines = [
+        f"wsharding demo -- mode {report['mode']}, {report['world_size']} ranks, preset {report['preset']}",
+    ]
+    if report["emulation"]:
+        lines.append(f"  NOTE: {report['emulation']}; timings are not GPU timings")
+    lines += [
+        f"  layers {report['layers']}, sharded {report['sharded_layers'][0]}..{report['sharded_layers'][-1]}, "
+        f"gathers per step {report['gathers_per_step']}",
+        f"  replicated weights per rank (R)      {mib(report['replicated_bytes_per_rank'])}",
+        f"  sharded resident per rank (measured) {mib(report['sharded_resident_bytes_per_rank'])}",
+        f"  formula R/N + padding + 2 slots      {mib(report['formula_bytes_per_rank'])}",
+        f"  of which the two slots               {mib(2 * report['slot_bytes'])}",
+        f"  outputs equal bit for bit: {'yes' if report['outputs_equal'] else 'NO'}   "
+        f"max_abs_diff {report['max_abs_diff']}",
+        f"  step time replicated {ms['replicated']:.3f} ms | sharded {ms['sharded']:.3f} ms "
+        f"({ms['sharded'] / ms['replicated']:.2f}x) | no lookahead {ms['sharded_no_lookahead']:.3f} ms "
+        f"({ms['sharded_no_lookahead'] / ms['replicated']:.2f}x)",
+        f"  exposed gather fraction (lookahead): {report['exposed_gather_fraction']:.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def write_figures(report: dict[str, Any], out_dir: str | Path) -> list[str]:
+    """Timeline, slot occupancy and memory figures as HTML (and PNG when a Chromium is present)."""
+    from wsharding.viz.export import save_figure
+    from wsharding.viz.planner import memory_figure, slot_figure, timeline_figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    label = f"{report['mode']}, {report['world_size']} ranks" + (" (emulated)" if report["emulation"] else "")
+    written = []
+    for name, fig in (
+        ("demo_timeline", timeline_figure(report["trace"], title=f"Gathers and compute per rank -- {label}")),
+        ("demo_timeline_no_lookahead",
+         timeline_figure(report["trace_no_lookahead"], title=f"Without lookahead -- {label}")),
+        ("demo_slots", slot_figure(report["trace"], title=f"Slot A/B occupancy and gate waits -- {label}")),
+        ("demo_memory", memory_figure(report, title=f"Weight bytes per rank -- {label}")),
+    ):
+        written += save_figure(fig, out / name)
+    return written
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=None, help="number of ranks (default: all GPUs, or 4 CPU ranks)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--report", default=None, help="write a JSON report to this path")
-
-
-def default_ranks() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 4
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="model size (default: k3-like on GPUs, tiny on CPU)")
+    p.add_argument("--steps", type=int, default=4, help="checked steps with different token counts")
+    p.add_argument("--timed-steps", type=int, default=5, help="steps per timed variant")
+    p.add_argument("--report", default=None, help="write the JSON report to this path")
+    p.add_argument("--figures", default="figures", help="folder for the figures ('' for none)")
 
 
 def main(args: argparse.Namespace) -> int:
-    n = args.ranks or default_ranks()
-    layout = FlatLayout(DEMO_LAYER, n)
-    print(layout.table())
-    with RankCluster(n, backend=args.backend) as cluster:
-        reports = cluster.run(gather_layout, layout)
-    print(f"\nmode: {cluster.mode}" + (f" ({cluster.emulation})" if cluster.emulation else ""))
-    for r in reports:
-        print(f"  rank {r['rank']}: gathered {r['bytes']} B, mismatched bytes {r['mismatched_bytes']}, "
-              f"views equal {r['views_equal']}, {r['seconds'] * 1e3:.2f} ms")
-    ok = all(r["mismatched_bytes"] == 0 and r["views_equal"] for r in reports)
-    print("byte-exact: " + ("yes" if ok else "NO"))
+    gpus = gpu_count()
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if gpus else "gloo"
+    n = args.ranks or (gpus if backend == "nccl" else 4)
+    preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny")
+    counts = default_counts(n, args.steps)
+    ranks_per_gpu = -(-n // gpus) if backend == "nccl" and gpus else 1
+    with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
+        reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps)
+    report = summarize(reports, preset, n)
+    print(format_table(report))
     if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         with open(args.report, "w") as f:
-            json.dump({"mode": cluster.mode, "emulation": cluster.emulation, "world_size": n,
-                       "total_bytes": layout.total_bytes, "ranks": reports, "byte_exact": ok}, f, indent=2)
+            json.dump(report, f, indent=1)
+        print(f"  report: {args.report}")
+    if args.figures:
+        for path in write_figures(report, args.figures):
+            print(f"  figure: {os.path.relpath(path)}")
+    ok = report["outputs_equal"] and report["max_abs_diff"] == 0.0
     return 0 if ok else 1

@@ -137,7 +137,7 @@ class WeightSharding:
     def __init__(
         self,
         comm: Communicator,
-        layers: Sequence[nn.Module],
+        layers: Sequence[nn.Module] | None = None,
         targets: Mapping[int, Sequence[str]] | None = None,
         *,
         sharded_layers: Iterable[int] | None = None,
@@ -145,78 +145,105 @@ class WeightSharding:
         trace: bool = False,
     ) -> None:
         self.comm = comm
-        self.layers = list(layers)
         self.lookahead = lookahead
         self.trace = trace
+        self.sharded_range = None if sharded_layers is None else set(sharded_layers)
         self.stage = "declared"
-        ids = range(len(self.layers)) if sharded_layers is None else sorted(set(sharded_layers))
+        self.layers: dict[int, nn.Module] = {}
         self.targets: dict[int, list[ShardTarget]] = {}
+        self.layouts: dict[int, FlatLayout] = {}
         self.skipped: list[str] = []
-        for i in ids:
-            if not 0 <= i < len(self.layers):
-                raise ShardingError(f"sharded layer {i} is outside the model's {len(self.layers)} layers")
-            names = targets.get(i, []) if targets is not None else getattr(self.layers[i], "weight_shard_targets", [])
-            chosen = []
-            for n in names:
-                t = self._validate(i, n)
-                if t is not None:
-                    chosen.append(t)
-            if chosen:
-                self.targets[i] = chosen
-        if not self.targets:
-            raise ShardingError("no layer has a shardable target: nothing to shard")
-        # One layout per layer, attention and MoE targets together: one gather per layer.
-        self.layouts = {
-            i: FlatLayout([(t.entry, t.shape, t.dtype) for t in ts], comm.world_size) for i, ts in self.targets.items()
-        }
         self.loaders: dict[tuple[int, str], RowShardLoader] = {}
         self.chunks: dict[int, torch.Tensor] = {}
+        self._shrunk: set[int] = set()
         self.slots: SlotPool | None = None
         self.planner: WeightShardPlanner | None = None
+        if layers is not None:
+            layers = list(layers)
+            for i in self.sharded_range or range(len(layers)):
+                if not 0 <= i < len(layers):
+                    raise ShardingError(f"sharded layer {i} is outside the model's {len(layers)} layers")
+            for i, layer in enumerate(layers):
+                names = targets.get(i, []) if targets is not None else None
+                self.declare(i, layer, names)
+            if not self.targets:
+                raise ShardingError("no layer has a shardable target: nothing to shard")
+
+    def declare(self, layer_id: int, layer: nn.Module, names: Sequence[str] | None = None) -> list[ShardTarget]:
+        """Validate layer ``layer_id``'s targets (``names``, or the layer's own
+        ``weight_shard_targets``) and fix its flat layout -- while every weight still has its full
+        shape. Layers outside the sharded range are left alone."""
+        if self.stage != "declared":
+            raise ShardingError(f"declare() after {self.stage}: declare every layer before finalize")
+        if self.sharded_range is not None and layer_id not in self.sharded_range:
+            return []
+        names = getattr(layer, "weight_shard_targets", []) if names is None else names
+        chosen = []
+        for n in names:
+            t = self._validate(layer_id, layer, n)
+            if t is not None:
+                chosen.append(t)
+        if chosen:
+            self.layers[layer_id] = layer
+            self.targets[layer_id] = chosen
+            # Attention and MoE targets of a layer share one layout: one gather per layer.
+            self.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], self.comm.world_size)
+        return chosen
 
     # ---- 1. declare / validate --------------------------------------------------------------------
-    def _validate(self, layer: int, name: str) -> ShardTarget | None:
+    def _validate(self, layer_id: int, layer: nn.Module, name: str) -> ShardTarget | None:
         try:
-            module = self.layers[layer].get_submodule(name)
+            module = layer.get_submodule(name)
         except AttributeError:
-            raise ShardingError(f"layer {layer}: declared target {name!r} does not exist") from None
+            raise ShardingError(f"layer {layer_id}: declared target {name!r} does not exist") from None
         tp = _tp_size(module)
         if tp != 1:
             raise ShardingError(
-                f"layer {layer}: target {name!r} has tp_size {tp}; weight sharding only applies to weights "
+                f"layer {layer_id}: target {name!r} has tp_size {tp}; weight sharding only applies to weights "
                 "replicated byte for byte on every rank (tp_size 1: ReplicatedLinear, or merged/QKV linears "
                 "built with the 'replicated' group). Remove it from the targets or build it with tp 1."
             )
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ShardingError(f"layer {layer}: target {name!r} has no 2-D weight to shard")
+            raise ShardingError(f"layer {layer_id}: target {name!r} has no 2-D weight to shard")
         rows = weight.shape[0]
         if rows % self.comm.world_size:
-            msg = (f"layer {layer}: {name}.weight has {rows} rows, not divisible by the group size "
+            msg = (f"layer {layer_id}: {name}.weight has {rows} rows, not divisible by the group size "
                    f"{self.comm.world_size}: left replicated")
-            warnings.warn(msg, ShardingSkipWarning, stacklevel=3)
-            self.skipped.append(f"{layer}:{name}")
+            warnings.warn(msg, ShardingSkipWarning, stacklevel=4)
+            self.skipped.append(f"{layer_id}:{name}")
             return None
-        return ShardTarget(layer, name, module, tuple(weight.shape), weight.dtype, _row_blocks(module, rows))
+        return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, _row_blocks(module, rows))
 
     # ---- 2. setup: keep only this rank's rows -------------------------------------------------------
-    def setup(self) -> WeightSharding:
-        """Shrink every target to its 1/N rows and install the row-shard loaders.
+    def setup_layer(self, layer_id: int) -> None:
+        """Shrink layer ``layer_id``'s targets to this rank's 1/N rows and install row-shard loaders.
 
-        The rows kept are copied from the current weight, so a model built with full weights (or one
-        already loaded) is sharded as it is; a checkpoint loaded afterwards goes through the loaders.
+        A model calls it at the end of each layer's construction, so at most one layer's full
+        weights exist at a time. The rows kept are copied from the current weight (a model built
+        with real weights is sharded as it is); a checkpoint loaded later goes through the loaders.
         """
-        self._expect("declared", "setup")
+        if layer_id in self._shrunk or layer_id not in self.targets:
+            return
         rank, world = self.comm.rank, self.comm.world_size
-        for i, ts in self.targets.items():
-            for t in ts:
-                w0, w1 = row_window(t.rows, rank, world)
-                p = t.module.weight
+        for t in self.targets[layer_id]:
+            w0, w1 = row_window(t.rows, rank, world)
+            p = t.module.weight
+            if p.is_meta:
+                rows = torch.empty((w1 - w0, *t.shape[1:]), dtype=t.dtype, device=self.comm.device)
+            else:
                 rows = p.data[w0:w1].to(self.comm.device, copy=True)
-                p.data = rows  # the full storage is released when nothing else holds it
-                loader = RowShardLoader(t, rank, world)
-                p.weight_loader = loader
-                self.loaders[(i, t.name)] = loader
+            p.data = rows  # the full storage is released when nothing else holds it
+            loader = RowShardLoader(t, rank, world)
+            p.weight_loader = loader
+            self.loaders[(layer_id, t.name)] = loader
+        self._shrunk.add(layer_id)
+
+    def setup(self) -> WeightSharding:
+        """:meth:`setup_layer` for every declared layer."""
+        self._expect("declared", "setup")
+        for i in sorted(self.targets):
+            self.setup_layer(i)
         self.stage = "setup"
         return self
 
@@ -227,7 +254,11 @@ class WeightSharding:
         Collective: every rank calls it, and layers are handled in sorted order on every rank (the
         order in which a symmetric-memory backend registers its windows).
         """
+        if self.stage == "declared":
+            self.setup()
         self._expect("setup", "finalize")
+        if not self.targets:
+            raise ShardingError("no layer has a shardable target: nothing to shard")
         comm = self.comm
         rank = comm.rank
         for i in sorted(self.targets):
@@ -259,8 +290,8 @@ class WeightSharding:
             lookahead=self.lookahead,
             trace=self.trace,
         )
-        for i in self.targets:
-            self.layers[i]._weight_shard = (self.planner, i)
+        for i, layer in self.layers.items():
+            layer._weight_shard = (self.planner, i)
         self.stage = "finalized"
         return self
 

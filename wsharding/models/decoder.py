@@ -1,0 +1,257 @@
+"""A small decoder shaped like the first seed's deployment (Kimi K3 decode, DP attention + MoE).
+
+* Layer 0 is dense (attention + gated MLP) and, as in the seed's default range, is not sharded.
+* Layers 1.. have **DP attention**: every rank runs its own tokens through a full attention copy, so
+  q/k/v/o are replicated linears (``parallel_group="replicated"``, GQA with fewer KV heads).
+* and a **latent MoE** whose peripherals are replicated too: a router, latent down/up projections
+  around a few local routed experts (experts would be EP-sharded in a deployment; here every rank
+  holds the few it uses), and a shared expert built with tp 1.
+
+The weights weight sharding takes are exactly the seed's targets: ``attn.qkv_proj``, ``attn.o_proj``,
+``moe.latent_down``, ``moe.latent_up``, ``moe.shared_expert.gate_up_proj``,
+``moe.shared_expert.down_proj`` -- one flat layout, one gather per layer. The router and the routed
+experts stay replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wsharding.comm.base import Communicator
+from wsharding.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from wsharding.shard import WeightSharding, prepare_layer_weight_shard_forward, run_layers
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dense_inter: int
+    latent: int
+    experts: int
+    top_k: int
+    expert_inter: int
+    shared_inter: int
+    dtype: str = "bfloat16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def with_(self, **kw: Any) -> DecoderConfig:
+        return replace(self, **kw)
+
+    def sharded_bytes_per_layer(self) -> int:
+        """Bytes of one MoE layer's sharding targets (before layout padding)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        params = (q + 2 * kv) * h + h * q + self.latent * h + h * self.latent + 2 * self.shared_inter * h + h * self.shared_inter
+        return params * self.torch_dtype.itemsize
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, DecoderConfig] = {
+    # CI: dimensions divisible by 1, 2, 3 and 4 so every group size shards every target.
+    "tiny": DecoderConfig(vocab=192, hidden=96, layers=4, heads=4, kv_heads=2, head_dim=24, dense_inter=192,
+                          latent=48, experts=4, top_k=2, expert_inter=48, shared_inter=48),
+    "small": DecoderConfig(vocab=2048, hidden=768, layers=6, heads=12, kv_heads=4, head_dim=64, dense_inter=1536,
+                           latent=384, experts=4, top_k=2, expert_inter=384, shared_inter=768),
+    # For GPUs: sharded bytes per layer close to the seed's 367 MB of BF16 MoE peripherals per layer
+    # (7168 hidden as in K3-class models; 56 x 128 query heads, 8 KV heads; 370.7 MB per layer).
+    "k3-like": DecoderConfig(vocab=32768, hidden=7168, layers=12, heads=56, kv_heads=8, head_dim=128,
+                             dense_inter=14336, latent=2048, experts=8, top_k=2, expert_inter=1024,
+                             shared_inter=1792),
+}
+
+SHARD_TARGETS = [
+    "attn.qkv_proj", "attn.o_proj", "moe.latent_down", "moe.latent_up",
+    "moe.shared_expert.gate_up_proj", "moe.shared_expert.down_proj",
+]
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention over this rank's own tokens (DP attention: nothing is split)."""
+
+    def __init__(self, cfg: DecoderConfig, prefix: str) -> None:
+        super().__init__()
+        dt = cfg.torch_dtype
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, bias=False,
+                                          params_dtype=dt, parallel_group="replicated", prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, params_dtype=dt,
+                                        parallel_group="replicated", prefix=f"{prefix}.o_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.heads, self.head_dim).transpose(0, 1)
+        k = k.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(a.transpose(0, 1).reshape(t, q_size))
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate/up merged in one linear (tp 1)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, params_dtype=dtype,
+                                                       parallel_group="replicated", prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, hidden, bias=False, params_dtype=dtype,
+                                           parallel_group="replicated", prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Expert(nn.Module):
+    """A routed expert working in the latent space (replicated here; EP-sharded in a deployment)."""
+
+    def __init__(self, latent: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(latent, inter, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter, latent, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)))
+
+
+class LatentMoE(nn.Module):
+    """Router + latent down -> top-k routed experts -> latent up, plus a shared expert (tp 1)."""
+
+    def __init__(self, cfg: DecoderConfig, prefix: str) -> None:
+        super().__init__()
+        dt = cfg.torch_dtype
+        self.top_k = cfg.top_k
+        self.router = ReplicatedLinear(cfg.hidden, cfg.experts, bias=False, params_dtype=torch.float32,
+                                       prefix=f"{prefix}.router")
+        self.latent_down = ReplicatedLinear(cfg.hidden, cfg.latent, bias=False, params_dtype=dt,
+                                            prefix=f"{prefix}.latent_down")
+        self.experts = nn.ModuleList(Expert(cfg.latent, cfg.expert_inter, dt) for _ in range(cfg.experts))
+        self.latent_up = ReplicatedLinear(cfg.latent, cfg.hidden, bias=False, params_dtype=dt,
+                                          prefix=f"{prefix}.latent_up")
+        self.shared_expert = GatedMLP(cfg.hidden, cfg.shared_inter, dt, f"{prefix}.shared_expert")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x.float()), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        h = self.latent_down(x)
+        routed = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (chosen == e).nonzero(as_tuple=True)
+            if tok.numel():
+                routed.index_add_(0, tok, expert(h[tok]) * weights[tok, slot].unsqueeze(-1))
+        return self.latent_up(routed) + self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        dt = cfg.torch_dtype
+        p = f"layers.{layer_id}"
+        self.attn_norm = nn.RMSNorm(cfg.hidden, dtype=dt)
+        self.attn = Attention(cfg, f"{p}.attn")
+        self.mlp_norm = nn.RMSNorm(cfg.hidden, dtype=dt)
+        self.dense = layer_id == 0
+        if self.dense:
+            self.mlp = GatedMLP(cfg.hidden, cfg.dense_inter, dt, f"{p}.mlp")
+            self.weight_shard_targets = ["attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+        else:
+            self.moe = LatentMoE(cfg, f"{p}.moe")
+            self.weight_shard_targets = list(SHARD_TARGETS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prepare_layer_weight_shard_forward(self)  # waits (once) for this layer's gathered weights
+        x = x + self.attn(self.attn_norm(x))
+        ffn = self.mlp if self.dense else self.moe
+        return x + ffn(self.mlp_norm(x))
+
+
+class ToyDecoder(nn.Module):
+    """Embedding, layers (dense layer 0, DP-attention + latent-MoE layers), norm, LM head.
+
+    ``forward(tokens)`` takes one rank's token ids ``[T]`` and returns logits ``[T, vocab]``.
+    With ``weight_sharding`` (a :class:`~wsharding.shard.WeightSharding` not yet finalized) each
+    layer's targets are shrunk to this rank's rows right after the layer is built, as the seed's
+    layers do at the end of ``__init__``: at most one layer's full weights exist during construction.
+    """
+
+    def __init__(self, cfg: DecoderConfig, *, seed: int = 0, weight_sharding: WeightSharding | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        dt = cfg.torch_dtype
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dt, device=device)
+        _init_(self.embed, gen, device)
+        self.layers = nn.ModuleList()
+        for i in range(cfg.layers):
+            layer = DecoderLayer(cfg, i).to(device)
+            _init_(layer, gen, device)  # deterministic weights: the same on every rank for a seed
+            self.layers.append(layer)
+            if weight_sharding is not None:
+                weight_sharding.declare(i, layer)
+                weight_sharding.setup_layer(i)
+        self.norm = nn.RMSNorm(cfg.hidden, dtype=dt, device=device)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dt, device=device)
+        _init_(self.lm_head, gen, device)
+        self.weight_sharding = weight_sharding
+
+    @property
+    def planner(self):
+        ws = self.weight_sharding
+        return None if ws is None else ws.planner
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = run_layers(self.layers, h, self.planner)
+        return self.lm_head(self.norm(h))
+
+    def dummy_tokens(self) -> torch.Tensor:
+        """One token, for a rank with no work this step (see :func:`wsharding.shard.aligned_forward`)."""
+        return torch.zeros(1, dtype=torch.long, device=self.embed.weight.device)
+
+
+def _init_(module: nn.Module, gen: torch.Generator, device: torch.device | str) -> None:
+    """Fill every floating parameter from ``gen`` (scaled normal), on CPU then copied: the same bits
+    on every rank and every device."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dtype.is_floating_point:
+                if "norm" in name:
+                    p.fill_(1.0)
+                    continue
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_((torch.randn(p.shape, generator=gen) / fan_in**0.5).to(p.dtype).to(device))
+
+
+def build_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 0, lookahead: bool = True, trace: bool = False,
+               sharded_layers: range | None = None) -> tuple[ToyDecoder, ToyDecoder]:
+    """The replicated model and its sharded twin (same seed: the same weights) on this rank.
+
+    The seed's default range leaves the dense layer 0 out: layers 1..L-1 are sharded.
+    """
+    device = comm.device
+    replicated = ToyDecoder(cfg, seed=seed, device=device).eval()
+    ws = WeightSharding(comm, sharded_layers=sharded_layers or range(1, cfg.layers), lookahead=lookahead, trace=trace)
+    sharded = ToyDecoder(cfg, seed=seed, weight_sharding=ws, device=device).eval()
+    ws.finalize()
+    return replicated, sharded
