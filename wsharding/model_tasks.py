@@ -61,3 +61,57 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "layout_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
         "mode": comm.mode,
     }
+
+
+def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, replays: int = 3,
+                 group_size: int | None = None) -> dict[str, Any]:
+    """CUDA only: capture the sharded model's step -- gathers on the side stream, gate and ready
+    events, layer compute -- in one CUDA graph, replay it on new tokens, compare with eager and with
+    the replicated model."""
+    cfg = _config(preset)
+    comm = ctx.shard_comm(group_size or ctx.world_size)
+    if comm.device.type != "cuda":
+        raise RuntimeError("graph_replay needs CUDA ranks")
+    replicated, sharded = build_pair(cfg, comm, lookahead=True)
+    dev = comm.device
+    static = torch.zeros(tokens, dtype=torch.long, device=dev)
+    results = []
+    with torch.no_grad():
+        # warm up on a side stream (cuBLAS handles, workspace) before capturing
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                sharded(static)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = sharded(static)
+        for r in range(replays):
+            x = tokens_for(ctx.rank, r, [[tokens]], cfg.vocab, dev)
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize(dev)
+            eager = sharded(x)
+            ref = replicated(x)
+            results.append((bool(torch.equal(static_out, eager)), bool(torch.equal(static_out, ref))))
+    return {"rank": ctx.rank, "mode": comm.mode, "replays": results, "gathers_captured": sharded.planner.gathers_this_step}
+
+
+def memory_over_steps(ctx: RankContext, preset: str | DecoderConfig, steps: int, tokens: int = 8) -> dict[str, Any]:
+    """Allocated device memory (CUDA) after a warm-up and after ``steps`` more steps: must not grow."""
+    cfg = _config(preset)
+    comm = ctx.shard_comm(ctx.world_size)
+    _, sharded = build_pair(cfg, comm)
+    dev = comm.device
+    with torch.no_grad():
+        for s in range(3):
+            sharded(tokens_for(ctx.rank, s, [[tokens]], cfg.vocab, dev))
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        for s in range(steps):
+            sharded(tokens_for(ctx.rank, s, [[tokens]], cfg.vocab, dev))
+        torch.cuda.synchronize(dev)
+        after = torch.cuda.memory_allocated(dev)
+    return {"rank": ctx.rank, "before": before, "after": after, "gathers": sharded.planner.gathers_total}

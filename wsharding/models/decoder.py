@@ -151,13 +151,14 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x.float()), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # Dense gating (every expert sees every token, weighted 0 when not chosen): no data-dependent
+        # shapes, so the step can be captured in a CUDA graph. Fine for the few experts of this model.
+        gate = torch.zeros_like(probs).scatter_(1, chosen, weights).to(x.dtype)
         h = self.latent_down(x)
         routed = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
-            tok, slot = (chosen == e).nonzero(as_tuple=True)
-            if tok.numel():
-                routed.index_add_(0, tok, expert(h[tok]) * weights[tok, slot].unsqueeze(-1))
+            routed = routed + expert(h) * gate[:, e : e + 1]
         return self.latent_up(routed) + self.shared_expert(x)
 
 

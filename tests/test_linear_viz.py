@@ -1,0 +1,36 @@
+"""The plan behind the notebook's tables, figures and widget."""
+
+from __future__ import annotations
+
+from wsharding.linear.plan import layer_plan
+from wsharding.viz.linear import qkv_row_map, rank_coords_figure, shapes_table
+from wsharding.widgets.linear import build_linear_panel
+
+
+def test_layer_plan_matches_the_seed_dp_attention_table():
+    plan = layer_plan(8, 2, 32, 8)
+    r5 = {r["linear"]: r for r in plan["shapes"] if r["rank"] == 5}
+    assert r5["qkv_proj"]["weight"] == (1536, 4096) and r5["o_proj"]["weight"] == (4096, 1024)
+    assert r5["gate_up_proj"]["weight"] == (3584, 4096) and r5["down_proj"]["weight"] == (4096, 1792)
+    assert r5["o_proj"]["reduce"] == "4 ranks" and r5["down_proj"]["reduce"] == "8 ranks"
+    k = [r["checkpoint_rows"] for r in plan["qkv_rows"] if r["shard"] == "k"]
+    assert k == [(0, 256), (256, 512), (512, 768), (768, 1024)] * 2  # each DP replica holds all 8 KV heads
+
+
+def test_figures_have_one_bar_per_rank_and_shard():
+    plan = layer_plan(8, 1, 32, 4)
+    fig = qkv_row_map(plan)
+    assert [t.name for t in fig.data] == ["q", "k", "v"] and all(len(t.x) == 8 for t in fig.data)
+    assert list(fig.data[1].base[:2]) == [4096, 4096]  # ranks 0 and 1 read the same K head
+    assert len(rank_coords_figure(8, 2, 2).data[0].text[0]) == 8
+    assert len(shapes_table(plan).data[0].cells.values[0]) == 32
+
+
+def test_panel_driven_programmatically():
+    panel, compute = build_linear_panel()
+    assert panel.error is None and panel.plan["config"]["tp_size"] == 8
+    panel.controls["kv_heads"].value = 4
+    assert {r["replicas"] for r in panel.plan["qkv_rows"] if r["shard"] == "k"} == {2}
+    panel.controls["heads"].value = 12  # 12 heads on 8 ranks: refused with the rule named
+    assert panel.plan is None and "not divisible by 8" in panel.error
+    assert compute(4, 2, 32, 8)["config"]["attn_tp_size"] == 2

@@ -1,0 +1,41 @@
+"""The parallel contract of an inference Linear (the second seed), in four parts.
+
+* **split** -- :mod:`~wsharding.linear.groups`: which group a linear is split on (``tp``, ``attn_tp``,
+  ``shared_experts_tp``, ``replicated``, :class:`ReplicatedParallelGroup`), :class:`LogicalGroup` for
+  shapes before any communicator exists, DP-attention rank coordinates;
+* **load** -- ``weight_loader`` (v1, the linear slices) and ``weight_loader_v2`` (the
+  :mod:`~wsharding.linear.parameters` classes slice themselves), presharded checkpoints, padding;
+* **compute** -- :mod:`~wsharding.linear.quant`: the quant method creates the parameters and runs the GEMM;
+* **reduce** -- :class:`RowParallelLinear`: reduce_results, skip_all_reduce, the DP-attention group.
+
+:func:`~wsharding.linear.contract.check_contract` runs the seed's five alignment checks on a model.
+"""
+
+from wsharding.linear.base import LinearBase, ReplicatedLinear, rebind_tensor
+from wsharding.linear.column import ColumnParallelLinear, MergedColumnParallelLinear
+from wsharding.linear.groups import (
+    DistGroup,
+    GroupError,
+    LogicalGroup,
+    ParallelState,
+    ReplicatedGroup,
+    ReplicatedParallelGroup,
+    attn_coords,
+    derive_attn_tp_size,
+    get_parallel,
+    group_rank_size,
+    parallel_state,
+    resolve_linear_group,
+)
+from wsharding.linear.loading import CheckpointShapeError, pad_or_narrow
+from wsharding.linear.qkv import QKVParallelLinear
+from wsharding.linear.quant import LinearMethodBase, UnquantizedLinearMethod
+from wsharding.linear.row import RowParallelLinear, skip_mlp_all_reduce
+
+__all__ = [
+    "CheckpointShapeError", "ColumnParallelLinear", "DistGroup", "GroupError", "LinearBase", "LinearMethodBase",
+    "LogicalGroup", "MergedColumnParallelLinear", "ParallelState", "QKVParallelLinear", "ReplicatedGroup",
+    "ReplicatedLinear", "ReplicatedParallelGroup", "RowParallelLinear", "UnquantizedLinearMethod", "attn_coords",
+    "derive_attn_tp_size", "get_parallel", "group_rank_size", "pad_or_narrow", "parallel_state", "rebind_tensor",
+    "resolve_linear_group", "skip_mlp_all_reduce",
+]
