@@ -1,5 +1,8 @@
-"""The ``wsharding`` command. Each subcommand lives in its own module, which provides
-``add_arguments(parser)`` and ``main(args) -> int``; this file only wires them up."""
+"""The ``wsharding`` command: weight sharding for LLM inference, measured.
+
+Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
+``main(args) -> int``; this file only wires them up.
+"""
 
 from __future__ import annotations
 
