@@ -378,12 +378,19 @@ def run_layers(
 
 
 # ---- the generic path: any nn.Module whose blocks sit in a ModuleList ------------------------------
+def _is_linear(mod: nn.Module) -> bool:
+    from wsharding.linear import LinearBase
+
+    return isinstance(mod, (nn.Linear, LinearBase))
+
+
 def find_targets(block: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Names of the ``nn.Linear`` submodules of ``block`` that match any of ``patterns`` (fnmatch)."""
+    """Names of the linear submodules (``nn.Linear`` or wsharding linears) of ``block`` that match
+    any of ``patterns`` (fnmatch)."""
     return [
         name
         for name, mod in block.named_modules()
-        if name and isinstance(mod, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        if name and _is_linear(mod) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
     ]
 
 
