@@ -77,7 +77,7 @@ def step_bench_rank(ctx: RankContext, preset: str, tokens: list[int], *, steps: 
                 for _ in range(warmup):
                     model(x)
                 comm.barrier()
-                row[variant] = _timed(lambda m=model: m(x), steps, dev)
+                row[variant] = _timed(lambda m=model, x=x: m(x), steps, dev)
             planner.lookahead = True
             rows.append(row)
     return {"rank": ctx.rank, "mode": comm.mode, "emulation": ctx.emulation, "rows": rows,
