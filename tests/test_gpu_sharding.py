@@ -26,11 +26,15 @@ def gpu_cluster(request):
         yield c
 
 
+COMMS = ["torch", "nccl"]  # torch.distributed NCCL, and our binding (symmetric windows, copy engine)
+
+
+@pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_gpu_sharded_equals_replicated(gpu_cluster, preset, lookahead):
+def test_gpu_sharded_equals_replicated(gpu_cluster, preset, lookahead, comm):
     counts = [row[: gpu_cluster.world_size] for row in COUNTS]
-    for r in gpu_cluster.run(model_equality, preset, counts, lookahead=lookahead):
+    for r in gpu_cluster.run(model_equality, preset, counts, lookahead=lookahead, comm=comm):
         assert r["mode"].startswith("gpu-nccl")
         assert r["max_abs_diff"] == 0.0
         assert all(e in (True, None) for e in r["equal"]) and any(r["equal"])
@@ -38,11 +42,100 @@ def test_gpu_sharded_equals_replicated(gpu_cluster, preset, lookahead):
         assert r["gathers"] == [len(r["sharded_layers"])] * len(counts)
 
 
-def test_gpu_cuda_graph_replay_equals_eager(gpu_cluster):
-    for r in gpu_cluster.run(graph_replay, "small", 16):
+@pytest.mark.parametrize("comm", COMMS)
+def test_gpu_cuda_graph_replay_equals_eager(gpu_cluster, comm):
+    for r in gpu_cluster.run(graph_replay, "small", 16, comm=comm):
         assert r["replays"] == [(True, True)] * 3
 
 
-def test_gpu_no_memory_growth_over_100_steps(gpu_cluster):
-    for r in gpu_cluster.run(memory_over_steps, "small", 100):
+@pytest.mark.parametrize("comm", COMMS)
+def test_gpu_no_memory_growth_over_100_steps(gpu_cluster, comm):
+    for r in gpu_cluster.run(memory_over_steps, "small", 100, comm=comm):
         assert r["after"] == r["before"]
+
+
+# ---- the gate on CUDA streams ---------------------------------------------------------------------
+class HeavyBlock(torch.nn.Module):
+    """Many GEMMs reading the same slot-bound weight: keeps the compute stream on this layer."""
+
+    def __init__(self, d: int, seed: int, device: torch.device) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc = torch.nn.Linear(d, d, bias=False, dtype=torch.bfloat16, device=device)
+        with torch.no_grad():
+            self.fc.weight.copy_((torch.randn(d, d, generator=g) / d**0.5).to(torch.bfloat16))
+
+    def forward(self, x):
+        from wsharding.shard import prepare_layer_weight_shard_forward
+
+        prepare_layer_weight_shard_forward(self)
+        for _ in range(8):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+def cuda_gate_race(ctx, gate: bool):
+    from wsharding.model_tasks import shard_comm_for
+    from wsharding.shard import WeightSharding
+
+    comm = shard_comm_for(ctx, "torch")
+    dev = comm.device
+    blocks = [HeavyBlock(4096, 10 + i, dev) for i in range(6)]
+    x = torch.randn(8192, 4096, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        ref = x
+        for b in blocks:
+            ref = b(ref)
+        ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(6)}).setup().finalize()
+        planner = ws.planner
+        planner.gate = gate
+        planner.reset()
+        planner.pre_dispatch(0)
+        h = x
+        for i, b in enumerate(blocks):
+            planner.maybe_dispatch(i + 1)
+            planner.maybe_dispatch(i + 2)  # two ahead: targets the slot layer i is about to read
+            h = b(h)
+            planner.update_done_event(i, b)
+        torch.cuda.synchronize(dev)
+    return bool(torch.equal(h, ref))
+
+
+def test_gpu_gate_orders_side_stream_after_compute():
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
+    with RankCluster(1, backend="nccl") as c:
+        assert c.run(cuda_gate_race, True) == [True]
+        assert c.run(cuda_gate_race, False) == [False]  # without the gate event: a slot overwritten in use
+
+
+# ---- several ranks on one GPU with our NCCL binding (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1) -----
+def _multi_rank_ok() -> bool:
+    import os
+
+    if _gpus() < 1 or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        return False
+    from wsharding.comm.nccl.library import NcclLibraryError, default_library
+
+    try:
+        return bool(default_library().describe().get("multi_rank_per_gpu"))
+    except NcclLibraryError:
+        return False
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gpu_shared_ranks_with_our_nccl(ranks):
+    if not _multi_rank_ok():
+        pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1")
+    counts = [[3, 5, 1, 7], [6, 2, 4, 1], [0, 3, 2, 5]]
+    # gloo between the rank processes (CPU side); the gathers go through our NCCL communicator, all
+    # ranks time-slicing one GPU: the code path of N GPUs, not their bandwidth
+    with RankCluster(ranks, backend="gloo", task_timeout=600) as c:
+        for r in c.run(model_equality, "small", counts, lookahead=True, comm="nccl"):
+            assert r["mode"] == "gpu-nccl-shared"
+            assert r["max_abs_diff"] == 0.0 and all(e in (True, None) for e in r["equal"])
+            assert r["resident_bytes"] == r["formula_bytes"]
+        for r in c.run(graph_replay, "small", 16, comm="nccl"):
+            assert r["replays"] == [(True, True)] * 3
+        for r in c.run(memory_over_steps, "small", 100, comm="nccl"):
+            assert r["after"] == r["before"]

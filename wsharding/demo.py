@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, RankContext
-from wsharding.model_tasks import _config, tokens_for
+from wsharding.model_tasks import _config, ours_supported, shard_comm_for, tokens_for
 from wsharding.models import PRESETS, build_pair
 from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import aligned_forward
@@ -68,11 +68,11 @@ def _time_steps(fn, steps: int, device: torch.device) -> float:
 
 
 def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
-              group_size: int | None = None) -> dict[str, Any]:
+              group_size: int | None = None, comm: str = "torch") -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
     variants side by side, trace one lookahead step and one step without lookahead."""
     cfg = _config(preset)
-    comm = ctx.shard_comm(group_size or ctx.world_size)
+    comm = shard_comm_for(ctx, comm, group_size)
     replicated, sharded = build_pair(cfg, comm, lookahead=True, trace=False)
     ws = sharded.weight_sharding
     planner = ws.planner
@@ -124,7 +124,8 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
     return {
         "rank": ctx.rank,
         "mode": comm.mode,
-        "emulation": ctx.emulation,
+        "emulation": getattr(comm, "emulation", "") or ctx.emulation,
+        "communicator": type(comm).__name__,
         "equal": equal,
         "max_abs_diff": max_diff,
         "gathers": gathers,
@@ -157,6 +158,8 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "sharded_layers": r0["sharded_layers"],
         "replicated_bytes_per_rank": r0["replicated_bytes"],
         "sharded_resident_bytes_per_rank": r0["resident_bytes"],
+        "sharded_resident_bytes_all": [r["resident_bytes"] for r in reports],
+        "communicator": r0["communicator"],
         "formula_bytes_per_rank": r0["formula_bytes"],
         "slot_bytes": r0["slot_bytes"],
         "max_abs_diff": max(r["max_abs_diff"] for r in reports),
@@ -176,7 +179,8 @@ def format_table(report: dict[str, Any]) -> str:
     mib = lambda b: f"{b / 2**20:10.3f} MiB"  # noqa: E731
     ms = report["step_ms"]
     lines = [
-        f"wsharding demo -- mode {report['mode']}, {report['world_size']} ranks, preset {report['preset']}",
+        f"wsharding demo -- mode {report['mode']}, {report['world_size']} ranks, preset {report['preset']}, "
+        f"gathers by {report['communicator']}",
     ]
     if report["emulation"]:
         lines.append(f"  NOTE: {report['emulation']}; timings are not GPU timings")
@@ -224,6 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model size (default: k3-like on GPUs, tiny on CPU)")
     p.add_argument("--steps", type=int, default=4, help="checked steps with different token counts")
     p.add_argument("--timed-steps", type=int, default=5, help="steps per timed variant")
+    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
+                   help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
+                        "auto: ours when the GPUs and libnccl support it")
     p.add_argument("--report", default=None, help="write the JSON report to this path")
     p.add_argument("--figures", default="figures", help="folder for the figures ('' for none)")
 
@@ -238,7 +245,8 @@ def main(args: argparse.Namespace) -> int:
     counts = default_counts(n, args.steps)
     ranks_per_gpu = -(-n // gpus) if backend == "nccl" and gpus else 1
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
-        reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps)
+        comm = args.comm if args.comm != "auto" else ("nccl" if cluster.backend == "nccl" and ours_supported() else "torch")
+        reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)
     report = summarize(reports, preset, n)
     print(format_table(report))
     if args.report:

@@ -26,12 +26,50 @@ def _config(preset: str | DecoderConfig) -> DecoderConfig:
     return preset if isinstance(preset, DecoderConfig) else PRESETS[preset]
 
 
+def ours_supported() -> bool:
+    """True when this machine can run our NCCL communicator: CUDA, and a libnccl with symmetric
+    windows and the copy engine (>= 2.28.3)."""
+    if not torch.cuda.is_available():
+        return False
+    from wsharding.comm.nccl.library import NcclLibraryError, default_library
+
+    try:
+        return bool(default_library().describe().get("copy_engine_allgather"))
+    except NcclLibraryError:
+        return False
+
+
+def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None = None):
+    """The communicator the sharded layers gather with.
+
+    ``"torch"``: torch.distributed over this rank's shard group (gloo on CPU, NCCL on GPUs).
+    ``"nccl"``: our ctypes NCCL communicator over the whole world -- buffers from ``ncclMemAlloc``
+    registered as symmetric windows, CTA policy 2, so gathers take the copy-engine path. Created once
+    per rank and kept in ``ctx.store`` (creating a communicator is collective and slow).
+    ``"auto"``: ``"nccl"`` when :func:`ours_supported`, else ``"torch"``.
+    """
+    if comm == "auto":
+        comm = "nccl" if ours_supported() else "torch"
+    if comm == "torch":
+        return ctx.shard_comm(group_size or ctx.world_size)
+    if comm != "nccl":
+        raise ValueError(f"unknown communicator {comm!r}: use 'torch', 'nccl' or 'auto'")
+    if group_size not in (None, ctx.world_size):
+        raise ValueError(f"the nccl communicator spans the whole world ({ctx.world_size} ranks): group_size "
+                         f"{group_size} is not supported with it")
+    if "_wsharding_nccl_comm" not in ctx.store:
+        from wsharding.comm.nccl import from_context
+
+        ctx.store["_wsharding_nccl_comm"] = from_context(ctx)
+    return ctx.store["_wsharding_nccl_comm"]
+
+
 def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *, lookahead: bool = True,
-                   group_size: int | None = None, seed: int = 0) -> dict[str, Any]:
+                   group_size: int | None = None, seed: int = 0, comm: str = "torch") -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
     tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit."""
     cfg = _config(preset)
-    comm = ctx.shard_comm(group_size or ctx.world_size)
+    comm = shard_comm_for(ctx, comm, group_size)
     replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead)
     ws = sharded.weight_sharding
     equal, max_diff, gathers, waits = [], 0.0, [], []
@@ -64,12 +102,12 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
 
 
 def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, replays: int = 3,
-                 group_size: int | None = None) -> dict[str, Any]:
+                 group_size: int | None = None, comm: str = "torch") -> dict[str, Any]:
     """CUDA only: capture the sharded model's step -- gathers on the side stream, gate and ready
     events, layer compute -- in one CUDA graph, replay it on new tokens, compare with eager and with
     the replicated model."""
     cfg = _config(preset)
-    comm = ctx.shard_comm(group_size or ctx.world_size)
+    comm = shard_comm_for(ctx, comm, group_size)
     if comm.device.type != "cuda":
         raise RuntimeError("graph_replay needs CUDA ranks")
     replicated, sharded = build_pair(cfg, comm, lookahead=True)
@@ -86,7 +124,8 @@ def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, rep
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the NCCL binding polls the communicator's state from the host during capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             static_out = sharded(static)
         for r in range(replays):
             x = tokens_for(ctx.rank, r, [[tokens]], cfg.vocab, dev)
@@ -99,10 +138,11 @@ def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, rep
     return {"rank": ctx.rank, "mode": comm.mode, "replays": results, "gathers_captured": sharded.planner.gathers_this_step}
 
 
-def memory_over_steps(ctx: RankContext, preset: str | DecoderConfig, steps: int, tokens: int = 8) -> dict[str, Any]:
+def memory_over_steps(ctx: RankContext, preset: str | DecoderConfig, steps: int, tokens: int = 8,
+                      comm: str = "torch") -> dict[str, Any]:
     """Allocated device memory (CUDA) after a warm-up and after ``steps`` more steps: must not grow."""
     cfg = _config(preset)
-    comm = ctx.shard_comm(ctx.world_size)
+    comm = shard_comm_for(ctx, comm)
     _, sharded = build_pair(cfg, comm)
     dev = comm.device
     with torch.no_grad():

@@ -11,9 +11,9 @@ A sharded weight goes through four stages (first seed, "SGLang 中的实现"):
    loader replaces the parameter's weight loader so that a checkpoint is read row range by row range
    (merged linears: per sub-block, :meth:`row_sub_blocks`).
 3. **finalize** (:meth:`WeightSharding.finalize`): the row shards are redistributed into the flat
-   chunks -- per weight one temporary plain gather, of which each rank keeps the bytes inside its own
-   chunk window -- so the peak is one extra full weight; the row shards are then freed. The two slots
-   are allocated and every target's weight becomes a zero-copy view into its layer's slot.
+   chunks -- per weight one plain gather (the seed's temporary full weight; here it lands in slot B,
+   so nothing extra is allocated), of which each rank keeps the bytes inside its own chunk window;
+   the row shards are then freed and every target's weight becomes a zero-copy view of its slot.
 4. **forward**: the planner gathers each layer's chunk into its slot just in time.
 """
 
@@ -251,8 +251,14 @@ class WeightSharding:
     def finalize(self) -> WeightSharding:
         """Redistribute row shards into flat chunks, free them, allocate the slots, bind the views.
 
-        Collective: every rank calls it, and layers are handled in sorted order on every rank (the
-        order in which a symmetric-memory backend registers its windows).
+        Collective: every rank calls it. Buffers are allocated in layer order on every rank and, with
+        a symmetric-memory backend, registered as windows in one collective call sorted by tag.
+
+        The redistribution gathers one weight at a time *through slot B*, in place: this rank's rows
+        are copied to their place in the slot, one gather fills the rest, and the rank keeps the
+        bytes that fall inside its own chunk window. Slot B is at least as large as any layer, so no
+        temporary full weight is allocated, and the gather runs inside a registered window (which a
+        copy-engine backend requires). Each layer's row shards are freed as soon as it is done.
         """
         if self.stage == "declared":
             self.setup()
@@ -260,29 +266,32 @@ class WeightSharding:
         if not self.targets:
             raise ShardingError("no layer has a shardable target: nothing to shard")
         comm = self.comm
-        rank = comm.rank
+        rank, world = comm.rank, comm.world_size
         for i in sorted(self.targets):
-            layout = self.layouts[i]
-            chunk = comm.alloc(layout.chunk_bytes, tag=f"layer{i}.chunk")
+            self.chunks[i] = comm.alloc(self.layouts[i].chunk_bytes, tag=f"layer.{i}.chunk")
+        self.slots = SlotPool(comm, self.layouts)
+        register_all = getattr(comm, "register_all", None)
+        if register_all is not None:
+            register_all()  # collective, one order on every rank
+        staging = self.slots.buffers[1]
+        for i in sorted(self.targets):
+            layout, chunk = self.layouts[i], self.chunks[i]
             chunk.zero_()
             lo, hi = layout.chunk_range(rank)
             for t in self.targets[i]:
                 e = layout.entry(t.entry)
                 rows = t.module.weight.data.contiguous().view(-1).view(torch.uint8)
-                # A temporary plain gather of the whole weight; this rank keeps the bytes inside its
-                # own chunk window. Peak: one extra full weight at a time.
-                full = torch.empty(e.nbytes, dtype=torch.uint8, device=comm.device)
-                comm.all_gather_into(full, rows, what=f"finalize of layer {i} {t.entry}")
+                per_rank = e.nbytes // world
+                full = staging.narrow(0, 0, e.nbytes)
+                mine = full.narrow(0, rank * per_rank, per_rank)
+                mine.copy_(rows)
+                comm.all_gather_into(full, mine, what=f"finalize of layer {i} {t.entry}")
                 a, b = max(lo, e.offset), min(hi, e.end)
                 if a < b:
                     chunk[a - lo : b - lo].copy_(full[a - e.offset : b - e.offset])
-                del full
-            self.chunks[i] = chunk
-        self.slots = SlotPool(comm, self.layouts)
-        for i, ts in self.targets.items():
             views = self.slots.views(i)
-            for t in ts:
-                _rebind(t.module, "weight", views[t.entry])  # frees the row shard
+            for t in self.targets[i]:
+                _rebind(t.module, "weight", views[t.entry])  # frees this layer's row shards
         self.planner = WeightShardPlanner(
             comm,
             {i: ShardedLayer(i, self.layouts[i], self.chunks[i]) for i in self.targets},

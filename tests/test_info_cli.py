@@ -1,0 +1,28 @@
+"""``wsharding info [--json]`` on the CPU machine."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+from wsharding.cli import main
+
+
+def test_info_json_reports_the_wheel_library(capsys, monkeypatch):
+    monkeypatch.delenv("WSHARDING_NCCL_LIBRARY", raising=False)
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    v = importlib.metadata.version("nvidia-nccl-cu12")
+    assert info["nccl"]["version"] == v
+    assert info["nccl"]["source"] == f"nvidia-nccl-cu12 {v} wheel"
+    assert info["nccl"]["path"].endswith("nvidia/nccl/lib/libnccl.so.2")
+    assert info["supports"] == {"symmetric_windows": True, "copy_engine_allgather": False, "multi_rank_per_gpu": True}
+    assert info["gpus"] == [] and info["auto"]["cluster_backend"] == "gloo"
+    assert "emulated" in info["auto"]["gather_backend"]
+
+
+def test_info_text_and_bad_library(capsys, monkeypatch):
+    monkeypatch.setenv("WSHARDING_NCCL_LIBRARY", "/no/such/libnccl.so.2")
+    assert main(["info"]) == 1
+    out = capsys.readouterr().out
+    assert "NCCL library: not usable -- WSHARDING_NCCL_LIBRARY='/no/such/libnccl.so.2' does not name a file" in out

@@ -1,0 +1,85 @@
+"""The planner's rank tasks and panel on the session's 2-rank CPU cluster: one gather per sharded
+layer per step (counted by the planner and seen in the trace), slots by parity, exposed gathers
+without lookahead, the gate experiment, and the panel driven like a user would."""
+
+from __future__ import annotations
+
+import pytest
+
+from wsharding.planner_tasks import gate_experiment, run_traced_steps, slot_table, traced_run
+from wsharding.viz.planner import exposed_us, last_step, slot_overlaps
+from wsharding.widgets.planner import build_planner_panel, planner_view
+
+
+def test_run_traced_steps_records(cluster_of):
+    per_rank = cluster_of(2).run(run_traced_steps, "tiny", [6, 0], True, 2)  # rank 1 idle: dummy step
+    for rank, records in enumerate(per_rank):
+        assert [(r["rank"], r["step"], r["layer"], r["slot"]) for r in records] == [
+            (rank, s, layer, slot) for s in (0, 1) for layer, slot in ((1, "A"), (2, "B"), (3, "A"))]
+        for r in records:  # every mark of a released gather, in causal order
+            assert r["issue"] <= r["gather_start"] <= r["gather_end"]
+            assert r["wait_start"] <= r["wait_end"] <= r["compute_start"] <= r["compute_end"]
+
+
+def test_traced_run_counts_and_lookahead_off(cluster_of):
+    on, off = (cluster_of(2).run(traced_run, "tiny", 4, la, 2, layers=6, sharded_layers=[2, 3, 4])
+               for la in (True, False))
+    for r in on + off:
+        assert r["gathers"] == [3, 3] and r["waits"] == [3, 3] and r["sharded_layers"] == [2, 3, 4]
+        assert "emulated" in r["emulation"]
+    # Without lookahead every gather is issued at its layer's start, after the previous layer ended.
+    recs = last_step([x for r in off for x in r["records"]])
+    by = {(r["rank"], r["layer"]): r for r in recs}
+    for rank in (0, 1):
+        for layer in (3, 4):
+            assert by[(rank, layer)]["issue"] >= by[(rank, layer - 1)]["compute_end"]
+            assert by[(rank, layer)]["wait_start"] >= by[(rank, layer)]["gather_start"]
+    # With lookahead the gather of layer l+1 is issued before layer l computes.
+    recs = {(r["rank"], r["layer"]): r for r in last_step([x for r in on for x in r["records"]])}
+    for rank in (0, 1):
+        assert recs[(rank, 3)]["issue"] < recs[(rank, 2)]["compute_start"]
+
+
+def test_slot_table_from_a_real_model(cluster_of):
+    for table in cluster_of(2).run(slot_table, "tiny", layers=6):
+        assert [(t["layer"], t["slot"], t["gate"]) for t in table] == [
+            (1, "A", None), (2, "B", None), (3, "A", 1), (4, "B", 2), (5, "A", 3)]
+        assert {t["slot_bytes"] for t in table} == {max(t["layout_bytes"] for t in table)}
+
+
+def test_gate_experiment_exact_with_gate_corrupted_without(cluster_of):
+    gated = cluster_of(2).run(gate_experiment, True)
+    assert [(r["equal"], r["max_abs_diff"], r["gathers"], r["held_layers"]) for r in gated] == [
+        (True, 0.0, 6, [2, 3, 4, 5])] * 2
+    assert slot_overlaps([x for r in gated for x in r["records"]]) == []
+    raw = cluster_of(2).run(gate_experiment, False)
+    assert [(r["equal"], r["held_layers"]) for r in raw] == [(False, [])] * 2
+    assert (0, "A", 0, 2) in slot_overlaps([x for r in raw for x in r["records"]])
+
+
+def test_planner_view_and_errors(cluster_of):
+    view = planner_view(cluster_of(2), "tiny", layers=5, sharded=(1, 4), tokens=3, lookahead=False, steps=1)
+    assert [r["gathers"] for r in view.results] == [[4], [4]]
+    compute = next(t for t in view.timeline.data if t.name == "compute")
+    assert len(compute.y) == 2 * 4  # one compute bar per sharded layer and rank
+    assert set(view.exposed_ms) == {0, 1} and "emulated" in view.text()
+    assert exposed_us(view.records) == {k: v * 1e3 for k, v in view.exposed_ms.items()}
+    with pytest.raises(ValueError, match="sharded: layers"):
+        planner_view(cluster_of(2), "tiny", layers=4, sharded=(1, 4))
+    with pytest.raises(ValueError, match="unknown decoder preset 'huge'"):
+        planner_view(cluster_of(2), "huge")
+
+
+def test_panel_driven(cluster_of):
+    panel = build_planner_panel(cluster_of(2))
+    panel.layers.value = 3
+    assert panel.sharded.value == (1, 2) and panel.sharded.max == 2
+    panel.lookahead.value = False
+    panel.steps.value = 1
+    panel.run_button.click()
+    assert panel.error == "" and panel.runs == 1
+    assert [r["gathers"] for r in panel.view.results] == [[2], [2]]
+    assert not panel.view.results[0]["lookahead"]
+    panel.tokens.value = 0  # every rank idle: all run the dummy step, the gathers still line up
+    panel.run_button.click()
+    assert [r["gathers"] for r in panel.view.results] == [[2], [2]]

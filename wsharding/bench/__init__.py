@@ -1,0 +1,35 @@
+"""``wsharding bench``: measured benchmarks, one module per benchmark.
+
+Each benchmark module provides ``add_arguments(parser)`` and ``main(args) -> int``; adding one is a
+row in :data:`BENCHES` (e.g. ``"step": ("wsharding.bench.step", "...")``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+#: benchmark name -> (module, one-line help)
+BENCHES: dict[str, tuple[str, str]] = {
+    "allgather": (
+        "wsharding.bench.allgather",
+        "per-layer AllGather: copy engine (CTA policy 2) vs SM kernels (policy 0) vs torch.distributed",
+    ),
+    "step": (
+        "wsharding.bench.step",
+        "step time: replicated vs weight-sharded (lookahead on/off) vs FSDP2, across tokens per rank",
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (module, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_bench_main=mod.main)
+
+
+def main(args: argparse.Namespace) -> int:
+    return int(args._bench_main(args) or 0)

@@ -1,0 +1,30 @@
+"""Our NCCL backend: a ctypes binding of libnccl (``binding``), library discovery and version gate
+(``library``), symmetric buffers and windows (``symmetric``), the communicator (``communicator``)
+and the copy-engine checks (``probe``). Importing this package loads no library and needs no GPU."""
+
+from wsharding.comm.nccl.binding import FUNCTIONS, NcclBinding, NcclConfig, NcclError, NcclUniqueId, make_config
+from wsharding.comm.nccl.communicator import (
+    CTA_POLICY_ZERO,
+    CommTimeout,
+    NcclCommunicator,
+    NcclGatherHandle,
+    check_cta_policy_env,
+    from_context,
+)
+from wsharding.comm.nccl.library import (
+    ENV_VAR,
+    MIN_MULTI_RANK_GPU,
+    MIN_SYMMETRIC,
+    NcclLibrary,
+    NcclLibraryError,
+    default_library,
+    find_library,
+    load_library,
+)
+
+__all__ = [
+    "CTA_POLICY_ZERO", "ENV_VAR", "FUNCTIONS", "MIN_MULTI_RANK_GPU", "MIN_SYMMETRIC", "CommTimeout", "NcclBinding",
+    "NcclCommunicator", "NcclConfig", "NcclError", "NcclGatherHandle", "NcclLibrary", "NcclLibraryError",
+    "NcclUniqueId", "check_cta_policy_env", "default_library", "find_library", "from_context", "load_library",
+    "make_config",
+]

@@ -1,0 +1,447 @@
+"""``NcclCommunicator``: our own NCCL communicator over the ctypes binding.
+
+What it adds to :class:`~wsharding.comm.torch_backend.TorchDistComm`: buffers from ``ncclMemAlloc``
+registered as symmetric windows, CTA policy "zero" so that the AllGather runs on the copy engines
+(no SMs taken from the GEMMs it overlaps), and a non-blocking communicator polled with a timeout,
+so that a missing rank ends in an error and ``ncclCommAbort`` instead of a hang.
+
+Life cycle (every step collective over the group unless marked local)::
+
+    comm = NcclCommunicator(cpu_group, device=dev)   # unique id over gloo, ncclCommInitRankConfig
+    full = comm.alloc(S, tag="layer.3.slot")         # local ncclMemAlloc, a torch view, no copy
+    comm.register_all()                              # windows, sorted by tag, same on every rank
+    h = comm.all_gather_into(full, chunk, async_op=True)  # on comm.stream, never the default stream
+    h.wait()                                         # current stream waits on the gather's event
+    comm.close()                                     # deregister, free, finalize + destroy
+
+Errors and teardown: any failing call raises :class:`~wsharding.comm.nccl.binding.NcclError`
+(``ncclGetErrorString`` + ``ncclGetLastError``); an operation still in progress after
+``timeout_s`` raises :class:`CommTimeout` after aborting the communicator. ``close()`` after an
+abort only frees memory (the aborted communicator owns no windows any more).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import socket
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from wsharding.comm.base import CommError, check_gather_args
+from wsharding.comm.nccl.binding import (
+    CTA_POLICY_NAMES,
+    NCCL_IN_PROGRESS,
+    NCCL_SUCCESS,
+    NCCL_UINT8,
+    NcclBinding,
+    NcclError,
+    NcclUniqueId,
+    make_config,
+)
+from wsharding.comm.nccl.library import (
+    MIN_MULTI_RANK_GPU,
+    MIN_SYMMETRIC,
+    NcclLibrary,
+    NcclLibraryError,
+    default_library,
+    format_version,
+)
+from wsharding.comm.nccl.symmetric import SymmetricPool
+
+#: The seed refuses to run without it: policy 2 ("zero") is the copy-engine path.
+CTA_POLICY_ZERO = 2
+SHARED_GPU_WORDS = "several ranks time-slice one GPU (NCCL multi-rank-per-GPU): timings are not those of N GPUs"
+
+
+class CommTimeout(CommError):
+    """An NCCL operation did not complete within the timeout; the communicator was aborted."""
+
+
+def parse_cta_policy(value: str) -> int:
+    """``NCCL_CTA_POLICY`` as an int (numbers, or the names default/efficiency/zero)."""
+    names = {v: k for k, v in CTA_POLICY_NAMES.items()}
+    v = value.strip().lower()
+    if v in names:
+        return names[v]
+    try:
+        return int(v, 0)
+    except ValueError:
+        raise CommError(f"NCCL_CTA_POLICY={value!r} is not a CTA policy: use 0, 1, 2 or default/efficiency/zero") from None
+
+
+def check_cta_policy_env(requested: int, environ: dict[str, str] | None = None) -> None:
+    """The environment variable overrides the config field inside NCCL, silently. Refuse a
+    mismatch, so a run that asked for the copy engine never measures SM kernels unawares."""
+    env = os.environ if environ is None else environ
+    raw = env.get("NCCL_CTA_POLICY")
+    if raw is None or raw == "":
+        return
+    got = parse_cta_policy(raw)
+    if got != requested:
+        raise CommError(
+            f"NCCL_CTA_POLICY={raw} ({CTA_POLICY_NAMES.get(got, '?')}) is set in the environment and overrides the "
+            f"CTA policy {requested} ({CTA_POLICY_NAMES.get(requested, '?')}) this communicator asks for"
+            + (" -- the copy-engine AllGather needs policy 2 (zero)" if requested == CTA_POLICY_ZERO else "")
+            + f"; unset NCCL_CTA_POLICY or set it to {requested}"
+        )
+
+
+def mode_of(world_size: int, shared_gpu: bool) -> str:
+    """``gpu-nccl-single`` (world size 1), ``gpu-nccl-shared`` (ranks share a GPU) or ``gpu-nccl``."""
+    if world_size == 1:
+        return "gpu-nccl-single"
+    return "gpu-nccl-shared" if shared_gpu else "gpu-nccl"
+
+
+_LIVE: weakref.WeakSet[NcclCommunicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for c in list(_LIVE):
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+class NcclGatherHandle:
+    """A gather in flight on the communicator's stream (see :meth:`NcclCommunicator.all_gather_into`)."""
+
+    def __init__(self, comm: NcclCommunicator, event: torch.cuda.Event, what: str) -> None:
+        self.comm = comm
+        self.event = event
+        self.what = what
+
+    def wait(self) -> None:
+        """Order the caller's current stream after the gather (does not block the host)."""
+        torch.cuda.current_stream(self.comm.device).wait_event(self.event)
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Block the host until the gather finished; abort and raise :class:`CommTimeout` after
+        ``timeout_s`` (default: the communicator's), e.g. when a rank never joined."""
+        self.comm.poll_until(self.event.query, self.what, timeout_s)
+
+
+class NcclCommunicator:
+    """A :class:`~wsharding.comm.base.Communicator` on libnccl with symmetric windows.
+
+    Args:
+        cpu_group: a gloo process group over the same ranks, used to share the unique id and
+            check window registration (``None``: the default group, or world size 1 when
+            torch.distributed is not initialised).
+        device: this rank's CUDA device (default: the current one).
+        cta_policy: 2 (zero: copy engine, the default) or 0 (SM kernels, for comparison).
+        timeout_s: how long any operation may stay in progress before the communicator is aborted.
+        library: a loaded :class:`NcclLibrary` (default: discovery order of ``library.py``).
+    """
+
+    def __init__(
+        self,
+        cpu_group: Any = None,
+        *,
+        device: torch.device | str | int | None = None,
+        cta_policy: int = CTA_POLICY_ZERO,
+        timeout_s: float = 60.0,
+        library: NcclLibrary | None = None,
+        name: str = "wsharding",
+    ) -> None:
+        self.handle: int | None = None
+        self.aborted = False
+        self.closed = False
+        self.pool = SymmetricPool(self)
+        self.timeout_s = float(timeout_s)
+        if cta_policy not in CTA_POLICY_NAMES:
+            raise CommError(f"cta_policy must be one of {sorted(CTA_POLICY_NAMES)}, got {cta_policy!r}")
+        self.cta_policy = cta_policy
+        # Checks that need no GPU come first, so CPU machines get the real reason.
+        self.library = library or default_library()
+        self.library.require(MIN_SYMMETRIC, "symmetric windows and the copy-engine AllGather")
+        self.nccl = NcclBinding(self.library)
+        if self.nccl.missing:
+            raise NcclLibraryError(f"{self.library.path} lacks {self.nccl.missing}: not a complete libnccl")
+        check_cta_policy_env(cta_policy)
+        if not torch.cuda.is_available():
+            raise CommError(
+                "NcclCommunicator needs CUDA and this machine has no GPU: use TorchDistComm (gloo) on CPU; "
+                "the copy-engine path runs only on GPUs"
+            )
+        import torch.distributed as dist
+
+        self.cpu_group = cpu_group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(cpu_group)
+            self.world_size = dist.get_world_size(cpu_group)
+        else:
+            if cpu_group is not None:
+                raise CommError("a cpu_group was given but torch.distributed is not initialised")
+            self.rank, self.world_size = 0, 1
+        if device is None:
+            device = torch.cuda.current_device()
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.device.type != "cuda":
+            raise CommError(f"NcclCommunicator needs a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+
+        # Which ranks share a GPU: several on one needs NCCL >= 2.30 and the opt-in variable.
+        props = torch.cuda.get_device_properties(self.device)
+        me = (socket.gethostname(), str(getattr(props, "uuid", self.device.index)))
+        where = self.exchange(me)
+        self.ranks_per_gpu = max(where.count(w) for w in where)
+        self.shared_gpu = self.ranks_per_gpu > 1
+        if self.shared_gpu:
+            self.library.require(MIN_MULTI_RANK_GPU, f"{self.ranks_per_gpu} ranks on one GPU")
+            if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+                raise CommError(
+                    f"{self.ranks_per_gpu} ranks share one GPU: set NCCL_MULTI_RANK_GPU_ENABLE=1 in every rank's "
+                    "environment (NCCL refuses duplicate GPUs otherwise)"
+                )
+        self.single_node = len({w[0] for w in where}) == 1
+        self.mode = mode_of(self.world_size, self.shared_gpu)
+        self.emulation = SHARED_GPU_WORDS if self.shared_gpu else ""
+        # NCCL 2.28 copy-engine collectives fail on the legacy default stream: always our own.
+        self.stream = torch.cuda.Stream(self.device)
+        self.gathers_issued = 0
+        self._last_event: torch.cuda.Event | None = None
+
+        uid = self.nccl.get_unique_id() if self.rank == 0 else None
+        raw = self.exchange(uid.to_bytes() if uid is not None else None)[0]
+        self._config = make_config(blocking=False, cta_policy=cta_policy, comm_name=name.encode())
+        comm = ctypes.c_void_p()
+        _LIVE.add(self)
+        try:
+            rc = self.nccl.ncclCommInitRankConfig(
+                ctypes.byref(comm), self.world_size, NcclUniqueId.from_bytes(raw), self.rank, ctypes.byref(self._config)
+            )
+            self.handle = comm.value
+            self.complete(rc, f"ncclCommInitRankConfig(rank {self.rank} of {self.world_size})")
+        except BaseException:
+            self._teardown(error=True)
+            raise
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order, over the CPU group (gloo)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def async_state(self) -> int:
+        """``ncclCommGetAsyncError``: 0 done, 7 in progress, anything else an error."""
+        state = ctypes.c_int(0)
+        self.nccl.check(self.nccl.ncclCommGetAsyncError(self.handle, ctypes.byref(state)), "ncclCommGetAsyncError",
+                        self.handle)
+        return state.value
+
+    def poll_until(self, done, what: str, timeout_s: float | None = None) -> None:
+        """Poll ``done()`` and the communicator's async error until ``done()`` is true; abort and
+        raise on an async error or after the timeout. This is how a missing rank becomes an error."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        pause = 1e-5
+        while True:
+            state = self.async_state() if self.handle else NCCL_SUCCESS
+            if state not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                err = NcclError(what, state, self.nccl.error_string(state), self.nccl.last_error(self.handle))
+                self.abort()
+                raise err
+            if done():
+                return
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CommTimeout(
+                    f"{what} on rank {self.rank} of {self.world_size} ({self.mode}) did not complete within {limit:.1f} s: "
+                    "a rank is missing or stuck in a different collective; the NCCL communicator was aborted"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def complete(self, rc: int, what: str) -> None:
+        """Check a call's result; for in-progress (non-blocking comm) poll until done or timeout."""
+        if rc in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            # A non-blocking communicator may still be busy even after ncclSuccess: NCCL refuses the
+            # next call ("Attempt to use communicator before the previous operation returned
+            # ncclSuccess") until the async state is success, so always poll it.
+            self.poll_until(lambda: self.async_state() == NCCL_SUCCESS, what)
+            return
+        else:
+            err = NcclError(what, rc, self.nccl.error_string(rc), self.nccl.last_error(self.handle))
+            self.abort()
+            raise err
+
+    def _check_open(self) -> None:
+        if self.closed or self.aborted:
+            raise CommError(f"NCCL communicator of rank {self.rank} is {'aborted' if self.aborted else 'closed'}")
+
+    # ---- the Communicator protocol ----------------------------------------------------------
+    def alloc(self, nbytes: int, *, tag: str = "", register: bool = False) -> torch.Tensor:
+        """A uint8 tensor over fresh ncclMemAlloc memory (a view, no copy; offset 0 of its own
+        allocation, so 4096-aligned). Local; call :meth:`register_all` (collective) before gathering
+        into it, or pass ``register=True`` when every rank allocates in the same order."""
+        self._check_open()
+        t = self.pool.alloc(nbytes, tag or f"buffer.{len(self.pool.buffers)}")
+        if register:
+            self.register_all()
+        return t
+
+    def register_all(self) -> int:
+        """Collective: register every buffer allocated since the last call, sorted by tag."""
+        self._check_open()
+        return self.pool.register_all()
+
+    def all_gather_into(
+        self,
+        full: torch.Tensor,
+        chunk: torch.Tensor,
+        *,
+        async_op: bool = False,
+        stream: torch.cuda.Stream | None = None,
+        what: str = "ncclAllGather",
+    ) -> NcclGatherHandle:
+        """Gather every rank's ``chunk`` into ``full`` on ``stream`` (default :attr:`stream`).
+
+        The gather stream first waits for the caller's current stream (so ``chunk`` is ready);
+        ``wait()`` on the handle makes the caller's current stream wait for the gather. Both
+        buffers must lie in registered windows (that is what the copy engine needs).
+        ``async_op=False`` calls ``wait()`` before returning; neither blocks the host.
+        """
+        self._check_open()
+        check_gather_args(self, full, chunk)
+        for name, t in (("full", full), ("chunk", chunk)):
+            buf = self.pool.window_of(t)
+            if buf is None or buf.window is None:
+                raise CommError(
+                    f"{what}: {name} ({t.numel()} bytes at {t.data_ptr():#x}) is not inside a registered symmetric "
+                    "window: allocate it with comm.alloc(...) and call comm.register_all() on every rank first"
+                )
+        s = stream if stream is not None else self.stream
+        if s.cuda_stream == 0:
+            raise CommError(f"{what}: refusing the legacy default stream (NCCL 2.28 copy-engine collectives fail on "
+                            "it); pass a created torch.cuda.Stream")
+        current = torch.cuda.current_stream(self.device)
+        if current.cuda_stream != s.cuda_stream:
+            s.wait_stream(current)
+        rc = self.nccl.ncclAllGather(chunk.data_ptr(), full.data_ptr(), chunk.numel(), NCCL_UINT8, self.handle,
+                                     s.cuda_stream)
+        self.complete(rc, what)
+        event = torch.cuda.Event()
+        event.record(s)
+        self._last_event = event
+        self.gathers_issued += 1
+        handle = NcclGatherHandle(self, event, what)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Block until everything issued on :attr:`stream` finished (abort after the timeout)."""
+        self._check_open()
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self.poll_until(ev.query, f"work on the gather stream of rank {self.rank}", timeout_s)
+
+    def barrier(self) -> None:
+        """Our stream drained (with the timeout), then a barrier over the CPU group."""
+        self.synchronize()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.cpu_group)
+
+    # ---- teardown -----------------------------------------------------------------------------
+    def abort(self) -> None:
+        """``ncclCommAbort``: ends pending operations at once; windows go with the communicator."""
+        if self.handle and not self.aborted:
+            self.aborted = True
+            self.nccl.ncclCommAbort(self.handle)
+            for b in self.pool.buffers:
+                b.window = None
+
+    def _teardown(self, error: bool) -> None:
+        """Deregister windows (collective), free memory, finalize + destroy; on an error, or when a
+        collective step times out, abort first and only free memory."""
+        try:
+            if self.handle and not self.aborted and not error:
+                try:
+                    self.synchronize()
+                    self.pool.deregister_all()
+                except CommError:
+                    pass  # poll_until / complete aborted the communicator already
+            if error:
+                self.abort()
+            if not self.aborted:
+                torch.cuda.synchronize(self.device)  # no copy may still touch the memory we free
+            self.pool.free_all()
+            if self.handle and not self.aborted:
+                self.complete(self.nccl.ncclCommFinalize(self.handle), "ncclCommFinalize")
+                if not self.aborted:
+                    self.nccl.check(self.nccl.ncclCommDestroy(self.handle), "ncclCommDestroy")
+        finally:
+            self.handle = None
+            self.closed = True
+            _LIVE.discard(self)
+
+    def close(self) -> None:
+        """Deregister windows, free the memory, finalize and destroy (or abort) the communicator."""
+        if not self.closed:
+            self._teardown(error=self.aborted)
+
+    def __enter__(self) -> NcclCommunicator:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        # On an error the peers may not reach the collective deregistration: abort instead.
+        if exc_type is not None and not self.closed:
+            self._teardown(error=True)
+        else:
+            self.close()
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
+            "emulation": self.emulation, "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
+            "cta_policy_name": CTA_POLICY_NAMES[self.cta_policy], "nccl": self.library.describe(),
+            "windows": sum(1 for b in self.pool.buffers if b.window is not None),
+            "registered_bytes": self.pool.registered_bytes,
+        }
+
+    def __repr__(self) -> str:
+        return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, mode={self.mode!r}, "
+                f"cta_policy={self.cta_policy}, nccl={format_version(self.library.version)})")
+
+
+def gloo_group_for(ctx: Any) -> Any:
+    """The CPU group of a rank context: the world group when it is gloo, else a new gloo group
+    (collective: every rank calls it, once; cached in ``ctx.store``)."""
+    if ctx.backend == "gloo" or ctx.world_size == 1:
+        return None
+    if "_wsharding_gloo" not in ctx.store:
+        import torch.distributed as dist
+
+        ctx.store["_wsharding_gloo"] = dist.new_group(backend="gloo")
+    return ctx.store["_wsharding_gloo"]
+
+
+def from_context(ctx: Any, *, device: torch.device | str | None = None, **kwargs: Any) -> NcclCommunicator:
+    """An :class:`NcclCommunicator` over all ranks of a :class:`~wsharding.cluster.RankContext`.
+
+    On gloo clusters (several ranks on one GPU) each rank takes ``cuda:(rank % gpus)``.
+    """
+    if device is None:
+        device = ctx.device if ctx.device.type == "cuda" else torch.device("cuda", ctx.rank % max(1, torch.cuda.device_count()))
+    return NcclCommunicator(gloo_group_for(ctx), device=device, **kwargs)

@@ -1,0 +1,189 @@
+"""Symmetric buffers: ncclMemAlloc memory, seen by torch without copies, registered as windows.
+
+Why these rules (REFERENCES.md): NCCL's copy-engine AllGather only runs when send and receive
+buffers lie inside windows registered with ``NCCL_WIN_COLL_SYMMETRIC``; such windows need memory
+from ``ncclMemAlloc`` (cudaMalloc memory is refused) at a 4096-byte aligned offset, and registering
+is a collective that every rank must call in the same order.
+
+How this module meets them:
+
+* :meth:`SymmetricPool.alloc` makes one ``ncclMemAlloc`` per buffer (offset 0 inside its
+  allocation, so always aligned) and returns a uint8 torch tensor over that memory through
+  ``__cuda_array_interface__`` -- no copy, same ``data_ptr``;
+* allocation is local and may happen in any order (loaders, slots, lazily built layers);
+  :meth:`SymmetricPool.register_all` then registers every new buffer in one fixed order, sorted
+  by tag with numbers compared as numbers ("layer.2" < "layer.10", like the seed's sort by
+  layer id), after checking over the CPU group that every rank has the same list of tags and
+  sizes. Deferring registration to one call is what makes the order independent of how the
+  buffers were created, and turns a mismatch (which would hang or corrupt) into an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from wsharding.comm.base import CommError
+from wsharding.comm.nccl.binding import NCCL_WIN_COLL_SYMMETRIC
+
+if TYPE_CHECKING:  # pragma: no cover
+    from wsharding.comm.nccl.communicator import NcclCommunicator
+
+#: Offsets and sizes inside windows are multiples of this (NCCL's symmetric-window rule).
+WINDOW_ALIGN = 4096
+
+
+def round_up(n: int, to: int = WINDOW_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def tag_sort_key(tag: str) -> tuple:
+    """Natural order: digit runs compare as integers, so layer 2 registers before layer 10."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", tag) if p)
+
+
+class DeviceMemory:
+    """A 1-D uint8 view of raw device memory that ``torch.as_tensor`` wraps without copying.
+
+    torch keeps a reference to this object for as long as the tensor lives; the memory itself is
+    owned by the :class:`SymmetricPool` that made it.
+    """
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        # stream None: the memory is fresh, torch need not synchronise with any stream.
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+                "strides": None, "stream": None}
+
+
+def wrap_device_memory(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` at ``ptr`` on ``device``; raises if torch copied."""
+    t = torch.as_tensor(DeviceMemory(ptr, nbytes), device=device)
+    if t.data_ptr() != ptr or t.numel() != nbytes or t.dtype != torch.uint8:
+        raise CommError(f"torch copied the ncclMemAlloc buffer (ptr {ptr:#x} -> {t.data_ptr():#x}); expected a view")
+    return t
+
+
+@dataclass
+class SymmetricBuffer:
+    """One ncclMemAlloc allocation and, once registered, its window."""
+
+    tag: str
+    seq: int
+    nbytes: int
+    alloc_bytes: int
+    ptr: int
+    tensor: torch.Tensor
+    window: int | None = None
+    freed: bool = False
+
+    def contains(self, t: torch.Tensor) -> bool:
+        start = t.data_ptr()
+        return self.ptr <= start and start + t.numel() * t.element_size() <= self.ptr + self.alloc_bytes
+
+
+def check_same_registration(per_rank: list[list[tuple[str, int]]]) -> None:
+    """Every rank must register the same (tag, bytes) list in the same order, or NCCL hangs or
+    pairs the wrong buffers. Raises naming the first rank and position that differ."""
+    first = per_rank[0]
+    for rank, mine in enumerate(per_rank[1:], start=1):
+        if mine == first:
+            continue
+        for i in range(max(len(first), len(mine))):
+            a = first[i] if i < len(first) else None
+            b = mine[i] if i < len(mine) else None
+            if a != b:
+                raise CommError(
+                    f"window registration differs between ranks at position {i}: rank 0 has {a}, rank {rank} "
+                    f"has {b} (tag, bytes). Every rank must alloc() the same tags with the same sizes "
+                    "before register_all()"
+                )
+
+
+@dataclass
+class SymmetricPool:
+    """The buffers of one :class:`~wsharding.comm.nccl.communicator.NcclCommunicator`."""
+
+    comm: NcclCommunicator
+    buffers: list[SymmetricBuffer] = field(default_factory=list)
+    #: Tags in the order their windows were registered (the same on every rank).
+    registered_order: list[str] = field(default_factory=list)
+
+    def alloc(self, nbytes: int, tag: str) -> torch.Tensor:
+        """Allocate ``nbytes`` of ncclMemAlloc memory (local, not collective); returns the tensor."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise CommError(f"alloc({nbytes!r}, tag={tag!r}): nbytes must be a positive integer")
+        if any(b.tag == tag and not b.freed for b in self.buffers):
+            raise CommError(f"alloc: tag {tag!r} is already used; tags name windows and must be unique")
+        c = self.comm
+        size = round_up(nbytes)
+        ptr = ctypes.c_void_p()
+        with torch.cuda.device(c.device):
+            c.nccl.check(c.nccl.ncclMemAlloc(ctypes.byref(ptr), size), f"ncclMemAlloc({size}) for {tag!r}")
+        if ptr.value % WINDOW_ALIGN:
+            raise CommError(f"ncclMemAlloc returned {ptr.value:#x}, not {WINDOW_ALIGN}-aligned")
+        tensor = wrap_device_memory(ptr.value, size, c.device)[:nbytes]
+        self.buffers.append(SymmetricBuffer(tag, len(self.buffers), nbytes, size, ptr.value, tensor))
+        return tensor
+
+    def pending(self) -> list[SymmetricBuffer]:
+        """Buffers not registered yet, in registration order."""
+        todo = [b for b in self.buffers if b.window is None and not b.freed]
+        return sorted(todo, key=lambda b: (tag_sort_key(b.tag), b.seq))
+
+    def register_all(self) -> int:
+        """Collective: register every pending buffer as a symmetric window, sorted by tag.
+        Returns the number of windows registered."""
+        c = self.comm
+        todo = self.pending()
+        lists = c.exchange([(b.tag, b.alloc_bytes) for b in todo])
+        check_same_registration(lists)
+        for b in todo:
+            win = ctypes.c_void_p()
+            rc = c.nccl.ncclCommWindowRegister(c.handle, b.ptr, b.alloc_bytes, ctypes.byref(win), NCCL_WIN_COLL_SYMMETRIC)
+            c.complete(rc, f"ncclCommWindowRegister({b.tag!r}, {b.alloc_bytes} bytes)")
+            b.window = win.value
+            self.registered_order.append(b.tag)
+        return len(todo)
+
+    def window_of(self, t: torch.Tensor) -> SymmetricBuffer | None:
+        for b in self.buffers:
+            if not b.freed and b.contains(t):
+                return b
+        return None
+
+    def deregister_all(self) -> None:
+        """Collective: deregister in the reverse of the registration order."""
+        c = self.comm
+        registered = [b for b in self.buffers if b.window is not None and not b.freed]
+        for b in sorted(registered, key=lambda b: (tag_sort_key(b.tag), b.seq), reverse=True):
+            rc = c.nccl.ncclCommWindowDeregister(c.handle, b.window)
+            b.window = None
+            c.complete(rc, f"ncclCommWindowDeregister({b.tag!r})")
+
+    def free_all(self) -> None:
+        """Free every allocation (after deregistration, or after the communicator was aborted)."""
+        c = self.comm
+        errors = []
+        for b in self.buffers:
+            if b.freed:
+                continue
+            b.freed = True
+            b.window = None
+            rc = c.nccl.ncclMemFree(b.ptr)
+            if rc != 0:
+                errors.append(f"{b.tag}: {c.nccl.error_string(rc)}")
+        if errors:
+            raise CommError("ncclMemFree failed for " + "; ".join(errors))
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(b.alloc_bytes for b in self.buffers if b.window is not None and not b.freed)

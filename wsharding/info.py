@@ -1,0 +1,111 @@
+"""``wsharding info [--json]``: what this machine offers weight sharding.
+
+torch and CUDA versions, the GPUs, the NCCL library our backend would load (path, where it was
+found, version) and what that version supports (symmetric windows, the copy-engine AllGather,
+several ranks on one GPU), and which backend ``RankCluster(backend="auto")`` would choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from typing import Any
+
+import torch
+
+
+def _nccl_info() -> dict[str, Any]:
+    from wsharding.comm.nccl.library import ENV_VAR, NcclLibraryError, find_library, load_library
+
+    try:
+        choice = find_library()
+        lib = load_library(choice.path, choice.source)
+    except NcclLibraryError as e:
+        return {"error": str(e), "env_var": ENV_VAR}
+    info = lib.describe()
+    info["env_var"] = ENV_VAR
+    info["env_value"] = os.environ.get(ENV_VAR)
+    return info
+
+
+def _torch_nccl() -> str | None:
+    try:
+        from torch.cuda import nccl
+
+        v = nccl.version()
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # noqa: BLE001 - CPU builds of torch have no NCCL
+        return None
+
+
+def collect_info() -> dict[str, Any]:
+    """Everything ``wsharding info`` prints, as a dict (what ``--json`` writes)."""
+    from wsharding.cluster import choose_backend
+
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "memory_GiB": round(p.total_memory / 2**30, 1),
+                         "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count})
+    nccl = _nccl_info()
+    n = len(gpus)
+    auto_backend, _ = choose_backend(max(n, 1) if n else 4, "auto")
+    ours = bool(n) and bool(nccl.get("copy_engine_allgather"))
+    supports = {
+        "symmetric_windows": bool(nccl.get("symmetric_windows")),
+        "copy_engine_allgather": ours,
+        "multi_rank_per_gpu": bool(nccl.get("multi_rank_per_gpu")),
+    }
+    if n:
+        gather = ("our NCCL communicator (wsharding.comm.nccl): symmetric windows, CTA policy 2 (copy engine)"
+                  if ours else "torch.distributed NCCL (TorchDistComm): the loaded NCCL is too old for windows")
+    else:
+        gather = "torch.distributed gloo between CPU processes (emulated: no GPU here)"
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": gpus,
+        "torch_nccl": _torch_nccl(),
+        "nccl": nccl,
+        "supports": supports,
+        "auto": {"cluster_backend": auto_backend, "gather_backend": gather},
+        "env": {k: os.environ[k] for k in ("NCCL_CTA_POLICY", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_CUMEM_ENABLE")
+                if k in os.environ},
+    }
+
+
+def format_info(info: dict[str, Any]) -> str:
+    lines = [f"python {info['python']}, torch {info['torch']}, CUDA {info['cuda'] or '-'} "
+             f"(available: {info['cuda_available']}), torch's NCCL {info['torch_nccl'] or '-'}"]
+    if info["gpus"]:
+        for g in info["gpus"]:
+            lines.append(f"GPU {g['index']}: {g['name']}, {g['memory_GiB']} GiB, sm {g['capability']}, "
+                         f"{g['multiprocessors']} SMs")
+    else:
+        lines.append("GPUs: none")
+    n = info["nccl"]
+    if "error" in n:
+        lines.append(f"NCCL library: not usable -- {n['error']}")
+    else:
+        lines.append(f"NCCL library: {n['version']} at {n['path']} (found via {n['source']})")
+    s = info["supports"]
+    lines.append("supports: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in s.items()))
+    lines.append(f"auto: cluster backend {info['auto']['cluster_backend']}; gathers by {info['auto']['gather_backend']}")
+    for k, v in info["env"].items():
+        lines.append(f"env {k}={v}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    info = collect_info()
+    print(json.dumps(info, indent=1) if args.json else format_info(info))
+    return 0 if "error" not in info["nccl"] else 1

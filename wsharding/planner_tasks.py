@@ -1,0 +1,240 @@
+"""Rank tasks that make the lookahead planner visible: traced steps of the seed-shaped decoder, the
+slot/gate table of a real sharded model, and the gate experiment.
+
+They live in the package because spawned ranks import tasks by name; notebook 03, its widget and
+the tests all call them through ``cluster.run``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsharding.cluster import RankContext
+from wsharding.models import PRESETS, DecoderConfig, ToyDecoder
+from wsharding.shard import WeightSharding, aligned_forward, prepare_layer_weight_shard_forward, run_layers
+from wsharding.slots import SLOT_NAMES
+
+
+def _config(preset: str | DecoderConfig, layers: int | None = None) -> DecoderConfig:
+    if isinstance(preset, DecoderConfig):
+        cfg = preset
+    else:
+        if preset not in PRESETS:
+            raise ValueError(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
+        cfg = PRESETS[preset]
+    if layers is not None:
+        if layers < 2:
+            raise ValueError(f"layers: need at least 2 (a dense layer 0 and one sharded layer), got {layers}")
+        cfg = cfg.with_(layers=layers)
+    return cfg
+
+
+def _tokens_of(tokens: int | Sequence[int], rank: int) -> int:
+    """``tokens`` is one count for every rank, or a list with one count per rank."""
+    if isinstance(tokens, int):
+        n = tokens
+    else:
+        if rank >= len(tokens):
+            raise ValueError(f"tokens: {len(tokens)} counts given, but rank {rank} needs one (one per rank)")
+        n = tokens[rank]
+    if n < 0:
+        raise ValueError(f"tokens: rank {rank} has a negative token count {n}")
+    return n
+
+
+def _sharded_model(ctx: RankContext, cfg: DecoderConfig, sharded_layers: Iterable[int] | None, lookahead: bool,
+                   seed: int, group_size: int | None) -> ToyDecoder:
+    """The sharded decoder on this rank, kept in ``ctx.store`` so that re-running the same
+    configuration (the widget toggling lookahead) does not rebuild and re-finalize it."""
+    layers = list(sharded_layers) if sharded_layers is not None else list(range(1, cfg.layers))
+    g = group_size or ctx.world_size
+    key = ("planner_tasks.model", cfg, tuple(layers), seed, g)
+    model = ctx.store.get(key)
+    if model is None:
+        # Only one cached model at a time: a notebook that tries many configurations must not pile them up.
+        for k in [k for k in ctx.store if isinstance(k, tuple) and k and k[0] == "planner_tasks.model"]:
+            del ctx.store[k]
+        comm = ctx.shard_comm(g)
+        ws = WeightSharding(comm, sharded_layers=layers, lookahead=lookahead)
+        model = ToyDecoder(cfg, seed=seed, weight_sharding=ws, device=comm.device).eval()
+        ws.finalize()
+        ctx.store[key] = model
+    model.planner.lookahead = lookahead
+    return model
+
+
+def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequence[int], lookahead: bool = True,
+               steps: int = 2, *, layers: int | None = None, sharded_layers: Iterable[int] | None = None,
+               seed: int = 0, group_size: int | None = None) -> dict[str, Any]:
+    """Run ``steps`` traced steps of the sharded decoder on this rank and report what happened.
+
+    ``tokens``: tokens of this rank per step (one int for all ranks, or one per rank; 0 makes the
+    rank idle: it runs the one-token dummy step so every rank issues the same gathers).
+    ``layers`` overrides the preset's layer count; ``sharded_layers`` the sharded range (default:
+    every layer but the dense layer 0). Returns the per-layer trace records of every step, the
+    gathers and waits counted by the planner per step, and the step wall times.
+    """
+    cfg = _config(preset, layers)
+    model = _sharded_model(ctx, cfg, sharded_layers, lookahead, seed, group_size)
+    planner = model.planner
+    n = _tokens_of(tokens, ctx.rank)
+    g = torch.Generator().manual_seed(1000 + ctx.rank)
+    records: list[dict[str, Any]] = []
+    gathers, waits, step_ms = [], [], []
+    with torch.no_grad():
+        planner.trace_enabled = True
+        try:
+            for _ in range(steps):
+                x = torch.randint(0, cfg.vocab, (n,), generator=g).to(planner.device)
+                t0 = time.perf_counter()
+                aligned_forward(model, x, model.dummy_tokens)
+                trace = planner.finish_step()
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                gathers.append(planner.gathers_this_step)
+                waits.append(planner.waits_this_step)
+                records += trace.records()
+        finally:
+            planner.trace_enabled = False
+            planner.traces.clear()  # the records were copied out; keep nothing per step
+    return {
+        "rank": ctx.rank,
+        "mode": planner.comm.mode,
+        "emulation": ctx.emulation,
+        "lookahead": lookahead,
+        "tokens": n,
+        "sharded_layers": model.weight_sharding.sharded_layer_ids,
+        "gathers": gathers,
+        "waits": waits,
+        "step_ms": step_ms,
+        "records": records,
+    }
+
+
+def run_traced_steps(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequence[int],
+                     lookahead: bool = True, steps: int = 2, **kw: Any) -> list[dict[str, Any]]:
+    """The trace records (``StepTrace.records()`` of every step, concatenated) of :func:`traced_run`."""
+    return traced_run(ctx, preset, tokens, lookahead, steps, **kw)["records"]
+
+
+def slot_table(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | None = None,
+               sharded_layers: Iterable[int] | None = None, group_size: int | None = None) -> list[dict[str, Any]]:
+    """Per sharded layer of a real sharded decoder: its slot, the layer whose slot it overwrites
+    (the gate) and its flat buffer size, read from the model's :class:`~wsharding.slots.SlotPool`."""
+    cfg = _config(preset, layers)
+    model = _sharded_model(ctx, cfg, sharded_layers, True, 0, group_size)
+    ws = model.weight_sharding
+    pool = ws.slots
+    return [
+        {
+            "layer": i,
+            "slot": SLOT_NAMES[pool.slot_of(i)],
+            "gate": pool.previous_occupant(i),
+            "layout_bytes": ws.layouts[i].total_bytes,
+            "slot_bytes": pool.slot_bytes,
+        }
+        for i in ws.sharded_layer_ids
+    ]
+
+
+# ---- the gate experiment -------------------------------------------------------------------------
+class ReadTwiceBlock(nn.Module):
+    """Reads its weight, pauses, reads it again: a long compute that keeps using its slot. A gather
+    that lands in the slot during the pause changes the second read, and so the output."""
+
+    def __init__(self, d: int, seed: int, pause: float) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc = nn.Linear(d, d, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randn(d, d, generator=g) / d**0.5)
+        self.pause = pause
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prepare_layer_weight_shard_forward(self)
+        h = self.fc(x)
+        if self.pause:
+            time.sleep(self.pause)
+        return torch.tanh(h + self.fc(x))
+
+
+def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.02, n_layers: int = 6, d: int = 32,
+                    ahead: int = 2) -> dict[str, Any]:
+    """Dispatch gathers ``ahead`` layers early (the seed dispatches one ahead) so that the gather of
+    layer ``i+2`` targets the slot layer ``i`` is reading, with and without the planner's gate.
+
+    With the gate the early gather is held until layer ``i`` is done (trace mark ``held``) and the
+    output equals the unsharded blocks bit for bit; without it the gather overwrites the slot while
+    the layer still reads it. Returns equality, gathers and the step's trace records.
+    """
+    if ahead < 1:
+        raise ValueError(f"ahead: must be >= 1, got {ahead}")
+    blocks = [ReadTwiceBlock(d, seed=10 + i, pause=pause) for i in range(n_layers)]
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(ctx.rank))
+    with torch.no_grad():
+        expected = x
+        for b in blocks:  # unsharded reference, before sharding shrinks the weights
+            expected = b(expected)
+    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(n_layers)}, trace=True).setup().finalize()
+    planner = ws.planner
+    planner.gate = gate
+    with torch.no_grad():
+        planner.reset()
+        planner.pre_dispatch(0)
+        h = x
+        for i, b in enumerate(blocks):
+            for k in range(1, ahead + 1):
+                planner.maybe_dispatch(i + k)
+            h = b(h)
+            planner.update_done_event(i, b)
+        trace = planner.finish_step()
+    return {
+        "rank": ctx.rank,
+        "gate": gate,
+        "equal": bool(torch.equal(h, expected)),
+        "max_abs_diff": float((h - expected).abs().max()),
+        "gathers": planner.gathers_this_step,
+        "held_layers": sorted(r["layer"] for r in trace.records() if "held" in r),
+        "records": trace.records(),
+    }
+
+
+def run_schedule(ctx: RankContext, n_layers: int = 6, d: int = 32, pause: float = 0.0,
+                 lookahead: bool = True, steps: int = 1) -> list[dict[str, Any]]:
+    """The seed's loop (``run_layers``) over ``ReadTwiceBlock`` s, traced: a small model whose
+    compute time is set by ``pause``, for a readable timeline."""
+    blocks = [ReadTwiceBlock(d, seed=10 + i, pause=pause) for i in range(n_layers)]
+    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(1, n_layers)}, lookahead=lookahead,
+                        trace=True).setup().finalize()
+    records = []
+    with torch.no_grad():
+        for s in range(steps):
+            run_layers(blocks, torch.randn(2, d, generator=torch.Generator().manual_seed(s)), ws.planner)
+            records += ws.planner.finish_step().records()
+    return records
+
+
+def describe_sharding(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | None = None,
+                      sharded_layers: Iterable[int] | None = None, group_size: int | None = None) -> dict[str, Any]:
+    """What sharding did to the decoder on this rank: per layer its targets, layout and slot
+    (``WeightSharding.describe()``), the layouts themselves, and the bytes -- R, the formula and
+    the resident bytes measured from the storages."""
+    cfg = _config(preset, layers)
+    model = _sharded_model(ctx, cfg, sharded_layers, True, 0, group_size)
+    ws = model.weight_sharding
+    return {
+        "rank": ctx.rank,
+        "mode": ws.comm.mode,
+        "emulation": ctx.emulation,
+        "describe": ws.describe(),
+        "layouts": [ws.layouts[i] for i in ws.sharded_layer_ids],
+        "skipped": list(ws.skipped),
+        "replicated_bytes": ws.replicated_bytes(),
+        "formula_bytes": ws.formula_bytes(),
+        "resident_bytes": ws.resident_bytes(),
+        "slot_bytes": ws.slots.slot_bytes,
+    }

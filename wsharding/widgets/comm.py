@@ -1,0 +1,81 @@
+"""The AllGather benchmark panel: pick ranks and sizes, run, see bandwidth per implementation.
+
+A thin ipywidgets wrapper over :func:`run_allgather_panel`, which tests call directly. With CUDA it
+runs the real GPU benchmark (our NCCL communicator, CTA policy 2 and 0, torch.distributed); without
+it, the gloo variant on CPU processes, and the figure says that it is emulated.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import ipywidgets as W
+import plotly.graph_objects as go
+import torch
+
+from wsharding.bench.allgather import format_table, run_cpu, run_gpu
+from wsharding.cluster import RankCluster
+from wsharding.viz.comm import allgather_bandwidth_figure
+
+
+def parse_sizes(text: str) -> list[float]:
+    """``"1, 4, 16"`` -> [1.0, 4.0, 16.0] (MiB); raises ValueError naming the bad entry."""
+    out = []
+    for part in text.replace(";", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            raise ValueError(f"size {part!r} is not a number of MiB (example: 1, 4, 16)") from None
+        if v <= 0:
+            raise ValueError(f"size {part!r} must be positive")
+        out.append(v)
+    if not out:
+        raise ValueError("give at least one size in MiB")
+    return out
+
+
+def run_allgather_panel(ranks: int, sizes_mib: list[float], cluster: RankCluster | None = None,
+                        iters: int = 5) -> tuple[dict[str, Any], go.Figure]:
+    """Run the benchmark (GPU when CUDA is there, else the CPU gloo variant) and draw it.
+
+    ``cluster``: a running CPU cluster of ``ranks`` ranks to reuse (the CPU variant only).
+    """
+    if torch.cuda.is_available():
+        result = run_gpu(ranks, -(-ranks // torch.cuda.device_count()), sizes_mib, [2, 0], iters=iters, reps=3)
+    else:
+        use = cluster if cluster is not None and cluster.world_size == ranks else None
+        result = run_cpu(ranks, sizes_mib, iters=iters, cluster=use)
+    return result, allgather_bandwidth_figure(result)
+
+
+def build_allgather_panel(cluster: RankCluster | None = None) -> W.VBox:
+    """The panel widget. ``panel.run_button.click()`` runs; ``panel.result`` / ``panel.figure``
+    hold the last run."""
+    ranks = W.IntSlider(value=cluster.world_size if cluster else 2, min=2, max=8, description="ranks")
+    sizes = W.Text(value="0.25, 1, 4" if not torch.cuda.is_available() else "1, 16, 64, 256",
+                   description="sizes MiB")
+    button = W.Button(description="run AllGather benchmark", button_style="primary")
+    status = W.HTML()
+    out = W.Output()
+    panel = W.VBox([W.HBox([ranks, sizes, button]), status, out])
+    panel.ranks, panel.sizes, panel.run_button, panel.status = ranks, sizes, button, status
+    panel.result, panel.figure = None, None
+
+    def on_click(_b: Any) -> None:
+        try:
+            result, fig = run_allgather_panel(ranks.value, parse_sizes(sizes.value), cluster)
+        except ValueError as e:
+            status.value = f"<b style='color:#c00'>{e}</b>"
+            return
+        panel.result, panel.figure = result, fig
+        status.value = "<pre>" + html.escape(format_table(result)) + "</pre>"
+        out.clear_output()
+        with out:
+            fig.show()
+
+    button.on_click(on_click)
+    return panel

@@ -1,0 +1,147 @@
+"""The planner panel of notebook 03: run the lookahead planner on the notebook's ranks for chosen
+layers, tokens per rank and lookahead on/off, and show the timeline (compute and gather lanes,
+exposed waits), slot reuse and gate waits.
+
+The panel is a thin wrapper over :func:`planner_view`, which tests call directly; the work on the
+ranks is :func:`wsharding.planner_tasks.traced_run`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from IPython.display import display
+
+from wsharding.cluster import RankCluster
+from wsharding.models import PRESETS
+from wsharding.planner_tasks import traced_run
+from wsharding.viz.planner import exposed_us, slot_figure, timeline_figure
+
+#: Presets a CPU-emulated rank can run in a few seconds (k3-like is for GPUs: 370 MB per layer).
+CPU_PRESETS = ("tiny", "small")
+
+
+@dataclass
+class PlannerView:
+    """What one run of the planner produced on every rank, and its two figures."""
+
+    results: list[dict[str, Any]]
+    timeline: go.Figure
+    slots: go.Figure
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return [rec for r in self.results for rec in r["records"]]
+
+    @property
+    def exposed_ms(self) -> dict[int, float]:
+        """Exposed wait per rank in the last step, ms."""
+        return {k: v / 1e3 for k, v in exposed_us(self.records).items()}
+
+    def text(self) -> str:
+        r0 = self.results[0]
+        lines = [
+            f"{len(self.results)} ranks, {r0['mode']}, lookahead {'on' if r0['lookahead'] else 'off'}; "
+            f"sharded layers {r0['sharded_layers']}",
+        ]
+        if r0["emulation"]:
+            lines.append(f"NOTE: {r0['emulation']}: times are CPU times, not GPU times")
+        for r in self.results:
+            lines.append(f"  rank {r['rank']}: {r['tokens']} tokens, gathers per step {r['gathers']}, "
+                         f"exposed wait {self.exposed_ms.get(r['rank'], 0.0):.2f} ms, "
+                         f"step {r['step_ms'][-1]:.2f} ms")
+        return "\n".join(lines)
+
+
+def planner_view(cluster: RankCluster, preset: str = "tiny", *, layers: int | None = None,
+                 sharded: tuple[int, int] | None = None, tokens: int | list[int] = 8, lookahead: bool = True,
+                 steps: int = 2) -> PlannerView:
+    """The pure function behind the panel: ``steps`` traced steps on every rank of ``cluster``,
+    with layers ``sharded = (first, last)`` (inclusive) sharded, and the figures of the last step."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
+    n_layers = layers or PRESETS[preset].layers
+    sharded_layers = None
+    if sharded is not None:
+        first, last = sharded
+        if not 0 <= first <= last < n_layers:
+            raise ValueError(f"sharded: layers ({first}, {last}) must satisfy 0 <= first <= last < {n_layers}")
+        sharded_layers = list(range(first, last + 1))
+    results = cluster.run(traced_run, preset, tokens, lookahead, steps, layers=n_layers, sharded_layers=sharded_layers)
+    records = [rec for r in results for rec in r["records"]]
+    note = " (emulated: CPU ranks)" if results[0]["emulation"] else ""
+    mode = f"lookahead {'on' if lookahead else 'off'}"
+    return PlannerView(
+        results=results,
+        timeline=timeline_figure(records, title=f"{preset}, {mode}: compute and gathers per rank{note}"),
+        slots=slot_figure(records, title=f"{preset}, {mode}: slot A/B occupancy and gate waits{note}"),
+    )
+
+
+@dataclass
+class PlannerPanel:
+    """The widget, its controls, and the latest :class:`PlannerView` (or the error it raised)."""
+
+    widget: widgets.Widget
+    preset: widgets.Dropdown
+    layers: widgets.IntSlider
+    sharded: widgets.IntRangeSlider
+    tokens: widgets.IntSlider
+    lookahead: widgets.Checkbox
+    steps: widgets.IntSlider
+    run_button: widgets.Button
+    view: PlannerView | None = None
+    error: str = ""
+    runs: int = field(default=0)
+
+
+def build_planner_panel(cluster: RankCluster) -> PlannerPanel:
+    """Controls (preset, layers, sharded range, tokens per rank, lookahead, steps) and a **run on
+    ranks** button; a run shows a summary, the timeline and the slot figure of the last step."""
+    preset = widgets.Dropdown(options=CPU_PRESETS, value="tiny", description="preset")
+    layers = widgets.IntSlider(value=PRESETS["tiny"].layers, min=2, max=8, description="layers")
+    sharded = widgets.IntRangeSlider(value=(1, layers.value - 1), min=0, max=layers.value - 1,
+                                     description="sharded")
+    tokens = widgets.IntSlider(value=8, min=0, max=256, description="tokens/rank")
+    lookahead = widgets.Checkbox(value=True, description="lookahead")
+    steps = widgets.IntSlider(value=2, min=1, max=5, description="steps")
+    button = widgets.Button(description="run on ranks", button_style="primary")
+    out = widgets.Output()
+    panel = PlannerPanel(
+        widget=widgets.VBox([widgets.HBox([preset, layers, sharded]), widgets.HBox([tokens, lookahead, steps]),
+                             button, out]),
+        preset=preset, layers=layers, sharded=sharded, tokens=tokens, lookahead=lookahead, steps=steps,
+        run_button=button,
+    )
+
+    def on_layers(change: Any) -> None:
+        # keep the sharded range inside the model; the dense layer 0 stays out by default
+        top = change["new"] - 1
+        lo, hi = sharded.value
+        sharded.max = top
+        sharded.value = (min(lo, top), min(max(hi, lo), top))
+
+    def run(_button: Any = None) -> None:
+        panel.error = ""
+        try:
+            panel.view = planner_view(cluster, preset.value, layers=layers.value, sharded=sharded.value,
+                                      tokens=tokens.value, lookahead=lookahead.value, steps=steps.value)
+        except Exception as e:  # noqa: BLE001 -- shown in the panel, kept in panel.error for callers
+            panel.view = None
+            panel.error = f"{type(e).__name__}: {e}"
+        panel.runs += 1
+        out.clear_output(wait=True)
+        with out:
+            if panel.view is None:
+                print(panel.error)
+            else:
+                print(panel.view.text())
+                display(panel.view.timeline)
+                display(panel.view.slots)
+
+    layers.observe(on_layers, names="value")
+    button.on_click(run)
+    return panel
