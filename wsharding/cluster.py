@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 #: Words every CPU-rank report carries, so nobody mistakes CPU timings for GPU timings.
-CPU_EMULATION_NOTE = "emulated: CPU processes (gloo over 127.0.0.1) stand in for GPUs"
+CPU_EMULATION_NOTE = "emulated: CPU processes (gloo over 127.0.0.1) stand in for GPUs; timings are not GPU timings"
 SHARED_GPU_NOTE = "emulated: several ranks time-slice one GPU (NCCL multi-rank-per-GPU)"
 
 

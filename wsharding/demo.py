@@ -183,7 +183,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"gathers by {report['communicator']}",
     ]
     if report["emulation"]:
-        lines.append(f"  NOTE: {report['emulation']}; timings are not GPU timings")
+        lines.append(f"  NOTE: {report['emulation']}")
     lines += [
         f"  layers {report['layers']}, sharded {report['sharded_layers'][0]}..{report['sharded_layers'][-1]}, "
         f"gathers per step {report['gathers_per_step']}",

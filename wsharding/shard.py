@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from wsharding.comm.base import Communicator
-from wsharding.layout import FlatLayout
+from wsharding.layout import FlatLayout, align_up
 from wsharding.planner import ShardedLayer, WeightShardPlanner
 from wsharding.slots import SlotPool
 
@@ -267,9 +267,13 @@ class WeightSharding:
             raise ShardingError("no layer has a shardable target: nothing to shard")
         comm = self.comm
         rank, world = comm.rank, comm.world_size
+        # Buffer tags name symmetric windows and must be unique on a communicator that outlives one
+        # model: number the shardings made on it (the same count on every rank).
+        k = getattr(comm, "_wsharding_count", 0)
+        comm._wsharding_count = k + 1
         for i in sorted(self.targets):
-            self.chunks[i] = comm.alloc(self.layouts[i].chunk_bytes, tag=f"layer.{i}.chunk")
-        self.slots = SlotPool(comm, self.layouts)
+            self.chunks[i] = comm.alloc(self.layouts[i].chunk_bytes, tag=f"ws{k}.layer.{i}.chunk")
+        self.slots = SlotPool(comm, self.layouts, tag=f"ws{k}.slot")
         register_all = getattr(comm, "register_all", None)
         if register_all is not None:
             register_all()  # collective, one order on every rank
@@ -318,10 +322,14 @@ class WeightSharding:
         return sum(t.nbytes for ts in self.targets.values() for t in ts)
 
     def formula_bytes(self) -> int:
-        """``R/N + padding/N + 2 * max_l |T_l|``: what each rank must hold after finalize."""
-        return sum(lay.chunk_bytes for lay in self.layouts.values()) + 2 * max(
-            lay.total_bytes for lay in self.layouts.values()
-        )
+        """``R/N + padding/N + 2 * max_l |T_l|``: what each rank must hold after finalize.
+
+        A backend that allocates in units (our NCCL binding rounds every window to 4096 B, its
+        ``alloc_granularity``) rounds each chunk and slot up to that unit.
+        """
+        g = getattr(self.comm, "alloc_granularity", 1)
+        slot = align_up(max(lay.total_bytes for lay in self.layouts.values()), g)
+        return sum(align_up(lay.chunk_bytes, g) for lay in self.layouts.values()) + 2 * slot
 
     def resident_bytes(self) -> int:
         """Bytes actually allocated for sharded weights on this rank (chunks + two slots), measured

@@ -25,15 +25,15 @@ class SlotPool:
     ``layer_ids`` are the sharded layers in execution order; the k-th of them uses slot ``k % 2``.
     """
 
-    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout]) -> None:
+    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str = "slot") -> None:
         if not layouts:
             raise ValueError("SlotPool needs at least one sharded layer")
         self.layer_ids = sorted(layouts)
         self.layouts = layouts
         self.slot_bytes = max(lay.total_bytes for lay in layouts.values())
         self.buffers: tuple[torch.Tensor, torch.Tensor] = (
-            comm.alloc(self.slot_bytes, tag="slot.A"),
-            comm.alloc(self.slot_bytes, tag="slot.B"),
+            comm.alloc(self.slot_bytes, tag=f"{tag}.A"),
+            comm.alloc(self.slot_bytes, tag=f"{tag}.B"),
         )
         self._slot_of = {layer: k % 2 for k, layer in enumerate(self.layer_ids)}
         # The sharded layer that last used the same slot: the gate of a gather into that slot.

@@ -105,7 +105,7 @@ def summarize(results: list[dict[str, Any]], preset: str) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = f"wsharding bench step -- {report['mode']}, {report['world_size']} ranks, preset {report['preset']}"
-    lines = [head] + ([f"  NOTE: {report['emulation']}; timings are not GPU timings"] if report["emulation"] else [])
+    lines = [head] + ([f"  NOTE: {report['emulation']}"] if report["emulation"] else [])
     cols = [v for v in VARIANTS if v in report["rows"][0]]
     lines.append("  tokens/rank " + "".join(f"{c:>22}" for c in cols))
     for row in report["rows"]:

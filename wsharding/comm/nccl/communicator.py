@@ -51,7 +51,7 @@ from wsharding.comm.nccl.library import (
     default_library,
     format_version,
 )
-from wsharding.comm.nccl.symmetric import SymmetricPool
+from wsharding.comm.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
 
 #: The seed refuses to run without it: policy 2 ("zero") is the copy-engine path.
 CTA_POLICY_ZERO = 2
@@ -143,6 +143,10 @@ class NcclCommunicator:
         timeout_s: how long any operation may stay in progress before the communicator is aborted.
         library: a loaded :class:`NcclLibrary` (default: discovery order of ``library.py``).
     """
+
+    #: Every buffer is its own ncclMemAlloc, rounded up to the 4096-byte window alignment: the unit
+    #: in which weight sharding's byte formula counts this backend's allocations.
+    alloc_granularity = WINDOW_ALIGN
 
     def __init__(
         self,
