@@ -201,8 +201,9 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_figures(report: dict[str, Any], out_dir: str | Path) -> list[str]:
-    """Timeline, slot occupancy and memory figures as HTML (and PNG when a Chromium is present)."""
+def write_figures(report: dict[str, Any], out_dir: str | Path, prefix: str = "") -> list[str]:
+    """Timeline, slot occupancy and memory figures as HTML (and PNG when a Chromium is present),
+    named ``<prefix>demo_*`` in ``out_dir``."""
     from wsharding.viz.export import save_figure
     from wsharding.viz.planner import memory_figure, slot_figure, timeline_figure
 
@@ -217,7 +218,7 @@ def write_figures(report: dict[str, Any], out_dir: str | Path) -> list[str]:
         ("demo_slots", slot_figure(report["trace"], title=f"Slot A/B occupancy and gate waits -- {label}")),
         ("demo_memory", memory_figure(report, title=f"Weight bytes per rank -- {label}")),
     ):
-        written += save_figure(fig, out / name)
+        written += save_figure(fig, out / f"{prefix}{name}")
     return written
 
 
@@ -233,9 +234,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "auto: ours when the GPUs and libnccl support it")
     p.add_argument("--report", default=None, help="write the JSON report to this path")
     p.add_argument("--figures", default="figures", help="folder for the figures ('' for none)")
+    p.add_argument("--figures-from", default=None, metavar="REPORT",
+                   help="only draw the figures of a saved report (e.g. one from a GPU machine without plotly)")
+    p.add_argument("--prefix", default="", help="prefix of the figure file names")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.figures_from:
+        with open(args.figures_from) as f:
+            report = json.load(f)
+        print(format_table(report))
+        for path in write_figures(report, args.figures or "figures", args.prefix):
+            print(f"  figure: {os.path.relpath(path)}")
+        return 0
     gpus = gpu_count()
     backend = args.backend
     if backend == "auto":
@@ -255,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
             json.dump(report, f, indent=1)
         print(f"  report: {args.report}")
     if args.figures:
-        for path in write_figures(report, args.figures):
+        for path in write_figures(report, args.figures, args.prefix):
             print(f"  figure: {os.path.relpath(path)}")
     ok = report["outputs_equal"] and report["max_abs_diff"] == 0.0
     return 0 if ok else 1
