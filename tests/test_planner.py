@@ -1,4 +1,5 @@
-"""Slots, the planner's sequence, the gate, collective alignment and memory over many steps."""
+"""Slots, the planner's sequence, collective alignment and memory over many steps (the gate
+experiment is in test_widgets_planner.py, on the package's own gate_experiment task)."""
 
 from __future__ import annotations
 
@@ -6,72 +7,16 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 from wsharding.cluster import RankCluster, RemoteError
 from wsharding.layout import FlatLayout
-from wsharding.shard import WeightSharding, prepare_layer_weight_shard_forward, run_layers
+from wsharding.planner_tasks import ReadTwiceBlock
+from wsharding.shard import WeightSharding, run_layers
 from wsharding.slots import SlotPool
 
 
-class SlowBlock(nn.Module):
-    """Reads its weight, sleeps, reads it again: a long compute that keeps using its slot."""
-
-    def __init__(self, d: int, seed: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.fc = nn.Linear(d, d, bias=False)
-        with torch.no_grad():
-            self.fc.weight.copy_(torch.randn(d, d, generator=g) / d**0.5)
-        self.pause = 0.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        prepare_layer_weight_shard_forward(self)
-        h = self.fc(x)
-        if self.pause:
-            time.sleep(self.pause)  # meanwhile a gather into this slot would land
-        return torch.tanh(h + self.fc(x))
-
-
 def _blocks(n_layers=6, d=32):
-    return [SlowBlock(d, seed=10 + i) for i in range(n_layers)]
-
-
-def _reference(blocks, x):
-    with torch.no_grad():
-        for b in blocks:
-            x = b(x)
-    return x
-
-
-def racy_schedule(ctx, gate: bool, pause: float):
-    """Dispatch two layers ahead: the gather of i+2 targets the slot layer i is about to read."""
-    blocks = _blocks()
-    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(ctx.rank))
-    expected = _reference(blocks, x)
-    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(len(blocks))}).setup().finalize()
-    planner = ws.planner
-    planner.gate = gate
-    for b in blocks:
-        b.pause = pause
-    with torch.no_grad():
-        planner.reset()
-        planner.pre_dispatch(0)
-        h = x
-        for i, b in enumerate(blocks):
-            planner.maybe_dispatch(i + 1)
-            planner.maybe_dispatch(i + 2)
-            h = b(h)
-            planner.update_done_event(i, b)
-    return torch.equal(h, expected), planner.gathers_this_step
-
-
-def test_gate_prevents_slot_overwrite(cluster_of):
-    # With the gate the two-ahead schedule is exact: the gather of i+2 is held until layer i is done.
-    assert cluster_of(2).run(racy_schedule, True, 0.02) == [(True, 6)] * 2
-    # Without it the same schedule overwrites the slot while layer i still reads it.
-    results = cluster_of(2).run(racy_schedule, False, 0.02)
-    assert [r[0] for r in results] == [False, False]
+    return [ReadTwiceBlock(d, seed=10 + i, pause=0.0) for i in range(n_layers)]
 
 
 def seed_sequence(ctx, lookahead: bool, steps: int, tokens: list[int]):
