@@ -226,7 +226,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=None, help="number of ranks (default: all GPUs, or 4 CPU ranks)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="model size (default: k3-like on GPUs, tiny on CPU)")
+                   help="model size (default: k3-like on GPUs, tiny-deep on CPU)")
     p.add_argument("--steps", type=int, default=4, help="checked steps with different token counts")
     p.add_argument("--timed-steps", type=int, default=5, help="steps per timed variant")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
@@ -252,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
     if backend == "auto":
         backend = "nccl" if gpus else "gloo"
     n = args.ranks or (gpus if backend == "nccl" else 4)
-    preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny")
+    preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny-deep")
     counts = default_counts(n, args.steps)
     ranks_per_gpu = -(-n // gpus) if backend == "nccl" and gpus else 1
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:

@@ -64,6 +64,9 @@ PRESETS: dict[str, DecoderConfig] = {
     # CI: dimensions divisible by 1, 2, 3 and 4 so every group size shards every target.
     "tiny": DecoderConfig(vocab=192, hidden=96, layers=4, heads=4, kv_heads=2, head_dim=24, dense_inter=192,
                           latent=48, experts=4, top_k=2, expert_inter=48, shared_inter=48),
+    # The CPU demo's default: tiny layers, but enough of them that the two slots are paid back.
+    "tiny-deep": DecoderConfig(vocab=192, hidden=96, layers=12, heads=4, kv_heads=2, head_dim=24, dense_inter=192,
+                               latent=48, experts=4, top_k=2, expert_inter=48, shared_inter=48),
     "small": DecoderConfig(vocab=2048, hidden=768, layers=6, heads=12, kv_heads=4, head_dim=64, dense_inter=1536,
                            latent=384, experts=4, top_k=2, expert_inter=384, shared_inter=768),
     # For GPUs: sharded bytes per layer close to the seed's 367 MB of BF16 MoE peripherals per layer
