@@ -130,8 +130,11 @@ def load_result(path: str) -> dict[str, Any]:
 
 
 def save_allgather_figures(json_path: str, out_dir: str = "figures") -> list[str]:
-    """Write the benchmark's figures as HTML next to its JSON (plotly.js from the CDN keeps them
-    small). Returns the paths written."""
+    """Write the benchmark's figures next to its JSON with :func:`wsharding.viz.export.save_figure`
+    (HTML that opens offline, sharing one plotly.js in the folder; PNG too when possible).
+    Returns the paths written."""
+    from wsharding.viz.export import save_figure
+
     result = load_result(json_path)
     stem = os.path.splitext(os.path.basename(json_path))[0]
     written = []
@@ -139,9 +142,7 @@ def save_allgather_figures(json_path: str, out_dir: str = "figures") -> list[str
                      ("overlap", allgather_overlap_figure)):
         if name == "overlap" and not result.get("overlap"):
             continue
-        path = os.path.join(out_dir, f"{stem}_{name}.html")
-        fn(result).write_html(path, include_plotlyjs="cdn")
-        written.append(path)
+        written += save_figure(fn(result), os.path.join(out_dir, f"{stem}_{name}"))
     return written
 
 
