@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from wsharding.linear.groups import ParallelState, ResolvedGroup, get_parallel, group_rank_size
-from wsharding.linear.loading import check_shape
-from wsharding.linear.parameters import BaseParameter
+from wsharding.linear.loading import check_shape, copy_with_check, pad_or_narrow
+from wsharding.linear.parameters import BaseParameter, v1_rows
 from wsharding.linear.quant import LinearMethodBase, UnquantizedLinearMethod
 
 
@@ -101,6 +101,22 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+
+    def _load_split(self, param: torch.Tensor, loaded: torch.Tensor, dim_attr: str, full: int) -> None:
+        """v1 loading along the split dim named by ``dim_attr`` (``output_dim`` for column linears,
+        ``input_dim`` for row linears): check the checkpoint's shape, take this rank's slice (unless
+        presharded), copy. A parameter without that dim is copied whole."""
+        dim = getattr(param, dim_attr, None)
+        if dim is None:
+            return self._load_whole(param, loaded)
+        presharded = getattr(self, "use_presharded_weights", False)
+        shard = param.data.shape[dim]
+        expected = list(param.shape)
+        expected[dim] = shard if presharded else v1_rows(param, dim, full)
+        check_shape(param, loaded, expected, "presharded" if presharded else "global")
+        if not presharded:
+            loaded = pad_or_narrow(loaded, dim, self.tp_rank * shard, shard)
+        copy_with_check(param.data, loaded, param)
 
     def _load_whole(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         if loaded.numel() == param.numel() == 1:

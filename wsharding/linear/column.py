@@ -21,22 +21,13 @@ from wsharding.linear.groups import (
     resolve_linear_group,
 )
 from wsharding.linear.loading import check_shape, copy_with_check, pad_or_narrow
-from wsharding.linear.parameters import BlockQuantScaleParameter
+from wsharding.linear.parameters import v1_rows
 from wsharding.linear.quant import LinearMethodBase
 
 #: ``(shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)``, in logical weight rows.
 RowSubBlock = tuple[object, int, int, int]
 
 
-def v1_rows(param: torch.Tensor, dim: int, n: int) -> int:
-    """The v1 loaders' own coordinate arithmetic: packed dims divide by ``pack_factor`` (as in the seed);
-    anything fancier (block scales) must go through ``weight_loader_v2``."""
-    if isinstance(param, BlockQuantScaleParameter):
-        raise TypeError(f"{getattr(param, 'param_name', 'parameter')} is a BlockQuantScaleParameter: it can only be "
-                        "loaded by weight_loader_v2 (give the quant method uses_weight_loader_v2=True)")
-    if getattr(param, "packed_dim", None) == dim:
-        return n // param.pack_factor
-    return n
 
 
 class ColumnParallelLinear(LinearBase):
@@ -73,16 +64,7 @@ class ColumnParallelLinear(LinearBase):
     # ---- loading ---------------------------------------------------------------------------------
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: object = None) -> None:
         """v1: slice this rank's rows out of the full checkpoint tensor here, then copy."""
-        dim = getattr(param, "output_dim", None)
-        if dim is None:
-            return self._load_whole(param, loaded_weight)
-        shard = param.data.shape[dim]
-        expected = list(param.shape)
-        expected[dim] = shard if self.use_presharded_weights else v1_rows(param, dim, self.output_size)
-        check_shape(param, loaded_weight, expected, "presharded" if self.use_presharded_weights else "global")
-        if not self.use_presharded_weights:
-            loaded_weight = pad_or_narrow(loaded_weight, dim, self.tp_rank * shard, shard)
-        copy_with_check(param.data, loaded_weight, param)
+        self._load_split(param, loaded_weight, "output_dim", self.output_size)
 
     def weight_loader_v2(self, param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: object = None) -> None:
         """v2: the parameter slices itself; the linear only says which rank it is."""

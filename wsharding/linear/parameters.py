@@ -185,3 +185,14 @@ class BlockQuantScaleParameter(ModelWeightParameter):
 
     def logical(self, dim: int) -> int:
         return self.shape[dim] * (self.block[0] if dim == self.output_dim else self.block[1])
+
+
+def v1_rows(param: torch.Tensor, dim: int, n: int) -> int:
+    """The v1 loaders' own coordinate arithmetic: packed dims divide by ``pack_factor`` (as in the seed);
+    anything fancier (block scales) must go through ``weight_loader_v2``."""
+    if isinstance(param, BlockQuantScaleParameter):
+        raise TypeError(f"{getattr(param, 'param_name', 'parameter')} is a BlockQuantScaleParameter: it can only be "
+                        "loaded by weight_loader_v2 (give the quant method uses_weight_loader_v2=True)")
+    if getattr(param, "packed_dim", None) == dim:
+        return n // param.pack_factor
+    return n

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from wsharding.linear.column import ColumnParallelLinear, RowSubBlock, v1_rows
+from wsharding.linear.column import ColumnParallelLinear, RowSubBlock
 from wsharding.linear.groups import (
     GroupError,
     ParallelGroupSpec,
@@ -24,7 +24,7 @@ from wsharding.linear.groups import (
     resolve_linear_group,
 )
 from wsharding.linear.loading import check_shape, copy_with_check, pad_or_narrow
-from wsharding.linear.parameters import QKV_INDEX
+from wsharding.linear.parameters import QKV_INDEX, v1_rows
 from wsharding.linear.quant import LinearMethodBase
 
 

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 import torch
 
 from wsharding.linear.base import LinearBase
-from wsharding.linear.column import v1_rows
 from wsharding.linear.groups import (
     ParallelGroupSpec,
     ParallelState,
@@ -30,7 +29,7 @@ from wsharding.linear.groups import (
     group_rank_size,
     resolve_linear_group,
 )
-from wsharding.linear.loading import check_shape, copy_with_check, pad_or_narrow
+from wsharding.linear.loading import pad_or_narrow
 from wsharding.linear.quant import LinearMethodBase
 
 _SKIP_MLP_ALL_REDUCE = [False]
@@ -88,16 +87,7 @@ class RowParallelLinear(LinearBase):
     # ---- loading ---------------------------------------------------------------------------------
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: object = None) -> None:
         """v1: take this rank's columns (input dim) of the checkpoint; unsplit tensors are copied whole."""
-        dim = getattr(param, "input_dim", None)
-        if dim is None:
-            return self._load_whole(param, loaded_weight)
-        shard = param.data.shape[dim]
-        expected = list(param.shape)
-        expected[dim] = shard if self.use_presharded_weights else v1_rows(param, dim, self.input_size)
-        check_shape(param, loaded_weight, expected, "presharded" if self.use_presharded_weights else "global")
-        if not self.use_presharded_weights:
-            loaded_weight = pad_or_narrow(loaded_weight, dim, self.tp_rank * shard, shard)
-        copy_with_check(param.data, loaded_weight, param)
+        self._load_split(param, loaded_weight, "input_dim", self.input_size)
 
     def weight_loader_v2(self, param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: object = None) -> None:
         param.load_row_parallel_weight(loaded_weight, tp_rank=self.tp_rank, full=self.input_size,
