@@ -24,8 +24,9 @@ def main() -> int:
     cfg = PRESETS["tiny"]
     replica = ToyDecoder(cfg, seed=0, device=ctx.device).eval()
     model = ToyDecoder(cfg, seed=0, device=ctx.device).eval()
-    # the ToyDecoder's own planner hook-up is not used here: shard it from the outside, as one would a
-    # Hugging Face style model (the layer's prepare call finds no planner of its own and returns)
+    # Shard it from the outside, as one would a Hugging Face style model: shard_blocks hooks each block.
+    # (The ToyDecoder's layers also call the planner at their start; wait_ready_once has already run in
+    # the block's hook by then and returns at once: a layer waits at most once per step.)
     ws = shard_blocks(model, "layers", ["attn.*_proj", "moe.latent_*", "moe.shared_expert.*"], ctx.shard_comm(8),
                       sharded_layers=range(1, cfg.layers))
     tokens = torch.randint(0, cfg.vocab, (3 + 2 * ctx.rank,), generator=torch.Generator().manual_seed(ctx.rank))

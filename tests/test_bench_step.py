@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wsharding.bench.step import format_table, step_bench_rank, summarize
+from wsharding.lab.bench.step import format_table, step_bench_rank, summarize
 from wsharding.models import PRESETS
 
 

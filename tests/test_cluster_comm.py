@@ -13,8 +13,8 @@ import torch
 from wsharding.cluster import ClusterError, RankCluster, RemoteError, TaskTimeout, WorkerDied
 from wsharding.comm.base import CommError
 from wsharding.comm.groups import shard_group_of, shard_group_ranks
+from wsharding.lab.tasks.layout import describe_rank, gather_layout, reference_tensors
 from wsharding.layout import FlatLayout
-from wsharding.ranks_tasks import describe_rank, gather_layout, reference_tensors
 
 MIXED = [
     ("qkv", (24, 16), torch.bfloat16),

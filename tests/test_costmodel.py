@@ -306,7 +306,7 @@ def test_model_files_yaml_json_and_malformed(tmp_path):
 
 # ---- figures and the panel ---------------------------------------------------------------
 def test_memory_figure_stacks_add_up():
-    from wsharding.viz.costmodel import memory_figure
+    from wsharding.lab.viz.costmodel import memory_figure
 
     plan = estimate(load_preset("kimi-k3-b200-fp8"), dep(8))
     fig = memory_figure(plan)
@@ -319,14 +319,14 @@ def test_memory_figure_stacks_add_up():
 
 
 def test_memory_figure_with_a_loss_says_so():
-    from wsharding.viz.costmodel import memory_figure
+    from wsharding.lab.viz.costmodel import memory_figure
 
     fig = memory_figure(estimate(model_from_dict(toy_model([1000, 3000])), dep(1)))
     assert any("costs" in a.text for a in fig.layout.annotations)
 
 
 def test_overlap_figure_marks_breakeven():
-    from wsharding.viz.costmodel import layer_bytes_figure, overlap_figure
+    from wsharding.lab.viz.costmodel import layer_bytes_figure, overlap_figure
 
     plan = estimate(model_from_dict(toy_model([10_000, 30_000])), dep(4, tokens=1000))
     fig = overlap_figure(plan)
@@ -338,7 +338,7 @@ def test_overlap_figure_marks_breakeven():
 
 
 def test_dtype_vs_sharding_figure():
-    from wsharding.viz.costmodel import dtype_vs_sharding_figure
+    from wsharding.lab.viz.costmodel import dtype_vs_sharding_figure
 
     m = load_preset("kimi-k3-b200-moe-bf16")
     fig = dtype_vs_sharding_figure(m, dep(8))
@@ -348,7 +348,7 @@ def test_dtype_vs_sharding_figure():
 
 
 def test_costmodel_panel_follows_its_controls():
-    from wsharding.widgets.costmodel import build_costmodel_panel, costmodel_view
+    from wsharding.lab.widgets.costmodel import build_costmodel_panel, costmodel_view
 
     m = load_preset("kimi-k3-b200-moe-bf16")
     panel = build_costmodel_panel(m)

@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 import pytest
 from plotly.offline import get_plotlyjs
 
-from wsharding.viz import export
+from wsharding.lab.viz import export
 
 
 def test_html_shares_one_bundle(tmp_path, monkeypatch):

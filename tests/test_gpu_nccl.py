@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from wsharding.cluster import RankCluster
-from wsharding.comm.nccl import tasks
 from wsharding.comm.nccl.library import MIN_MULTI_RANK_GPU, default_library
+from wsharding.lab.tasks import nccl as tasks
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from wsharding.cluster import RankCluster
-from wsharding.model_tasks import graph_replay, memory_over_steps, model_equality
+from wsharding.lab.tasks.model import graph_replay, memory_over_steps, model_equality
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +75,7 @@ class HeavyBlock(torch.nn.Module):
 
 
 def cuda_gate_race(ctx, gate: bool):
-    from wsharding.model_tasks import shard_comm_for
+    from wsharding.lab.tasks.model import shard_comm_for
     from wsharding.shard import WeightSharding
 
     comm = shard_comm_for(ctx, "torch")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 
-from wsharding.cli import main
+from wsharding.lab.cli import main
 
 
 def test_info_json_reports_the_wheel_library(capsys, monkeypatch):

@@ -129,10 +129,14 @@ def test_tp1_linears_for_weight_sharding_and_plain_tensor_weight():
         lin.weight.data.normal_()
         lin.bias.data.normal_()
         want = lin(x)
-        # Weight sharding rebinds weight to a plain tensor (a view of a gathered slot): forward follows it.
+        # Weight sharding rebinds weight to a view of a gathered slot: forward follows it, and the
+        # Parameter object (with its loader) stays what model.parameters() sees.
+        param = lin.weight
         slot = lin.weight.detach().clone()
         rebind_tensor(lin, "weight", slot)
-        assert type(lin.weight) is torch.Tensor
+        assert lin.weight is param and isinstance(lin.weight, torch.nn.Parameter)
+        assert lin.weight.data_ptr() == slot.data_ptr()
+        assert any(p is param for p in lin.parameters())
         assert torch.equal(lin(x), want)
         slot.zero_()
         assert torch.equal(lin(x), lin.bias.expand_as(want))  # read at call time, not cached

@@ -1,6 +1,6 @@
 """The linears on real ranks (gloo CPU processes standing in for GPUs) against a single-rank reference.
 
-One task per world size runs every case (see wsharding.linear.tasks): column, merged and QKV linears
+One task per world size runs every case (see wsharding.lab.tasks.linear): column, merged and QKV linears
 bitwise equal to the reference, row linears within fp32 reduction tolerance with the bias counted once,
 the skip switches, caller-owned outputs, replicated groups, quantised v2 parameters, DP attention.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from wsharding.linear.tasks import REDUCE_ATOL, linear_contract_task, tp_forward_task
+from wsharding.lab.tasks.linear import REDUCE_ATOL, linear_contract_task, tp_forward_task
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from wsharding.lab.viz.linear import qkv_row_map, rank_coords_figure, shapes_table
+from wsharding.lab.widgets.linear import build_linear_panel
 from wsharding.linear.plan import layer_plan
-from wsharding.viz.linear import qkv_row_map, rank_coords_figure, shapes_table
-from wsharding.widgets.linear import build_linear_panel
 
 
 def test_layer_plan_matches_the_seed_dp_attention_table():

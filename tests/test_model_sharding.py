@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wsharding.model_tasks import model_equality
+from wsharding.lab.tasks.model import model_equality
 from wsharding.models import PRESETS
 
 # steps x ranks: different token counts per rank and per step, one idle rank in step 2

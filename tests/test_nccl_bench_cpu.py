@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from wsharding.bench import allgather as A
-from wsharding.viz import comm as V
-from wsharding.widgets.comm import build_allgather_panel, parse_sizes, run_allgather_panel
+from wsharding.lab.bench import allgather as A
+from wsharding.lab.viz import comm as V
+from wsharding.lab.widgets.comm import build_allgather_panel, parse_sizes, run_allgather_panel
 
 MiB = 1 << 20
 
@@ -33,7 +33,7 @@ def test_cpu_variant_is_exact_and_labelled(cluster_of):
 
 
 def test_cli_on_cpu_says_gpu_path_needs_cuda(capsys, tmp_path):
-    from wsharding.cli import main
+    from wsharding.lab.cli import main
 
     out = tmp_path / "ag.json"
     assert main(["bench", "allgather", "--ranks", "2", "--sizes", "0.0625", "--iters", "1", "--json", str(out)]) == 0

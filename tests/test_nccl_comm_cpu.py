@@ -8,6 +8,7 @@ import pytest
 from wsharding.comm.base import CommError
 from wsharding.comm.nccl import communicator as C
 from wsharding.comm.nccl import symmetric as S
+from wsharding.units import align_up
 
 
 @pytest.mark.parametrize("value", [None, "", "2", "zero", "ZERO"])
@@ -58,7 +59,7 @@ def test_registration_mismatch_between_ranks_is_an_error():
 
 
 def test_round_up_to_window_alignment():
-    assert [S.round_up(n) for n in (1, 4096, 4097, 8192)] == [4096, 4096, 8192, 8192]
+    assert [align_up(n, S.WINDOW_ALIGN) for n in (1, 4096, 4097, 8192)] == [4096, 4096, 8192, 8192]
 
 
 def test_device_memory_interface():

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from wsharding import plan
 from wsharding.costmodel import GiB
+from wsharding.lab import plan
 
 
 def run_plan(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -90,13 +90,13 @@ def test_list(capsys):
 
 
 def test_python_dash_m():
-    r = subprocess.run([sys.executable, "-m", "wsharding.plan", "--preset", "kimi-k3-b200-fp8", "--json"],
+    r = subprocess.run([sys.executable, "-m", "wsharding.lab.plan", "--preset", "kimi-k3-b200-fp8", "--json"],
                        capture_output=True, text=True, check=True)
     assert json.loads(r.stdout)["replicated_bytes"] == 30_601_641_984 + 4_907_000_136 + 92 * 183_500_000
 
 
 def test_wsharding_cli_plan(capsys):
-    from wsharding import cli
+    from wsharding.lab import cli
 
     assert cli.main(["plan", "--preset", "kimi-k3-b200-moe-bf16", "--ranks", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["replicated_bytes"] == 92 * 367_000_000

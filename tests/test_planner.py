@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from wsharding.cluster import RankCluster, RemoteError
+from wsharding.lab.tasks.planner import ReadTwiceBlock
 from wsharding.layout import FlatLayout
-from wsharding.planner_tasks import ReadTwiceBlock
 from wsharding.shard import WeightSharding, run_layers
 from wsharding.slots import SlotPool
 

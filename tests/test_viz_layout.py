@@ -10,9 +10,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from wsharding.lab.layout_presets import preset_specs
+from wsharding.lab.viz import layout as vl
 from wsharding.layout import FlatLayout, LayoutEntry
-from wsharding.layout_presets import preset_specs
-from wsharding.viz import layout as vl
 
 # Hand-computed, N = 2:
 #   a: bf16 (3, 5)  = 30 B at 0    -> hole [30, 32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from wsharding.viz.planner import (
+from wsharding.lab.viz.planner import (
     exposed_us,
     last_step,
     memory_figure,

@@ -8,10 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from wsharding.demo import DEMO_LAYER
-from wsharding.layout import FlatLayout, LayoutError
-from wsharding.layout_presets import LAYOUT_PRESETS, k3_like_moe_peripherals, llama31_8b_layer, preset_specs
-from wsharding.widgets.layout import (
+from wsharding.lab.layout_presets import (
+    DEMO_LAYER,
+    LAYOUT_PRESETS,
+    k3_like_moe_peripherals,
+    llama31_8b_layer,
+    preset_specs,
+)
+from wsharding.lab.widgets.layout import (
     CUSTOM,
     MAX_CPU_GATHER_BYTES,
     build_layout,
@@ -19,6 +23,7 @@ from wsharding.widgets.layout import (
     parse_custom_specs,
     run_gather,
 )
+from wsharding.layout import FlatLayout, LayoutError
 
 # ---- parsing custom text -------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from wsharding.planner_tasks import gate_experiment, run_traced_steps, slot_table, traced_run
-from wsharding.viz.planner import exposed_us, last_step, slot_overlaps
-from wsharding.widgets.planner import build_planner_panel, planner_view
+from wsharding.lab.tasks.planner import gate_experiment, run_traced_steps, slot_table, traced_run
+from wsharding.lab.viz.planner import exposed_us, last_step, slot_overlaps
+from wsharding.lab.widgets.planner import build_planner_panel, planner_view
 
 
 def test_run_traced_steps_records(cluster_of):

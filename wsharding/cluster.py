@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from wsharding.units import ceil_div
+
 #: Words every CPU-rank report carries, so nobody mistakes CPU timings for GPU timings.
 CPU_EMULATION_NOTE = "emulated: CPU processes (gloo over 127.0.0.1) stand in for GPUs; timings are not GPU timings"
 SHARED_GPU_NOTE = "emulated: several ranks time-slice one GPU (NCCL multi-rank-per-GPU)"
@@ -239,7 +241,7 @@ def choose_backend(world_size: int, backend: str = "auto", ranks_per_gpu: int = 
         raise ClusterError(f"unknown backend {backend!r}: use 'auto', 'gloo' or 'nccl'")
     if gpus * ranks_per_gpu < world_size:
         raise ClusterError(
-            f"backend 'nccl' with {world_size} ranks needs {-(-world_size // ranks_per_gpu)} GPUs at "
+            f"backend 'nccl' with {world_size} ranks needs {ceil_div(world_size, ranks_per_gpu)} GPUs at "
             f"{ranks_per_gpu} rank(s) per GPU; this machine has {gpus}. Use backend='gloo' or fewer ranks."
         )
     return backend, [r // ranks_per_gpu for r in range(world_size)]
@@ -258,7 +260,7 @@ class RankCluster:
     """``world_size`` rank processes that run package functions on every rank.
 
     >>> from wsharding.cluster import RankCluster
-    >>> from wsharding.ranks_tasks import describe_rank      # doctest: +SKIP
+    >>> from wsharding.lab.tasks.layout import describe_rank      # doctest: +SKIP
     >>> with RankCluster(2) as cluster:                       # doctest: +SKIP
     ...     cluster.run(describe_rank)
 

@@ -36,9 +36,7 @@ from typing import Any
 import torch
 
 from wsharding.layout import SUPPORTED_DTYPES, FlatLayout, LayoutError, parse_dtype
-
-GiB = 2**30
-GB = 10**9
+from wsharding.units import GB, GiB, fmt_bytes  # noqa: F401 - re-exported for the notebooks
 
 
 class CostModelError(ValueError):
@@ -638,15 +636,6 @@ def estimate(model: ModelSpec, deployment: Deployment) -> Plan:
 # ---------------------------------------------------------------------------------------------
 # Presentation
 # ---------------------------------------------------------------------------------------------
-def fmt_bytes(n: int | float) -> str:
-    """``n`` bytes in GiB (2**30) and GB (10**9), both named: ``'48.79 GiB (52.39 GB)'``."""
-    if abs(n) >= GiB / 10:
-        return f"{n / GiB:.2f} GiB ({n / GB:.2f} GB)"
-    if abs(n) >= 2**20:
-        return f"{n / 2**20:.2f} MiB ({n / 1e6:.2f} MB)"
-    return f"{n} B"
-
-
 def fmt_seconds(s: float) -> str:
     if s == 0:
         return "0"

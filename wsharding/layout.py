@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from wsharding.units import align_up
+
 #: Byte alignment of every entry offset and of every chunk border.
 ALIGNMENT = 16
 
@@ -65,11 +67,6 @@ def parse_dtype(dtype: torch.dtype | str, *, what: str = "dtype") -> torch.dtype
             f"{what}: unsupported dtype {dtype}; supported: {sorted(set(SUPPORTED_DTYPES.values()))}"
         )
     return dtype
-
-
-def align_up(n: int, alignment: int) -> int:
-    """Smallest multiple of ``alignment`` that is >= ``n``."""
-    return -(-n // alignment) * alignment
 
 
 @dataclass(frozen=True)

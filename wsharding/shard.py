@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +30,14 @@ import torch
 from torch import nn
 
 from wsharding.comm.base import Communicator
-from wsharding.layout import FlatLayout, align_up
+from wsharding.layout import FlatLayout
+from wsharding.linear.base import LinearBase, rebind_tensor
 from wsharding.planner import ShardedLayer, WeightShardPlanner
 from wsharding.slots import SlotPool
+from wsharding.units import align_up
+
+#: How many shardings were finalized on each communicator: numbers the window tags of the next one.
+_SHARDINGS_ON: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
 
 #: (shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)
 RowBlock = tuple[Any, int, int, int]
@@ -269,8 +275,8 @@ class WeightSharding:
         rank, world = comm.rank, comm.world_size
         # Buffer tags name symmetric windows and must be unique on a communicator that outlives one
         # model: number the shardings made on it (the same count on every rank).
-        k = getattr(comm, "_wsharding_count", 0)
-        comm._wsharding_count = k + 1
+        k = _SHARDINGS_ON.get(comm, 0)
+        _SHARDINGS_ON[comm] = k + 1
         for i in sorted(self.targets):
             self.chunks[i] = comm.alloc(self.layouts[i].chunk_bytes, tag=f"ws{k}.layer.{i}.chunk")
         self.slots = SlotPool(comm, self.layouts, tag=f"ws{k}.slot")
@@ -295,7 +301,7 @@ class WeightSharding:
                     chunk[a - lo : b - lo].copy_(full[a - e.offset : b - e.offset])
             views = self.slots.views(i)
             for t in self.targets[i]:
-                _rebind(t.module, "weight", views[t.entry])  # frees this layer's row shards
+                rebind_tensor(t.module, "weight", views[t.entry])  # frees this layer's row shards
         self.planner = WeightShardPlanner(
             comm,
             {i: ShardedLayer(i, self.layouts[i], self.chunks[i]) for i in self.targets},
@@ -354,13 +360,6 @@ class WeightSharding:
         ]
 
 
-def _rebind(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    # nn.Module refuses a plain tensor over a registered Parameter: drop the Parameter first.
-    if name in module._parameters:
-        del module._parameters[name]
-    setattr(module, name, tensor)
-
-
 def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
     """Called at the start of a sharded layer's forward: wait (once) until its weights are in its
     slot. A layer that is not sharded returns at once."""
@@ -396,8 +395,6 @@ def run_layers(
 
 # ---- the generic path: any nn.Module whose blocks sit in a ModuleList ------------------------------
 def _is_linear(mod: nn.Module) -> bool:
-    from wsharding.linear import LinearBase
-
     return isinstance(mod, (nn.Linear, LinearBase))
 
 

@@ -15,7 +15,7 @@ from wsharding.comm.base import CommError, DoneHandle, GatherHandle, check_gathe
 from wsharding.comm.groups import shard_group_ranks
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the GPU machine has 2.11.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _WorkHandle:
@@ -60,7 +60,6 @@ class TorchDistComm:
         *,
         device: torch.device | str | None = None,
         mode: str | None = None,
-        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise CommError("torch.distributed is not initialised: start ranks with wsharding.cluster first")
@@ -72,7 +71,6 @@ class TorchDistComm:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
         self.mode = mode or mode_label(self.backend, self.device)
-        self.timeout = timeout
         #: Number of all-gathers issued (tests count one per sharded layer per step).
         self.gathers_issued = 0
 
@@ -86,7 +84,7 @@ class TorchDistComm:
                 full.copy_(chunk)
             return DoneHandle()
         try:
-            work = _all_gather_single(full, chunk, group=self.group, async_op=async_op)
+            work = all_gather_single(full, chunk, group=self.group, async_op=async_op)
         except RuntimeError as e:
             raise CommError(f"{what} failed on rank {self.rank}: {e}") from e
         if async_op:
@@ -122,11 +120,11 @@ def new_shard_comms(
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = shard_group_ranks(world, group_size)
     if len(groups) == 1:
-        return TorchDistComm(None, device=device, mode=mode, timeout=timeout)
+        return TorchDistComm(None, device=device, mode=mode)
     mine = None
     for ranks in groups:
         # new_group must be called by every rank for every group, in the same order.
         pg = dist.new_group(ranks, timeout=timeout) if timeout else dist.new_group(ranks)
         if rank in ranks:
             mine = pg
-    return TorchDistComm(mine, device=device, mode=mode, timeout=timeout)
+    return TorchDistComm(mine, device=device, mode=mode)

@@ -26,14 +26,17 @@ from wsharding.linear.quant import LinearMethodBase, UnquantizedLinearMethod
 
 
 def rebind_tensor(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Make ``layer.<name>`` the plain tensor ``tensor`` (e.g. a zero-copy view of a gathered slot).
+    """Make ``layer.<name>`` read ``tensor`` (e.g. a zero-copy view of a gathered slot).
 
-    ``nn.Module`` refuses to assign a plain tensor over a registered Parameter, so the Parameter entry
-    is removed first; quant methods read ``layer.<name>`` at call time and work with either.
+    A registered Parameter stays the same object -- its ``.data`` becomes ``tensor`` -- so
+    ``model.parameters()``, ``state_dict()`` and attributes such as ``weight_loader`` keep seeing
+    it; any other attribute is simply set. Quant methods read ``layer.<name>`` at call time.
     """
-    if name in layer._parameters:
-        del layer._parameters[name]
-    setattr(layer, name, tensor)
+    param = layer._parameters.get(name)
+    if param is not None:
+        param.data = tensor
+    else:
+        setattr(layer, name, tensor)
 
 
 class LinearBase(nn.Module):

@@ -15,7 +15,6 @@ from wsharding.linear.groups import (
     GroupError,
     ParallelGroupSpec,
     ParallelState,
-    ceil_div,
     divide,
     group_rank_size,
     resolve_linear_group,
@@ -23,6 +22,7 @@ from wsharding.linear.groups import (
 from wsharding.linear.loading import check_shape, copy_with_check, pad_or_narrow
 from wsharding.linear.parameters import v1_rows
 from wsharding.linear.quant import LinearMethodBase
+from wsharding.units import ceil_div
 
 #: ``(shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)``, in logical weight rows.
 RowSubBlock = tuple[object, int, int, int]

@@ -46,8 +46,6 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     return numerator // denominator
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsharding.linear.groups import ceil_div
 from wsharding.linear.loading import CheckpointShapeError, check_shape, copy_with_check, pad_or_narrow
+from wsharding.units import ceil_div
 
 QKV_INDEX = {"q": 0, "k": 1, "v": 2}
 

@@ -7,7 +7,7 @@ where a method may change layout or dtype, after every checkpoint tensor arrived
 
 ``apply`` reads ``layer.weight`` (and scales) *at call time* and never caches them: weight sharding
 rebinds ``layer.weight`` to a view of a freshly gathered buffer right before the layer runs, possibly as
-a plain tensor attribute instead of a Parameter (see :func:`wsharding.linear.base.rebind_tensor`).
+a view of a gathered slot (see :func:`wsharding.linear.base.rebind_tensor`).
 
 Besides the unquantised method, three small weight-only formats exercise every v2 parameter class with
 real arithmetic (dequantise, then GEMM): int8 per-channel, int8 with block scales, int4 packed eight to
@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsharding.linear.groups import ceil_div
 from wsharding.linear.parameters import (
     BlockQuantScaleParameter,
     ChannelQuantScaleParameter,
@@ -32,6 +31,7 @@ from wsharding.linear.parameters import (
     PackedParameter,
     PerTensorScaleParameter,
 )
+from wsharding.units import ceil_div
 
 
 class LinearMethodBase:

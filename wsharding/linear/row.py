@@ -24,13 +24,13 @@ from wsharding.linear.groups import (
     ParallelGroupSpec,
     ParallelState,
     ResolvedGroup,
-    ceil_div,
     divide,
     group_rank_size,
     resolve_linear_group,
 )
 from wsharding.linear.loading import pad_or_narrow
 from wsharding.linear.quant import LinearMethodBase
+from wsharding.units import ceil_div
 
 _SKIP_MLP_ALL_REDUCE = [False]
 

@@ -247,6 +247,21 @@ def _init_(module: nn.Module, gen: torch.Generator, device: torch.device | str) 
                 p.copy_((torch.randn(p.shape, generator=gen) / fan_in**0.5).to(p.dtype).to(device))
 
 
+def decoder_config(preset: str | DecoderConfig, layers: int | None = None) -> DecoderConfig:
+    """A preset's :class:`DecoderConfig` (or ``preset`` itself), with ``layers`` overriding its depth."""
+    if isinstance(preset, DecoderConfig):
+        cfg = preset
+    else:
+        if preset not in PRESETS:
+            raise ValueError(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
+        cfg = PRESETS[preset]
+    if layers is not None:
+        if layers < 2:
+            raise ValueError(f"layers: need at least 2 (a dense layer 0 and one sharded layer), got {layers}")
+        cfg = cfg.with_(layers=layers)
+    return cfg
+
+
 def build_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 0, lookahead: bool = True, trace: bool = False,
                sharded_layers: range | None = None) -> tuple[ToyDecoder, ToyDecoder]:
     """The replicated model and its sharded twin (same seed: the same weights) on this rank.

@@ -134,9 +134,6 @@ FUNCTIONS: tuple[Fn, ...] = (
     Fn("ncclCommFinalize", ncclResult_t, (ncclComm_t,), since="2.14", doc="collective: flush before destroy"),
     Fn("ncclCommDestroy", ncclResult_t, (ncclComm_t,), doc="free a finalized communicator"),
     Fn("ncclCommAbort", ncclResult_t, (ncclComm_t,), doc="tear down at once, unblocking stuck operations"),
-    Fn("ncclCommCount", ncclResult_t, (ncclComm_t, POINTER(c_int)), doc="number of ranks"),
-    Fn("ncclCommUserRank", ncclResult_t, (ncclComm_t, POINTER(c_int)), doc="this rank"),
-    Fn("ncclCommCuDevice", ncclResult_t, (ncclComm_t, POINTER(c_int)), doc="CUDA device of this rank"),
     Fn("ncclMemAlloc", ncclResult_t, (POINTER(c_void_p), c_size_t), since="2.19", doc="cuMem-backed device memory"),
     Fn("ncclMemFree", ncclResult_t, (c_void_p,), since="2.19", doc="free ncclMemAlloc memory"),
     Fn("ncclCommWindowRegister", ncclResult_t, (ncclComm_t, c_void_p, c_size_t, POINTER(ncclWindow_t), c_int),
@@ -145,8 +142,6 @@ FUNCTIONS: tuple[Fn, ...] = (
        doc="collective: deregister a window"),
     Fn("ncclAllGather", ncclResult_t, (c_void_p, c_void_p, c_size_t, ncclDataType_t, ncclComm_t, cudaStream_t),
        doc="collective: gather sendcount elements from every rank"),
-    Fn("ncclGroupStart", ncclResult_t, (), doc="open a group of calls"),
-    Fn("ncclGroupEnd", ncclResult_t, (), doc="close a group of calls"),
 )
 
 

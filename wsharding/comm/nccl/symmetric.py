@@ -23,22 +23,16 @@ from __future__ import annotations
 import ctypes
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from wsharding.comm.base import CommError
 from wsharding.comm.nccl.binding import NCCL_WIN_COLL_SYMMETRIC
-
-if TYPE_CHECKING:  # pragma: no cover
-    from wsharding.comm.nccl.communicator import NcclCommunicator
+from wsharding.units import align_up
 
 #: Offsets and sizes inside windows are multiples of this (NCCL's symmetric-window rule).
 WINDOW_ALIGN = 4096
-
-
-def round_up(n: int, to: int = WINDOW_ALIGN) -> int:
-    return -(-n // to) * to
 
 
 def tag_sort_key(tag: str) -> tuple:
@@ -108,11 +102,25 @@ def check_same_registration(per_rank: list[list[tuple[str, int]]]) -> None:
                 )
 
 
+class WindowOwner(Protocol):
+    """What a pool needs of the communicator that owns it (the communicator module builds on this
+    one, not the other way round): the binding, the comm handle, the device, an exchange over the
+    CPU group and the result checker that polls a non-blocking communicator."""
+
+    nccl: Any
+    handle: int | None
+    device: torch.device
+
+    def exchange(self, obj: Any) -> list[Any]: ...
+
+    def complete(self, rc: int, what: str) -> None: ...
+
+
 @dataclass
 class SymmetricPool:
-    """The buffers of one :class:`~wsharding.comm.nccl.communicator.NcclCommunicator`."""
+    """The buffers of one communicator (a :class:`WindowOwner`)."""
 
-    comm: NcclCommunicator
+    comm: WindowOwner
     buffers: list[SymmetricBuffer] = field(default_factory=list)
     #: Tags in the order their windows were registered (the same on every rank).
     registered_order: list[str] = field(default_factory=list)
@@ -124,7 +132,7 @@ class SymmetricPool:
         if any(b.tag == tag and not b.freed for b in self.buffers):
             raise CommError(f"alloc: tag {tag!r} is already used; tags name windows and must be unique")
         c = self.comm
-        size = round_up(nbytes)
+        size = align_up(nbytes, WINDOW_ALIGN)
         ptr = ctypes.c_void_p()
         with torch.cuda.device(c.device):
             c.nccl.check(c.nccl.ncclMemAlloc(ctypes.byref(ptr), size), f"ncclMemAlloc({size}) for {tag!r}")

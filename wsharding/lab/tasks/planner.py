@@ -15,23 +15,9 @@ import torch
 from torch import nn
 
 from wsharding.cluster import RankContext
-from wsharding.models import PRESETS, DecoderConfig, ToyDecoder
+from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
 from wsharding.shard import WeightSharding, aligned_forward, prepare_layer_weight_shard_forward, run_layers
 from wsharding.slots import SLOT_NAMES
-
-
-def _config(preset: str | DecoderConfig, layers: int | None = None) -> DecoderConfig:
-    if isinstance(preset, DecoderConfig):
-        cfg = preset
-    else:
-        if preset not in PRESETS:
-            raise ValueError(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
-        cfg = PRESETS[preset]
-    if layers is not None:
-        if layers < 2:
-            raise ValueError(f"layers: need at least 2 (a dense layer 0 and one sharded layer), got {layers}")
-        cfg = cfg.with_(layers=layers)
-    return cfg
 
 
 def _tokens_of(tokens: int | Sequence[int], rank: int) -> int:
@@ -79,7 +65,7 @@ def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequ
     every layer but the dense layer 0). Returns the per-layer trace records of every step, the
     gathers and waits counted by the planner per step, and the step wall times.
     """
-    cfg = _config(preset, layers)
+    cfg = decoder_config(preset, layers)
     model = _sharded_model(ctx, cfg, sharded_layers, lookahead, seed, group_size)
     planner = model.planner
     n = _tokens_of(tokens, ctx.rank)
@@ -125,7 +111,7 @@ def slot_table(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | N
                sharded_layers: Iterable[int] | None = None, group_size: int | None = None) -> list[dict[str, Any]]:
     """Per sharded layer of a real sharded decoder: its slot, the layer whose slot it overwrites
     (the gate) and its flat buffer size, read from the model's :class:`~wsharding.slots.SlotPool`."""
-    cfg = _config(preset, layers)
+    cfg = decoder_config(preset, layers)
     model = _sharded_model(ctx, cfg, sharded_layers, True, 0, group_size)
     ws = model.weight_sharding
     pool = ws.slots
@@ -223,7 +209,7 @@ def describe_sharding(ctx: RankContext, preset: str | DecoderConfig, *, layers: 
     """What sharding did to the decoder on this rank: per layer its targets, layout and slot
     (``WeightSharding.describe()``), the layouts themselves, and the bytes -- R, the formula and
     the resident bytes measured from the storages."""
-    cfg = _config(preset, layers)
+    cfg = decoder_config(preset, layers)
     model = _sharded_model(ctx, cfg, sharded_layers, True, 0, group_size)
     ws = model.weight_sharding
     return {

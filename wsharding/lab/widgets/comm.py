@@ -14,9 +14,10 @@ import ipywidgets as W
 import plotly.graph_objects as go
 import torch
 
-from wsharding.bench.allgather import format_table, run_cpu, run_gpu
 from wsharding.cluster import RankCluster
-from wsharding.viz.comm import allgather_bandwidth_figure
+from wsharding.lab.bench.allgather import format_table, run_cpu, run_gpu
+from wsharding.lab.viz.comm import allgather_bandwidth_figure
+from wsharding.units import ceil_div
 
 
 def parse_sizes(text: str) -> list[float]:
@@ -45,7 +46,7 @@ def run_allgather_panel(ranks: int, sizes_mib: list[float], cluster: RankCluster
     ``cluster``: a running CPU cluster of ``ranks`` ranks to reuse (the CPU variant only).
     """
     if torch.cuda.is_available():
-        result = run_gpu(ranks, -(-ranks // torch.cuda.device_count()), sizes_mib, [2, 0], iters=iters, reps=3)
+        result = run_gpu(ranks, ceil_div(ranks, torch.cuda.device_count()), sizes_mib, [2, 0], iters=iters, reps=3)
     else:
         use = cluster if cluster is not None and cluster.world_size == ranks else None
         result = run_cpu(ranks, sizes_mib, iters=iters, cluster=use)

@@ -15,7 +15,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-MiB = 1 << 20
+from wsharding.units import MiB
+
 IMPL_COLORS = {
     "nccl-ce (policy 2)": "#2ca02c",
     "nccl-sm (policy 0)": "#d62728",
@@ -130,10 +131,10 @@ def load_result(path: str) -> dict[str, Any]:
 
 
 def save_allgather_figures(json_path: str, out_dir: str = "figures") -> list[str]:
-    """Write the benchmark's figures next to its JSON with :func:`wsharding.viz.export.save_figure`
+    """Write the benchmark's figures next to its JSON with :func:`wsharding.lab.viz.export.save_figure`
     (HTML that opens offline, sharing one plotly.js in the folder; PNG too when possible).
     Returns the paths written."""
-    from wsharding.viz.export import save_figure
+    from wsharding.lab.viz.export import save_figure
 
     result = load_result(json_path)
     stem = os.path.splitext(os.path.basename(json_path))[0]
@@ -146,7 +147,7 @@ def save_allgather_figures(json_path: str, out_dir: str = "figures") -> list[str
     return written
 
 
-if __name__ == "__main__":  # python -m wsharding.viz.comm figures/allgather_*.json
+if __name__ == "__main__":  # python -m wsharding.lab.viz.comm figures/allgather_*.json
     import sys
 
     for p in sys.argv[1:]:

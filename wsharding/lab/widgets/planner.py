@@ -3,7 +3,7 @@ layers, tokens per rank and lookahead on/off, and show the timeline (compute and
 exposed waits), slot reuse and gate waits.
 
 The panel is a thin wrapper over :func:`planner_view`, which tests call directly; the work on the
-ranks is :func:`wsharding.planner_tasks.traced_run`.
+ranks is :func:`wsharding.lab.tasks.planner.traced_run`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from wsharding.cluster import RankCluster
+from wsharding.lab.tasks.planner import traced_run
+from wsharding.lab.viz.planner import exposed_us, slot_figure, timeline_figure
 from wsharding.models import PRESETS
-from wsharding.planner_tasks import traced_run
-from wsharding.viz.planner import exposed_us, slot_figure, timeline_figure
 
 #: Presets a CPU-emulated rank can run in a few seconds (k3-like is for GPUs: 370 MB per layer).
 CPU_PRESETS = ("tiny", "small")

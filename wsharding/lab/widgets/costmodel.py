@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from wsharding.costmodel import GB, Deployment, ModelSpec, Plan, estimate, get_device, plan_table
-from wsharding.viz.costmodel import memory_figure, overlap_figure, token_grid
+from wsharding.lab.viz.costmodel import memory_figure, overlap_figure, token_grid
 
 #: The dtype menu: "as given" keeps the model's own dtypes.
 DTYPE_CHOICES = ("as given", "bf16", "fp8_e4m3", "fp32")

@@ -4,7 +4,7 @@ The panel is a thin ipywidgets wrapper over three pure functions that tests call
 
 * :func:`parse_custom_specs` -- ``"name shape dtype"`` lines into weight specs;
 * :func:`build_layout` -- a preset key (or ``"custom"`` plus text) and N into a :class:`FlatLayout`;
-* :func:`run_gather` -- :func:`wsharding.ranks_tasks.gather_layout` on a :class:`RankCluster` of N
+* :func:`run_gather` -- :func:`wsharding.lab.tasks.layout.gather_layout` on a :class:`RankCluster` of N
   ranks, summarised per rank (mismatched bytes, views equal, pieces as planned).
 
 Which cluster runs the gather: a gather over N ranks needs a cluster of exactly N rank processes.
@@ -25,10 +25,10 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from wsharding.cluster import RankCluster
+from wsharding.lab.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
+from wsharding.lab.tasks.layout import gather_layout
+from wsharding.lab.viz.layout import chunk_map_figure, human_bytes
 from wsharding.layout import FlatLayout, LayoutError, parse_dtype
-from wsharding.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
-from wsharding.ranks_tasks import gather_layout
-from wsharding.viz.layout import chunk_map_figure, human_bytes
 
 #: The choice that reads weights from the text box instead of a preset.
 CUSTOM = "custom"
@@ -88,7 +88,7 @@ def parse_custom_specs(text: str) -> list[Spec]:
 
 
 def build_layout(choice: str, group_size: int, custom_text: str = "") -> FlatLayout:
-    """The layout for a preset key from :data:`~wsharding.layout_presets.LAYOUT_PRESETS` (or
+    """The layout for a preset key from :data:`~wsharding.lab.layout_presets.LAYOUT_PRESETS` (or
     :data:`CUSTOM`, reading ``custom_text``) over ``group_size`` ranks."""
     if not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE:
         raise LayoutError(f"N (group size) must be an integer from 1 to {MAX_GROUP_SIZE}, got {group_size!r}")
@@ -156,7 +156,7 @@ def run_gather(cluster: RankCluster, layout: FlatLayout, *, seed: int = 0) -> Ga
     """Gather ``layout`` on every rank of ``cluster`` (one all-gather) and verify it byte for byte.
 
     Each rank fills its chunk from deterministic reference weights, gathers in place, and compares
-    the full buffer and every view against the reference (see :func:`~wsharding.ranks_tasks.gather_layout`).
+    the full buffer and every view against the reference (see :func:`~wsharding.lab.tasks.layout.gather_layout`).
     """
     if cluster.world_size != layout.group_size:
         raise ValueError(

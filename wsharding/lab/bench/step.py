@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, RankContext
-from wsharding.model_tasks import _config
-from wsharding.models import PRESETS, ToyDecoder, build_pair
+from wsharding.models import PRESETS, ToyDecoder, build_pair, decoder_config
 from wsharding.runtime import gpu_count, in_ci
+from wsharding.units import ceil_div
 
 VARIANTS = ("replicated", "sharded", "sharded_no_lookahead", "fsdp2")
 
@@ -55,7 +55,7 @@ def _timed(fn, steps: int, device: torch.device) -> float:
 def step_bench_rank(ctx: RankContext, preset: str, tokens: list[int], *, steps: int = 5, warmup: int = 2,
                     fsdp: bool = True) -> dict[str, Any]:
     """On one rank: the four variants at every tokens-per-rank value, in the same run."""
-    cfg = _config(preset)
+    cfg = decoder_config(preset)
     comm = ctx.shard_comm(ctx.world_size)
     dev = comm.device
     replicated, sharded = build_pair(cfg, comm)
@@ -99,7 +99,8 @@ def summarize(results: list[dict[str, Any]], preset: str) -> dict[str, Any]:
         rows.append(merged)
     r0 = results[0]
     return {"bench": "step", "preset": preset, "mode": r0["mode"], "emulation": r0["emulation"],
-            "world_size": len(results), "replicated_bytes_per_rank": r0["replicated_bytes"],
+            "world_size": len(results), "variants": [v for v in VARIANTS if v in rows[0]],
+            "replicated_bytes_per_rank": r0["replicated_bytes"],
             "sharded_resident_bytes_per_rank": r0["sharded_resident_bytes"], "rows": rows}
 
 
@@ -130,13 +131,13 @@ def main(args: argparse.Namespace) -> int:
     n = args.ranks or (gpus if gpus else 2)
     preset = args.preset or ("k3-like" if gpus and not in_ci() else "tiny")
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 16, 256] if not gpus else [1, 16, 256, 2048])
-    with RankCluster(n, backend=backend, ranks_per_gpu=-(-n // gpus) if gpus else 1, task_timeout=3600) as cluster:
+    with RankCluster(n, backend=backend, ranks_per_gpu=ceil_div(n, gpus) if gpus else 1, task_timeout=3600) as cluster:
         results = cluster.run(step_bench_rank, preset, tokens, steps=args.steps, fsdp=not args.no_fsdp)
     report = summarize(results, preset)
     print(format_table(report))
     if args.out:
-        from wsharding.viz.bench import step_figure
-        from wsharding.viz.export import save_figure
+        from wsharding.lab.viz.bench import step_figure
+        from wsharding.lab.viz.export import save_figure
 
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,21 +25,11 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, RankContext
-from wsharding.model_tasks import _config, ours_supported, shard_comm_for, tokens_for
-from wsharding.models import PRESETS, build_pair
+from wsharding.lab.tasks.model import ours_supported, shard_comm_for, tokens_for
+from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import aligned_forward
-
-#: A small layer with weights of several dtypes whose sizes make chunks cross weight borders
-#: (the first form of the demo gathered it; notebook 01 still offers it as a preset).
-DEMO_LAYER = [
-    ("attn.qkv_proj", (96, 64), torch.bfloat16),
-    ("attn.o_proj", (64, 64), torch.bfloat16),
-    ("moe.router", (8, 64), torch.float32),
-    ("moe.latent_down", (33, 64), torch.float8_e4m3fn),
-    ("moe.latent_up", (64, 33), torch.float16),
-    ("moe.shared_expert", (5, 7), torch.int8),
-]
+from wsharding.units import ceil_div
 
 
 def default_counts(world: int, steps: int) -> list[list[int]]:
@@ -71,7 +61,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
               group_size: int | None = None, comm: str = "torch") -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
     variants side by side, trace one lookahead step and one step without lookahead."""
-    cfg = _config(preset)
+    cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
     replicated, sharded = build_pair(cfg, comm, lookahead=True, trace=False)
     ws = sharded.weight_sharding
@@ -147,7 +137,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
 def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[str, Any]:
     """The demo's JSON report from every rank's result."""
     r0 = reports[0]
-    cfg = _config(preset)
+    cfg = decoder_config(preset)
     mean = lambda key: sum(r["step_ms"][key] for r in reports) / len(reports)  # noqa: E731
     return {
         "mode": r0["mode"],
@@ -204,8 +194,8 @@ def format_table(report: dict[str, Any]) -> str:
 def write_figures(report: dict[str, Any], out_dir: str | Path, prefix: str = "") -> list[str]:
     """Timeline, slot occupancy and memory figures as HTML (and PNG when a Chromium is present),
     named ``<prefix>demo_*`` in ``out_dir``."""
-    from wsharding.viz.export import save_figure
-    from wsharding.viz.planner import memory_figure, slot_figure, timeline_figure
+    from wsharding.lab.viz.export import save_figure
+    from wsharding.lab.viz.planner import memory_figure, slot_figure, timeline_figure
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
     n = args.ranks or (gpus if backend == "nccl" else 4)
     preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny-deep")
     counts = default_counts(n, args.steps)
-    ranks_per_gpu = -(-n // gpus) if backend == "nccl" and gpus else 1
+    ranks_per_gpu = ceil_div(n, gpus) if backend == "nccl" and gpus else 1
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         comm = args.comm if args.comm != "auto" else ("nccl" if cluster.backend == "nccl" and ours_supported() else "torch")
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)

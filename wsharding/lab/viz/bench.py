@@ -6,16 +6,14 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from wsharding.bench.step import VARIANTS
-
 
 def step_figure(report: dict[str, Any]) -> go.Figure:
-    """Step time per variant across tokens per rank (log-log), labelled with the mode."""
+    """Step time per variant (the report's ``variants``) across tokens per rank (log-log), labelled
+    with the mode."""
     fig = go.Figure()
     xs = [r["tokens_per_rank"] for r in report["rows"]]
-    for v in VARIANTS:
-        if v in report["rows"][0]:
-            fig.add_trace(go.Scatter(x=xs, y=[r[v] for r in report["rows"]], mode="lines+markers", name=v))
+    for v in report["variants"]:
+        fig.add_trace(go.Scatter(x=xs, y=[r[v] for r in report["rows"]], mode="lines+markers", name=v))
     label = f"{report['mode']}, {report['world_size']} ranks, preset {report['preset']}"
     if report.get("emulation"):
         label += " -- emulated, not GPU timings"

@@ -11,14 +11,26 @@ from dataclasses import dataclass
 
 import torch
 
-from wsharding.demo import DEMO_LAYER
 from wsharding.layout import LayoutError
+from wsharding.units import ceil_div
 
 #: Block size of block-wise FP8 checkpoints (``weight_block_size: [128, 128]`` in the DeepSeek-V3 and
 #: Kimi-K2 configs): one fp32 scale per 128 x 128 tile of the weight.
 FP8_BLOCK = 128
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
+
+
+#: A small layer with weights of several dtypes whose sizes make chunks cross weight borders
+#: (the first form of the demo gathered it; notebook 01 offers it as a preset).
+DEMO_LAYER = [
+    ("attn.qkv_proj", (96, 64), torch.bfloat16),
+    ("attn.o_proj", (64, 64), torch.bfloat16),
+    ("moe.router", (8, 64), torch.float32),
+    ("moe.latent_down", (33, 64), torch.float8_e4m3fn),
+    ("moe.latent_up", (64, 33), torch.float16),
+    ("moe.shared_expert", (5, 7), torch.int8),
+]
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,7 @@ def llama31_8b_layer() -> list[Spec]:
 
 def _fp8_with_scale(name: str, rows: int, cols: int) -> list[Spec]:
     # Block FP8: the fp8 weight plus one fp32 inverse scale per 128 x 128 tile (ceil on both axes).
-    tiles = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    tiles = (ceil_div(rows, FP8_BLOCK), ceil_div(cols, FP8_BLOCK))
     return [(f"{name}.weight", (rows, cols), torch.float8_e4m3fn), (f"{name}.scale_inv", tiles, torch.float32)]
 
 
@@ -88,9 +100,9 @@ def k3_like_moe_peripherals(scale: int = 1) -> list[Spec]:
 #: Presets offered by the layout panel, by key.
 LAYOUT_PRESETS: dict[str, LayerPreset] = {
     "demo": LayerPreset(
-        "demo layer (wsharding.demo.DEMO_LAYER, 6 mixed-dtype weights)",
+        "demo layer (wsharding.lab.layout_presets.DEMO_LAYER, 6 mixed-dtype weights)",
         tuple(DEMO_LAYER),
-        "wsharding.demo.DEMO_LAYER: small, odd sizes chosen so that chunks cross weight borders",
+        "wsharding.lab.layout_presets.DEMO_LAYER: small, odd sizes chosen so that chunks cross weight borders",
     ),
     "llama31_8b": LayerPreset(
         "Llama-3.1-8B decoder layer, bf16 (416 MiB)",

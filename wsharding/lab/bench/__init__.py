@@ -1,7 +1,7 @@
 """``wsharding bench``: measured benchmarks, one module per benchmark.
 
 Each benchmark module provides ``add_arguments(parser)`` and ``main(args) -> int``; adding one is a
-row in :data:`BENCHES` (e.g. ``"step": ("wsharding.bench.step", "...")``).
+row in :data:`BENCHES` (e.g. ``"step": ("wsharding.lab.bench.step", "...")``).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import importlib
 #: benchmark name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
     "allgather": (
-        "wsharding.bench.allgather",
+        "wsharding.lab.bench.allgather",
         "per-layer AllGather: copy engine (CTA policy 2) vs SM kernels (policy 0) vs torch.distributed",
     ),
     "step": (
-        "wsharding.bench.step",
+        "wsharding.lab.bench.step",
         "step time: replicated vs weight-sharded (lookahead on/off) vs FSDP2, across tokens per rank",
     ),
 }

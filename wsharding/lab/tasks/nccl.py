@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankContext
-
-MiB = 1 << 20
+from wsharding.units import MiB
 
 
 def _pattern(rank: int, n: int, salt: int, device: torch.device) -> torch.Tensor:

@@ -12,10 +12,10 @@ import sys
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("wsharding.demo", "shard a model on N ranks, check it against the replicated one, report"),
-    "plan": ("wsharding.plan", "the memory and traffic bill of weight sharding for a preset or model file"),
-    "info": ("wsharding.info", "torch, CUDA, GPUs, the NCCL library and what it supports"),
-    "bench": ("wsharding.bench", "measured benchmarks (ratios measured side by side in one run)"),
+    "demo": ("wsharding.lab.demo", "shard a model on N ranks, check it against the replicated one, report"),
+    "plan": ("wsharding.lab.plan", "the memory and traffic bill of weight sharding for a preset or model file"),
+    "info": ("wsharding.lab.info", "torch, CUDA, GPUs, the NCCL library and what it supports"),
+    "bench": ("wsharding.lab.bench", "measured benchmarks (ratios measured side by side in one run)"),
 }
 
 

@@ -84,6 +84,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m wsharding.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m wsharding.lab.plan", description=__doc__.splitlines()[0])
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

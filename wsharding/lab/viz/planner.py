@@ -205,7 +205,7 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
     """
     for key in ("replicated_bytes_per_rank", "formula_bytes_per_rank", "slot_bytes"):
         if key not in report:
-            raise KeyError(f"memory_figure: the report has no {key!r} (a report of wsharding.demo.summarize has it)")
+            raise KeyError(f"memory_figure: the report has no {key!r} (a report of wsharding.lab.demo.summarize has it)")
     world = int(report.get("world_size", 1))
     rep, formula, slot = (int(report[k]) for k in ("replicated_bytes_per_rank", "formula_bytes_per_rank", "slot_bytes"))
     measured = report.get("sharded_resident_bytes_all")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankContext
-from wsharding.models import PRESETS, DecoderConfig, build_pair
+from wsharding.models import DecoderConfig, build_pair, decoder_config
 from wsharding.shard import aligned_forward
 
 
@@ -20,10 +20,6 @@ def tokens_for(rank: int, step: int, counts: list[list[int]], vocab: int, device
     n = counts[step % len(counts)][rank % len(counts[0])]
     g = torch.Generator().manual_seed(7919 * rank + step)
     return torch.randint(0, vocab, (n,), generator=g).to(device)
-
-
-def _config(preset: str | DecoderConfig) -> DecoderConfig:
-    return preset if isinstance(preset, DecoderConfig) else PRESETS[preset]
 
 
 def ours_supported() -> bool:
@@ -68,7 +64,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
                    group_size: int | None = None, seed: int = 0, comm: str = "torch") -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
     tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit."""
-    cfg = _config(preset)
+    cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
     replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead)
     ws = sharded.weight_sharding
@@ -106,7 +102,7 @@ def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, rep
     """CUDA only: capture the sharded model's step -- gathers on the side stream, gate and ready
     events, layer compute -- in one CUDA graph, replay it on new tokens, compare with eager and with
     the replicated model."""
-    cfg = _config(preset)
+    cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
     if comm.device.type != "cuda":
         raise RuntimeError("graph_replay needs CUDA ranks")
@@ -141,7 +137,7 @@ def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, rep
 def memory_over_steps(ctx: RankContext, preset: str | DecoderConfig, steps: int, tokens: int = 8,
                       comm: str = "torch") -> dict[str, Any]:
     """Allocated device memory (CUDA) after a warm-up and after ``steps`` more steps: must not grow."""
-    cfg = _config(preset)
+    cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm)
     _, sharded = build_pair(cfg, comm)
     dev = comm.device

@@ -8,9 +8,9 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from wsharding.lab.viz.linear import qkv_row_map
 from wsharding.linear.groups import GroupError
 from wsharding.linear.plan import layer_plan
-from wsharding.viz.linear import qkv_row_map
 
 
 def plan_html(plan: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ bus bandwidth (N-1)/N*S/t, and the device-to-device copy ceiling measured on the
 ``--overlap`` also times each gather beside an 8192^3 bf16 GEMM (how much of the gather shows).
 
 Without CUDA it says so and runs a small gloo variant on CPU processes, labelled as emulated.
-Results go to a JSON file; :mod:`wsharding.viz.comm` draws the figures from it.
+Results go to a JSON file; :mod:`wsharding.lab.viz.comm` draws the figures from it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from wsharding.cluster import CPU_EMULATION_NOTE, RankCluster, RankContext
+from wsharding.units import MiB, ceil_div
 
-MiB = 1 << 20
 DEFAULT_SIZES_MIB = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CPU_SIZES_MIB = [0.25, 1, 4]
 GPU_NEEDS_CUDA = (
@@ -169,7 +169,7 @@ def gpu_bench_rank(
 def _torch_baseline(ctx: RankContext, dev: torch.device, sizes: list[int], measure) -> None:
     import torch.distributed as dist
 
-    from wsharding.comm.torch_backend import _all_gather_single
+    from wsharding.comm.torch_backend import all_gather_single
 
     group = ctx.store.get("_bench_nccl_group")
     if group is None:
@@ -187,7 +187,7 @@ def _torch_baseline(ctx: RankContext, dev: torch.device, sizes: list[int], measu
     def gather(f, c):
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            _all_gather_single(f, c, group=group)
+            all_gather_single(f, c, group=group)
         ev = torch.cuda.Event()
         ev.record(stream)
         return _H(ev)
@@ -362,7 +362,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         gpus = torch.cuda.device_count()
         ranks = args.ranks or gpus
-        rpg = args.ranks_per_gpu or -(-ranks // gpus)
+        rpg = args.ranks_per_gpu or ceil_div(ranks, gpus)
         overlap = [float(s) for s in args.overlap.split(",")] if args.overlap else []
         result = run_gpu(ranks, rpg, sizes or DEFAULT_SIZES_MIB, [int(p) for p in args.policies.split(",")],
                          iters=args.iters, reps=args.reps, torch_baseline=not args.no_torch, overlap_mib=overlap)
