@@ -29,9 +29,13 @@ def seed_sequence(ctx, lookahead: bool, steps: int, tokens: list[int]):
             x = torch.randn(tokens[step % len(tokens)], 48, generator=torch.Generator().manual_seed(step))
             y = run_layers(blocks, x, ws.planner)
             counts.append((ws.planner.gathers_this_step, ws.planner.waits_this_step))
-            # calling wait again for a layer already waited on is free: at most once per step
-            ws.planner.wait_ready_once(3)
+            # calling wait again for a layer whose weights are still in its slot is free
+            ws.planner.wait_ready_once(5)
             counts.append((ws.planner.gathers_this_step, ws.planner.waits_this_step))
+            # ... but layer 3's slot A now holds layer 5: layer 3 gathers again (never computes with
+            # another layer's weights)
+            ws.planner.wait_ready_once(3)
+            counts.append(ws.planner.regathers)
             trace = ws.planner.finish_step()
             outs.append(y)
     slots_used = [r["slot"] for r in trace.records()]
@@ -41,9 +45,30 @@ def seed_sequence(ctx, lookahead: bool, steps: int, tokens: list[int]):
 @pytest.mark.parametrize("lookahead", [True, False])
 def test_sequence_counts_slots_and_trace(cluster_of, lookahead):
     for counts, slots_used, occupancy in cluster_of(3).run(seed_sequence, lookahead, 3, [2, 5]):
-        assert counts == [(5, 5)] * 6  # layers 1..5 sharded: 5 gathers, 5 waits, never more
+        # layers 1..5 sharded: 5 gathers, 5 waits per step, never more; one re-gather per step
+        assert counts == [(5, 5), (5, 5), 1, (5, 5), (5, 5), 2, (5, 5), (5, 5), 3]
         assert slots_used == ["A", "B", "A", "B", "A"]
-        assert occupancy == {"A": 5, "B": 4}
+        assert occupancy == {"A": 3, "B": 4}
+
+
+def stale_layer_call(ctx):
+    """After a step, run layer 1 on its own: its slot A holds layer 5 by then."""
+    blocks = _blocks(d=32)
+    ref = _blocks(d=32)
+    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(1, len(blocks))}).setup().finalize()
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(ctx.rank))
+    with torch.no_grad():
+        run_layers(blocks, x, ws.planner)
+        occupant_before = ws.slots.occupancy()["A"]
+        out = blocks[1](x)
+        want = ref[1](x)
+    return occupant_before, bool(torch.equal(out, want)), ws.planner.regathers
+
+
+def test_a_layer_called_after_the_step_gathers_its_own_weights_again(cluster_of):
+    for occupant_before, equal, regathers in cluster_of(2).run(stale_layer_call):
+        assert occupant_before == 5  # without the occupancy check layer 1 would read layer 5's weights
+        assert equal and regathers == 1
 
 
 def test_slot_pool_parity_and_gates():

@@ -311,8 +311,47 @@ class WeightSharding:
         )
         for i, layer in self.layers.items():
             layer._weight_shard = (self.planner, i)
+        on_close = getattr(comm, "on_close", None)
+        if on_close is not None:
+            on_close(self.close)  # the communicator closes us before it frees the memory we view
         self.stage = "finalized"
         return self
+
+    # ---- teardown ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the sharding, in the order that keeps every step safe: hooks, planner, weights, then
+        the slots and chunks (on our NCCL backend: their windows are deregistered -- collective, every
+        rank calls it -- and the memory freed). A model used afterwards raises :class:`ShardingError`
+        instead of reading freed memory. Idempotent; also what ``with WeightSharding(...)`` does."""
+        if self.stage == "closed":
+            return
+        for h in getattr(self, "hook_handles", []):
+            h.remove()
+        self.hook_handles = []
+        if self.planner is not None:
+            self.planner.close()
+        why = ("this model's weight sharding was closed (WeightSharding.close(), or its communicator was closed): "
+               "its sharded weights are gone. Shard a fresh model to run it again")
+        for i, layer in self.layers.items():
+            layer._weight_shard = None
+            self.hook_handles.append(layer.register_forward_pre_hook(_refuse(why, i)))
+            for t in self.targets[i]:
+                # The Parameter object stays (with its loader), holding no memory: nothing can read
+                # the freed slot through it.
+                rebind_tensor(t.module, "weight", torch.empty(0, dtype=t.dtype, device=self.comm.device))
+        release = getattr(self.comm, "release", None)
+        buffers = list(self.chunks.values()) + (list(self.slots.buffers) if self.slots is not None else [])
+        self.chunks.clear()
+        self.slots = None
+        if release is not None and buffers:
+            release(buffers)
+        self.stage = "closed"
+
+    def __enter__(self) -> WeightSharding:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _expect(self, stage: str, what: str) -> None:
         if self.stage != stage:
@@ -360,6 +399,13 @@ class WeightSharding:
         ]
 
 
+def _refuse(why: str, layer_id: int) -> Callable[..., None]:
+    def hook(_mod: nn.Module, _args: Any) -> None:
+        raise ShardingError(f"layer {layer_id}: {why}")
+
+    return hook
+
+
 def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
     """Called at the start of a sharded layer's forward: wait (once) until its weights are in its
     slot. A layer that is not sharded returns at once."""
@@ -385,7 +431,7 @@ def run_layers(
             hidden = call(layers[i], hidden)
         return hidden
     planner.reset()
-    planner.pre_dispatch(start_layer)
+    planner.pre_dispatch(start_layer, end)
     for i in range(start_layer, end):
         planner.maybe_dispatch(i + 1)  # side stream: AG(i+1), gate = done(i-1)
         hidden = call(layers[i], hidden)  # the layer waits for its own gather at its start
@@ -435,15 +481,14 @@ def shard_blocks(
 
     def start_step(_mod, _args):
         planner.reset()
-        planner.pre_dispatch(0)
+        planner.pre_dispatch(0, count)
 
     def end_step(_mod, _args, _out):
         planner.finish_step()
 
     def before_block(i):
         def hook(_mod, _args):
-            if i + 1 < count:
-                planner.maybe_dispatch(i + 1)
+            planner.maybe_dispatch(i + 1)
             planner.wait_ready_once(i)
 
         return hook

@@ -46,6 +46,13 @@ class StepTrace:
         else:
             self._raw.setdefault(layer, {})[kind] = time.perf_counter() if t is None else t
 
+    def event(self, layer: int, kind: str) -> torch.cuda.Event:
+        """A timing event for ``kind`` that the caller records on the stream where it happens (the
+        copy or gather stream of a backend)."""
+        ev = torch.cuda.Event(enable_timing=True)
+        self._raw.setdefault(layer, {})[kind] = ev
+        return ev
+
     def set_slot(self, layer: int, slot: str) -> None:
         self.slots[layer] = slot
 

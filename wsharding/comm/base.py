@@ -38,6 +38,28 @@ class DoneHandle:
 
 
 @runtime_checkable
+class PreparedGather(Protocol):
+    """One layer's gather with every argument worked out once: pointers, sizes, windows, streams and
+    events. The per-layer hot path only calls :meth:`start` and :meth:`wait`, which cost the host O(1)
+    and never wait for the GPU (see [Note: the hot path] in ``wsharding/planner.py``).
+    """
+
+    #: What is gathered, for error messages ("layer 3: gather of 1024 B into slot B").
+    what: str
+
+    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
+        """Issue the gather. On CUDA it is ordered after ``gate`` (an event on the compute stream:
+        the end of the layer that last read this slot) and never blocks the host; on CPU it runs on
+        the backend's thread. ``marks``: (start, end) trace events to record around it (CUDA)."""
+        ...
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """CUDA: order ``stream`` (the compute stream) after the gather, without a host wait.
+        CPU: block until the gather completed."""
+        ...
+
+
+@runtime_checkable
 class Communicator(Protocol):
     """What the slots, the planner and the loaders need from a group of ranks."""
 
@@ -57,8 +79,22 @@ class Communicator(Protocol):
         this rank's slice of ``full``. On CUDA the gather is ordered after the current stream."""
         ...
 
+    def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "") -> PreparedGather:
+        """Check the arguments once and return the gather as a :class:`PreparedGather`."""
+        ...
+
+    def fork(self, event: torch.cuda.Event) -> None:
+        """CUDA: order every stream the backend gathers on after ``event`` (recorded on the compute
+        stream at the start of a step, or of a CUDA-graph capture). CPU: nothing."""
+        ...
+
     def alloc(self, nbytes: int, *, tag: str = "") -> torch.Tensor:
         """A 1-D uint8 buffer of ``nbytes`` on :attr:`device` that gathers may use."""
+        ...
+
+    def raise_if_failed(self, what: str) -> None:
+        """Raise :class:`CommError` when an error was found off the hot path (a watchdog), naming
+        ``what`` was being done; nothing otherwise."""
         ...
 
     def barrier(self) -> None: ...

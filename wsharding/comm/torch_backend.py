@@ -44,6 +44,68 @@ class _WorkHandle:
             self._late_callbacks = [*getattr(self, "_late_callbacks", []), fn]
 
 
+class TorchPreparedGather:
+    """A layer's gather through torch.distributed, arguments checked once.
+
+    On CUDA the collective is issued from the compute stream: ProcessGroupNCCL orders its own NCCL
+    stream after the stream current at the call, i.e. after every layer already queued -- the gate
+    -- and ``work.wait()`` orders the compute stream after the collective; neither waits on the host.
+    The gather is out of place: NCCL's ring kernel copies this rank's own chunk inside the same
+    kernel, so no separate local copy runs in front of it.
+    """
+
+    def __init__(self, comm: TorchDistComm, full: torch.Tensor, chunk: torch.Tensor, what: str) -> None:
+        check_gather_args(comm, full, chunk)
+        self.comm = comm
+        self.full = full
+        self.chunk = chunk
+        self.what = what
+        self._in_place = is_slice_of(chunk, full, comm.rank)
+        self._work: dist.Work | None = None
+
+    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
+        comm = self.comm
+        comm.gathers_issued += 1
+        if marks is not None:
+            marks[0].record()
+        if comm.world_size == 1:
+            if not self._in_place:
+                self.full.copy_(self.chunk)
+            self._work = None
+        else:
+            try:
+                self._work = all_gather_single(self.full, self.chunk, group=comm.group, async_op=True)
+            except RuntimeError as e:
+                raise CommError(f"{self.what} failed on rank {comm.rank}: {e}") from e
+        if marks is not None:
+            if self._work is not None and comm.device.type == "cuda":
+                # Only for traces: a private stream waits for the collective, then stamps its end.
+                with torch.cuda.stream(comm.trace_stream()):
+                    self._work.wait()
+                    marks[1].record()
+            else:
+                marks[1].record()
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        work, self._work = self._work, None
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo/NCCL timeouts and aborts arrive here
+            raise CommError(f"{self.what} did not complete: {e}") from e
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn()`` when the collective in flight completes (gloo: on its thread)."""
+        if self._work is None:
+            fn()
+            return
+        try:
+            self._work.get_future().then(lambda _fut: fn())
+        except RuntimeError:  # a backend without futures: stamp now
+            fn()
+
+
 def mode_label(backend: str, device: torch.device, shared_gpu: bool = False) -> str:
     """``cpu-gloo``, ``gpu-nccl`` or ``gpu-nccl-shared`` (several ranks time-slicing one GPU)."""
     if device.type == "cpu":
@@ -73,6 +135,7 @@ class TorchDistComm:
         self.mode = mode or mode_label(self.backend, self.device)
         #: Number of all-gathers issued (tests count one per sharded layer per step).
         self.gathers_issued = 0
+        self._trace_stream: torch.cuda.Stream | None = None
 
     def all_gather_into(
         self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False, what: str = "all-gather"
@@ -90,6 +153,20 @@ class TorchDistComm:
         if async_op:
             return _WorkHandle(work, what)
         return DoneHandle()
+
+    def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "all-gather") -> TorchPreparedGather:
+        return TorchPreparedGather(self, full, chunk, what)
+
+    def fork(self, event: torch.cuda.Event) -> None:
+        """Nothing to order: gathers are issued from the compute stream itself."""
+
+    def raise_if_failed(self, what: str) -> None:
+        """torch.distributed reports its errors from ``work.wait()``: nothing is pending here."""
+
+    def trace_stream(self) -> torch.cuda.Stream:
+        if self._trace_stream is None:
+            self._trace_stream = torch.cuda.Stream(self.device)
+        return self._trace_stream
 
     def alloc(self, nbytes: int, *, tag: str = "") -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -26,6 +26,7 @@ import atexit
 import ctypes
 import os
 import socket
+import threading
 import time
 import weakref
 from typing import Any
@@ -43,6 +44,7 @@ from wsharding.comm.nccl.binding import (
     NcclUniqueId,
     make_config,
 )
+from wsharding.comm.nccl.gather import NcclPreparedGather
 from wsharding.comm.nccl.library import (
     MIN_MULTI_RANK_GPU,
     MIN_SYMMETRIC,
@@ -52,6 +54,7 @@ from wsharding.comm.nccl.library import (
     format_version,
 )
 from wsharding.comm.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
+from wsharding.comm.nccl.watchdog import Watchdog
 
 #: The seed refuses to run without it: policy 2 ("zero") is the copy-engine path.
 CTA_POLICY_ZERO = 2
@@ -161,6 +164,11 @@ class NcclCommunicator:
         self.handle: int | None = None
         self.aborted = False
         self.closed = False
+        #: Held around NCCL calls that the watchdog's abort (from its thread) must not interleave with.
+        self.lock = threading.Lock()
+        self.watchdog: Watchdog | None = None
+        # Callbacks of the users whose tensors view our memory (weight shardings): run before we free it.
+        self._on_close: list[weakref.WeakMethod] = []
         self.pool = SymmetricPool(self)
         self.timeout_s = float(timeout_s)
         if cta_policy not in CTA_POLICY_NAMES:
@@ -215,6 +223,9 @@ class NcclCommunicator:
         self.emulation = SHARED_GPU_WORDS if self.shared_gpu else ""
         # NCCL 2.28 copy-engine collectives fail on the legacy default stream: always our own.
         self.stream = torch.cuda.Stream(self.device)
+        #: Places a rank's own chunk into its slot ahead of the in-place gather ([Note: no serial
+        #: local copy] in gather.py), beside the gather stream and the compute stream.
+        self.copy_stream = torch.cuda.Stream(self.device)
         self.gathers_issued = 0
         self._last_event: torch.cuda.Event | None = None
 
@@ -232,6 +243,8 @@ class NcclCommunicator:
         except BaseException:
             self._teardown(error=True)
             raise
+        self.watchdog = Watchdog(self._async_error_text, self._abort_from_watchdog, timeout_s=self.timeout_s,
+                                 name=f"wsharding-nccl-watchdog-r{self.rank}")
 
     # ---- helpers -----------------------------------------------------------------------------
     def exchange(self, obj: Any) -> list[Any]:
@@ -274,6 +287,44 @@ class NcclCommunicator:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
+    def _async_error_text(self) -> str | None:
+        """For the watchdog: ``ncclCommGetAsyncError`` as an error text, or None when fine."""
+        with self.lock:
+            if not self.handle or self.aborted:
+                return None
+            state = ctypes.c_int(0)
+            rc = self.nccl.ncclCommGetAsyncError(self.handle, ctypes.byref(state))
+        code = rc if rc != NCCL_SUCCESS else state.value
+        if code in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            return None
+        return f"NCCL reported {self.nccl.error_string(code)} ({code}): {self.nccl.last_error(self.handle)}"
+
+    def _abort_from_watchdog(self, reason: str) -> None:
+        with self.lock:
+            self.abort()
+
+    def raise_if_failed(self, what: str) -> None:
+        """Raise the error the watchdog found (or that this communicator is unusable), naming ``what``
+        and this rank; nothing when all is well. Called where a gather is issued."""
+        err = self.watchdog.error if self.watchdog is not None else None
+        if err is not None:
+            raise CommError(f"{what} on rank {self.rank} of {self.world_size} ({self.mode}): {err}; the NCCL "
+                            "communicator was aborted")
+        if self.closed or self.aborted:
+            raise CommError(f"{what}: the NCCL communicator of rank {self.rank} is "
+                            f"{'aborted' if self.aborted else 'closed'}")
+
+    def fail(self, rc: int, what: str) -> None:
+        """A call returned an error: abort and raise it."""
+        err = NcclError(what, rc, self.nccl.error_string(rc), self.nccl.last_error(self.handle))
+        self.abort()
+        raise err
+
+    def watch(self, event: torch.cuda.Event, what: str) -> None:
+        """Have the watchdog time ``event`` (for example the end of a CUDA-graph replay that holds
+        gathers): if it is not done within the timeout, the communicator is aborted."""
+        self.watchdog.watch(event, what)
+
     def complete(self, rc: int, what: str) -> None:
         """Check a call's result; for in-progress (non-blocking comm) poll until done or timeout."""
         if rc in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
@@ -283,9 +334,7 @@ class NcclCommunicator:
             self.poll_until(lambda: self.async_state() == NCCL_SUCCESS, what)
             return
         else:
-            err = NcclError(what, rc, self.nccl.error_string(rc), self.nccl.last_error(self.handle))
-            self.abort()
-            raise err
+            self.fail(rc, what)
 
     def _check_open(self) -> None:
         if self.closed or self.aborted:
@@ -301,6 +350,38 @@ class NcclCommunicator:
         if register:
             self.register_all()
         return t
+
+    def require_window(self, t: torch.Tensor, name: str, what: str) -> None:
+        """Raise unless ``t`` lies inside a registered symmetric window (the copy engine needs it)."""
+        buf = self.pool.window_of(t)
+        if buf is None or buf.window is None:
+            raise CommError(
+                f"{what}: {name} ({t.numel()} bytes at {t.data_ptr():#x}) is not inside a registered symmetric "
+                "window: allocate it with comm.alloc(...) and call comm.register_all() on every rank first"
+            )
+
+    def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "ncclAllGather") -> NcclPreparedGather:
+        """A layer's gather with every argument checked and converted once (see ``gather.py``)."""
+        self._check_open()
+        return NcclPreparedGather(self, full, chunk, what)
+
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        """Collective: deregister and free the buffers behind ``tensors`` (a closed weight sharding's
+        chunks and slots)."""
+        if self.closed or self.aborted:
+            return  # already freed with the communicator
+        self.pool.release(tensors)
+
+    def on_close(self, callback) -> None:
+        """Run ``callback()`` (a bound method, held weakly) when this communicator closes, before its
+        memory is freed: a weight sharding closes itself so that its model raises instead of reading
+        freed memory."""
+        self._on_close.append(weakref.WeakMethod(callback))
+
+    def fork(self, event: torch.cuda.Event) -> None:
+        """Order the copy and gather streams after ``event`` (recorded on the compute stream)."""
+        self.copy_stream.wait_event(event)
+        self.stream.wait_event(event)
 
     def register_all(self) -> int:
         """Collective: register every buffer allocated since the last call, sorted by tag."""
@@ -326,12 +407,7 @@ class NcclCommunicator:
         self._check_open()
         check_gather_args(self, full, chunk)
         for name, t in (("full", full), ("chunk", chunk)):
-            buf = self.pool.window_of(t)
-            if buf is None or buf.window is None:
-                raise CommError(
-                    f"{what}: {name} ({t.numel()} bytes at {t.data_ptr():#x}) is not inside a registered symmetric "
-                    "window: allocate it with comm.alloc(...) and call comm.register_all() on every rank first"
-                )
+            self.require_window(t, name, what)
         s = stream if stream is not None else self.stream
         if s.cuda_stream == 0:
             raise CommError(f"{what}: refusing the legacy default stream (NCCL 2.28 copy-engine collectives fail on "
@@ -339,13 +415,18 @@ class NcclCommunicator:
         current = torch.cuda.current_stream(self.device)
         if current.cuda_stream != s.cuda_stream:
             s.wait_stream(current)
-        rc = self.nccl.ncclAllGather(chunk.data_ptr(), full.data_ptr(), chunk.numel(), NCCL_UINT8, self.handle,
-                                     s.cuda_stream)
-        self.complete(rc, what)
+        self.raise_if_failed(what)
+        with self.lock:
+            rc = self.nccl.ncclAllGather(chunk.data_ptr(), full.data_ptr(), chunk.numel(), NCCL_UINT8, self.handle,
+                                         s.cuda_stream)
+        if rc != NCCL_SUCCESS:
+            self.complete(rc, what)
         event = torch.cuda.Event()
         event.record(s)
         self._last_event = event
         self.gathers_issued += 1
+        if not torch.cuda.is_current_stream_capturing():
+            self.watchdog.watch(event, what)
         handle = NcclGatherHandle(self, event, what)
         if not async_op:
             handle.wait()
@@ -378,6 +459,8 @@ class NcclCommunicator:
     def _teardown(self, error: bool) -> None:
         """Deregister windows (collective), free memory, finalize + destroy; on an error, or when a
         collective step times out, abort first and only free memory."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         try:
             if self.handle and not self.aborted and not error:
                 try:
@@ -400,7 +483,13 @@ class NcclCommunicator:
             _LIVE.discard(self)
 
     def close(self) -> None:
-        """Deregister windows, free the memory, finalize and destroy (or abort) the communicator."""
+        """Close the shardings that use our memory, then deregister windows, free the memory, finalize
+        and destroy (or abort) the communicator."""
+        callbacks, self._on_close = self._on_close, []
+        for ref in callbacks:
+            fn = ref()
+            if fn is not None and not (self.closed or self.aborted):
+                fn()
         if not self.closed:
             self._teardown(error=self.aborted)
 

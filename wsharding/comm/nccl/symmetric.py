@@ -177,6 +177,23 @@ class SymmetricPool:
             b.window = None
             c.complete(rc, f"ncclCommWindowDeregister({b.tag!r})")
 
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        """Collective: deregister the windows of the buffers behind ``tensors`` (the same tags on
+        every rank, checked) and free their memory; the pool's other buffers stay."""
+        c = self.comm
+        mine = [b for b in self.buffers if not b.freed and any(b.contains(t) for t in tensors)]
+        check_same_registration(c.exchange([(b.tag, b.alloc_bytes) for b in mine]))
+        torch.cuda.synchronize(c.device)  # no copy may still touch the memory we free
+        for b in sorted(mine, key=lambda b: (tag_sort_key(b.tag), b.seq), reverse=True):
+            if b.window is not None:
+                rc = c.nccl.ncclCommWindowDeregister(c.handle, b.window)
+                b.window = None
+                c.complete(rc, f"ncclCommWindowDeregister({b.tag!r})")
+            b.freed = True
+            rc = c.nccl.ncclMemFree(b.ptr)
+            if rc != 0:
+                raise CommError(f"ncclMemFree failed for {b.tag}: {c.nccl.error_string(rc)}")
+
     def free_all(self) -> None:
         """Free every allocation (after deregistration, or after the communicator was aborted)."""
         c = self.comm

@@ -1,0 +1,101 @@
+"""One layer's gather on our NCCL communicator, prepared once, issued in O(1) host time.
+
+[Note: no serial local copy]
+The copy-engine AllGather of NCCL, given a separate send buffer, first copies this rank's own chunk
+into the receive buffer and only then starts the peer copies, one after the other on the gather
+stream (measured on two H200s: a 0.10 ms local DtoD copy, then the 0.56 ms PtoP copy, per layer).
+An *in-place* gather (the send buffer is this rank's own slice of the receive buffer) skips the
+local copy. So the own chunk is placed into the slot beforehand, by a copy on a third stream (the
+copy stream) that overlaps the previous layer's gather and compute; the gather stream then runs
+only peer copies, (N-1)/N * S bytes per layer, back to back.
+
+Per layer, in order (streams: compute C, copy K, gather G)::
+
+    K waits gate (C: the layer that last read this slot is done)
+    K: own chunk -> slot[rank*C : (rank+1)*C]        ; record copied on K
+    G waits copied; G: ncclAllGather in place        ; record ready on G
+    C waits ready (at the layer's start, in :meth:`wait`)
+
+Every pointer, size and handle is an int computed at init, and the CUDA calls go through the driver
+binding (``wsharding.comm.cuda_driver``), because the torch wrappers cost several times more host
+time per call. World size 1 has no peers: the copy is the whole gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from wsharding.comm.base import check_gather_args, is_slice_of
+from wsharding.comm.cuda_driver import driver
+from wsharding.comm.nccl.binding import NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_UINT8
+
+
+class NcclPreparedGather:
+    """See the module's note. Built by :meth:`NcclCommunicator.prepare_gather`."""
+
+    def __init__(self, comm: Any, full: torch.Tensor, chunk: torch.Tensor, what: str) -> None:
+        check_gather_args(comm, full, chunk)
+        comm.require_window(full, "full", what)
+        self.comm = comm
+        self.what = what
+        self.full = full
+        self.chunk = chunk
+        n = chunk.numel()
+        self.nbytes = n
+        own = full.narrow(0, comm.rank * n, n)
+        self._own_ptr = own.data_ptr()
+        self._chunk_ptr = chunk.data_ptr()
+        self._full_ptr = full.data_ptr()
+        #: The own chunk already is its slice of the slot (nothing to copy in).
+        self.in_place = is_slice_of(chunk, full, comm.rank)
+        self.copied = torch.cuda.Event()
+        self.ready = torch.cuda.Event() if comm.world_size > 1 else self.copied
+        self._copied_ev = self.copied.cuda_event
+        self._ready_ev = self.ready.cuda_event
+        self._copy_stream = comm.copy_stream.cuda_stream
+        self._gather_stream = comm.stream.cuda_stream
+        self._cu = driver()
+
+    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
+        comm = self.comm
+        if comm.watchdog.error is not None:
+            comm.raise_if_failed(self.what)
+        cu = self._cu
+        k, g = self._copy_stream, self._gather_stream
+        if gate is not None:
+            cu.stream_wait_event(k, gate.cuda_event)
+        if marks is not None:
+            cu.event_record(marks[0].cuda_event, k)
+        if not self.in_place:
+            cu.memcpy_dtod_async(self._own_ptr, self._chunk_ptr, self.nbytes, k)
+        cu.event_record(self._copied_ev, k)
+        if comm.world_size > 1:
+            cu.stream_wait_event(g, self._copied_ev)
+            with comm.lock:  # the watchdog may abort the communicator from its thread
+                if comm.handle is None or comm.aborted:
+                    comm.raise_if_failed(self.what)
+                rc = comm.nccl.ncclAllGather(self._own_ptr, self._full_ptr, self.nbytes, NCCL_UINT8, comm.handle, g)
+            if rc != NCCL_SUCCESS:
+                if rc == NCCL_IN_PROGRESS:
+                    comm.complete(rc, self.what)  # rare: a busy non-blocking communicator, polled
+                else:
+                    comm.fail(rc, self.what)
+            cu.event_record(self._ready_ev, g)
+        if marks is not None:
+            cu.event_record(marks[1].cuda_event, g if comm.world_size > 1 else k)
+        comm.gathers_issued += 1
+        if not torch.cuda.is_current_stream_capturing():  # a captured gather is watched at its replay
+            comm.watchdog.watch(self.ready, self.what)
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        s = stream if stream is not None else torch.cuda.current_stream(self.comm.device)
+        self._cu.stream_wait_event(s.cuda_stream, self._ready_ev)
+
+    def is_completed(self) -> bool:
+        return self.ready.query()
+
+    def __repr__(self) -> str:
+        return f"NcclPreparedGather({self.what!r}, {self.nbytes} B per rank, in_place={self.in_place})"
+

@@ -1,0 +1,101 @@
+"""The watchdog: NCCL errors and stuck gathers are found off the hot path.
+
+Why a thread: a gather issued on a stream returns to Python at once, so nothing on the hot path can
+see that a peer never joined or that NCCL failed asynchronously -- and polling
+``ncclCommGetAsyncError`` or querying events there would cost every layer host time. Instead the
+hot path appends (event, what, when) for every gather it issues (a deque append), and this thread,
+every ``period_s``:
+
+* drops the gathers whose event completed (a completed event means all earlier ones on that stream
+  completed too, and the events are reused step after step, so a later record only makes an entry
+  look younger -- never done too early);
+* if the oldest gather still in flight is older than ``timeout_s``, or ``ncclCommGetAsyncError``
+  reports an error, it aborts the communicator (``ncclCommAbort`` may be called from another
+  thread, and it releases a stream stuck in a collective) and stores the error.
+
+The next call that issues or waits through the communicator raises that error, naming the layer and
+the rank (:meth:`raise_if_failed`); the host never blocks on the GPU to find out.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Watchdog:
+    """Watches the gathers in flight on one communicator. ``check_async()`` returns an error text or
+    None; ``abort(reason)`` tears the communicator down (both supplied by the communicator)."""
+
+    def __init__(
+        self,
+        check_async: Callable[[], str | None],
+        abort: Callable[[str], None],
+        *,
+        timeout_s: float,
+        period_s: float = 0.05,
+        name: str = "wsharding-nccl-watchdog",
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.period_s = period_s
+        self._check_async = check_async
+        self._abort = abort
+        self._inflight: collections.deque[tuple[torch.cuda.Event, str, float]] = collections.deque()
+        self._stop = threading.Event()
+        #: The error found, once found (read by the hot path: a plain attribute read).
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, event: torch.cuda.Event, what: str) -> None:
+        """Hot path: remember a gather in flight (its completion event). O(1), no CUDA call."""
+        self._inflight.append((event, what, time.monotonic()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.check_once()
+            except Exception as e:  # noqa: BLE001 - the thread must report, not die silently
+                self.error = self.error or f"the watchdog failed: {type(e).__name__}: {e}"
+                return
+            if self.error is not None:
+                return
+
+    def check_once(self, now: float | None = None) -> str | None:
+        """One round of checks (the thread's loop body; tests call it directly)."""
+        q = self._inflight
+        while q:
+            event, what, since = q[0]
+            if not event.query():
+                break
+            q.popleft()
+        if self.error is None:
+            msg = self._check_async()
+            if msg is None and q:
+                event, what, since = q[0]
+                age = (time.monotonic() if now is None else now) - since
+                if age > self.timeout_s:
+                    msg = (f"{what} did not complete within {self.timeout_s:.1f} s: a rank of the group is missing "
+                           "or stuck in a different collective")
+            if msg is not None:
+                self.error = msg
+                self._abort(msg)
+        return self.error
+
+    def pending(self) -> int:
+        """Gathers not yet seen complete."""
+        return len(self._inflight)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self.period_s + 1.0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"timeout_s": self.timeout_s, "period_s": self.period_s, "pending": self.pending(),
+                "error": self.error}
