@@ -1,22 +1,42 @@
-"""The step benchmark's rank task and report (structure only: timings are never asserted)."""
+"""The step benchmark's rank task and report (structure and exact bytes; timings are never asserted)."""
 
 from __future__ import annotations
 
+import pytest
+
 from wsharding.lab.bench.step import format_table, step_bench_rank, summarize
 from wsharding.models import PRESETS
+from wsharding.models.blocks import BLOCK_PRESETS
 
 
-def test_step_bench_measures_every_variant(cluster_of):
-    results = cluster_of(2).run(step_bench_rank, "tiny", [1, 4], steps=1, warmup=1)
-    report = summarize(results, "tiny")
+@pytest.mark.parametrize("model", ["tiny", "tiny-blocks"])
+def test_step_bench_measures_every_variant(cluster_of, model):
+    results = cluster_of(2).run(step_bench_rank, model, [1, 4], steps=1, warmup=1, repeats=2)
+    report = summarize(results, model, "torch")
     assert [r["tokens_per_rank"] for r in report["rows"]] == [1, 4]
+    assert report["variants"] == ["replicated", "sharded", "sharded_no_lookahead", "fsdp2"]
     for row in report["rows"]:
-        for v in ("replicated", "sharded", "sharded_no_lookahead", "fsdp2"):
-            assert row[v] > 0
+        assert row["equal"] is True  # sharded == replicated bit for bit, on both paths
+        for v in report["variants"]:
+            assert row[f"{v}_min"] <= row[v] <= row[f"{v}_max"]
         assert row["sharded_vs_replicated"] == row["sharded"] / row["replicated"]
+        # the floor: (N-1)/N of every layer over the bandwidth measured in the same run
+        assert row["floor_ms"] > 0 and row["sharded_vs_floor"] == row["sharded"] / row["floor_ms"]
+    assert report["planner_host_us_per_layer"] > 0 and report["bus_bandwidth_GBps"] > 0
+    text = format_table(report)
+    assert "emulated" in text and "fsdp2" in text and "floor" in text
+
+
+def test_step_bench_bytes_are_exact(cluster_of):
+    results = cluster_of(2).run(step_bench_rank, "tiny", [1], steps=1, warmup=0, fsdp=False)
+    report = summarize(results, "tiny", "torch")
     per_layer = PRESETS["tiny"].sharded_bytes_per_layer()  # a multiple of 32 B: no padding at N = 2
     assert report["replicated_bytes_per_rank"] == 3 * per_layer
     # with only 3 sharded layers the two slots outweigh the saving: R/2 + 2|T| > R
     assert report["sharded_resident_bytes_per_rank"] == 3 * per_layer // 2 + 2 * per_layer
-    text = format_table(report)
-    assert "emulated" in text and "fsdp2" in text
+    assert report["variants"] == ["replicated", "sharded", "sharded_no_lookahead"]
+
+
+def test_blocks_preset_bytes():
+    # the FSDP2 baseline's block: q/k/v/o 4096->4096/1024/1024/4096, gate_up 4096->2*14336, down 14336->4096
+    assert BLOCK_PRESETS["llama8b-blocks"].bytes_per_block() == 436_207_616

@@ -1,34 +1,86 @@
-"""``wsharding bench step``: step time of the same model replicated, weight-sharded (lookahead on
-and off) and under FSDP2 (``fully_shard``, the usual way to shard weights, here used for inference),
-across tokens per rank, measured side by side in one run on the same ranks.
+"""``wsharding bench step``: step time of one model replicated, weight-sharded (lookahead on and off)
+and under FSDP2 (``fully_shard``, the usual way to shard weights, here used for inference), across
+tokens per rank, measured side by side in one run on the same ranks -- with the link floor of the
+same run and the host time the planner costs per layer.
 
-Ratios against the replicated model are what to read; absolute times on CPU ranks are emulated
-(every row says so).
+Two models: ``--model llama8b-blocks`` (the FSDP2 baseline's model, sharded from the outside with
+``shard_blocks``) and ``--model k3-like`` (the ToyDecoder, whose layers call the planner themselves);
+their small versions ``tiny-blocks`` and ``tiny`` run on CPU ranks. ``--graph`` also captures each
+model's whole layer loop in a CUDA graph at decode sizes and replays it.
+
+What to read:
+
+* ``sharded / replicated`` -- the price of storing 1/N of the weights;
+* ``sharded / floor`` -- the link floor is the sum over layers of (N-1)/N * S_l / B, with B the bus
+  bandwidth of this comm measured in this run: at decode sizes no schedule beats it;
+* ``no lookahead`` against ``sharded`` -- what the lookahead hides;
+* host us per layer -- the planner and communicator alone (a bare layer loop without compute), and
+  the sharded forward's host time minus the replicated one's, per sharded layer.
+
+Absolute times on CPU ranks are emulated, and every row says so; there each measurement is repeated
+and printed as median (min-max), so that noise is seen as noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from wsharding.cluster import RankCluster, RankContext
-from wsharding.models import PRESETS, ToyDecoder, build_pair, decoder_config
+from wsharding.comm.base import Communicator
+from wsharding.lab.tasks.model import shard_comm_for
+from wsharding.models import PRESETS, build_pair, decoder_config
+from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
 from wsharding.runtime import gpu_count, in_ci
+from wsharding.shard import WeightSharding, shard_blocks
 from wsharding.units import ceil_div
 
-VARIANTS = ("replicated", "sharded", "sharded_no_lookahead", "fsdp2")
+EAGER = ("replicated", "sharded", "sharded_no_lookahead", "fsdp2")
+GRAPH = ("graph_replicated", "graph_sharded")
+MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
+#: Largest tokens per rank that --graph captures (decode sizes).
+GRAPH_MAX_TOKENS = 256
 
 
-def _fsdp2(cfg, ctx: RankContext, device: torch.device) -> torch.nn.Module:
+# ---- the models ---------------------------------------------------------------------------------------
+def _models(ctx: RankContext, model: str, comm: Communicator, fsdp: bool):
+    """(replicated, sharded, WeightSharding, make_input, fsdp2 or None) for ``model`` on this rank."""
+    dev = comm.device
+    if model in BLOCK_PRESETS:
+        replicated = build_blocks(model, dev)
+        sharded = build_blocks(model, dev)
+        ws = shard_blocks(sharded, "layers", BLOCK_TARGETS, comm)
+
+        def make_input(tokens: int, seed: int) -> torch.Tensor:
+            return replicated.inputs(tokens, seed, dev)
+
+        build = lambda: build_blocks(model, dev)  # noqa: E731
+    else:
+        cfg = decoder_config(model)
+        replicated, sharded = build_pair(cfg, comm)
+        ws = sharded.weight_sharding
+
+        def make_input(tokens: int, seed: int) -> torch.Tensor:
+            return torch.randint(0, cfg.vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).to(dev)
+
+        from wsharding.models import ToyDecoder
+
+        build = lambda: ToyDecoder(cfg, seed=0, device=dev).eval()  # noqa: E731
+    fsdp_model = _fsdp2(build(), ctx, dev) if fsdp else None
+    return replicated, sharded, ws, make_input, fsdp_model
+
+
+def _fsdp2(model: torch.nn.Module, ctx: RankContext, device: torch.device) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = ToyDecoder(cfg, seed=0, device=device).eval()
     mesh = init_device_mesh(device.type, (ctx.world_size,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
@@ -36,112 +88,245 @@ def _fsdp2(cfg, ctx: RankContext, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def _timed(fn, steps: int, device: torch.device) -> float:
-    """Mean milliseconds per call (CUDA events on GPU, perf_counter on CPU)."""
+# ---- timing ---------------------------------------------------------------------------------------------
+def _timed(fn: Callable[[], Any], steps: int, device: torch.device) -> tuple[float, float]:
+    """(device ms per call, host ms per call): CUDA events on GPU; on CPU both are wall time."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(steps):
             fn()
+        host = (time.perf_counter() - t0) / steps * 1e3
         end.record()
         torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / steps
+        return start.elapsed_time(end) / steps, host
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
-    return (time.perf_counter() - t0) / steps * 1e3
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    return ms, ms
 
 
-def step_bench_rank(ctx: RankContext, preset: str, tokens: list[int], *, steps: int = 5, warmup: int = 2,
-                    fsdp: bool = True) -> dict[str, Any]:
-    """On one rank: the four variants at every tokens-per-rank value, in the same run."""
-    cfg = decoder_config(preset)
-    comm = ctx.shard_comm(ctx.world_size)
+def _call(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], Any]:
+    return lambda: model(x)
+
+
+def _graphed(fn: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], None]:
+    """Capture ``fn`` (the whole layer loop) in a CUDA graph; return its replay."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):  # warm-up off the capture: cuBLAS handles and workspaces
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    return graph.replay
+
+
+def bus_bandwidth(ws: WeightSharding, comm: Communicator, iters: int = 10) -> float:
+    """Bytes per second of this comm's in-place gather of the largest layer: (N-1)/N * S / t (the
+    NCCL tests' bus bandwidth). 0 at world size 1 (no link)."""
+    n = comm.world_size
+    if n == 1:
+        return 0.0
+    layer = max(ws.sharded_layer_ids, key=lambda i: ws.layouts[i].total_bytes)
+    size = ws.layouts[layer].total_bytes
+    full = ws.slots.buffers[0].narrow(0, 0, size)
+    own = full.narrow(0, comm.rank * (size // n), size // n)
+    g = comm.prepare_gather(full, own, what=f"bus bandwidth probe ({size} B)")
     dev = comm.device
-    replicated, sharded = build_pair(cfg, comm)
-    models = {"replicated": replicated, "sharded": sharded}
-    if fsdp:
-        models["fsdp2"] = _fsdp2(cfg, ctx, dev)
-    planner = sharded.planner
+
+    def once() -> None:
+        g.start()
+        g.wait(torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
+
+    for _ in range(3):
+        once()
+    ms, _ = _timed(once, iters, dev)
+    return (n - 1) / n * size / (ms * 1e-3)
+
+
+def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
+    """Host microseconds per sharded layer of the planner and communicator alone: the step's launch
+    and wait sequence without any layer compute (each step's host time measured, then synchronised,
+    so a full launch queue never counts)."""
+    planner = ws.planner
+    end = max(ws.sharded_layer_ids) + 1
+    cuda = planner.device.type == "cuda"
+    total = 0.0
+    for _ in range(iters + 2):
+        t0 = time.perf_counter()
+        planner.reset()
+        planner.pre_dispatch(0, end)
+        for i in range(end):
+            planner.maybe_dispatch(i + 1)
+            planner.wait_ready_once(i)
+            planner.update_done_event(i)
+        dt = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize(planner.device)
+        total += dt
+    return total / (iters + 2) / len(ws.sharded_layer_ids) * 1e6
+
+
+# ---- one rank ---------------------------------------------------------------------------------------------
+def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: int = 10, warmup: int = 3,
+                    comm: str = "auto", fsdp: bool = True, graph: bool = False, repeats: int = 1) -> dict[str, Any]:
+    """On one rank: every variant at every tokens-per-rank value, in the same run."""
+    c = shard_comm_for(ctx, comm)
+    dev = c.device
+    # FSDP2 runs on torch.distributed's own devices: not when ranks share a GPU over a gloo group.
+    fsdp = fsdp and ctx.device.type == dev.type
+    graph = graph and dev.type == "cuda" and (c.world_size == 1 or c.mode.startswith("gpu-nccl") and hasattr(c, "watchdog"))
+    replicated, sharded, ws, make_input, fsdp_model = _models(ctx, model, c, fsdp)
+    planner = ws.planner
+    bw = bus_bandwidth(ws, c)
+    n = c.world_size
+    floor_ms = sum((n - 1) / n * ws.layouts[i].total_bytes / bw for i in ws.sharded_layer_ids) * 1e3 if bw else 0.0
+    planner_us = planner_host_us(ws)
     rows = []
     with torch.no_grad():
         for t in tokens:
-            x = torch.randint(0, cfg.vocab, (t,), generator=torch.Generator().manual_seed(ctx.rank)).to(dev)
-            row: dict[str, Any] = {"tokens_per_rank": t}
-            for variant in VARIANTS:
-                name = "sharded" if variant.startswith("sharded") else variant
-                if name not in models:
-                    continue
+            x = make_input(t, 1000 + ctx.rank)
+            row: dict[str, Any] = {"tokens_per_rank": t, "equal": bool(torch.equal(replicated(x), sharded(x)))}
+            runs = {"replicated": _call(replicated, x), "sharded": _call(sharded, x),
+                    "sharded_no_lookahead": _call(sharded, x)}
+            if fsdp_model is not None:
+                runs["fsdp2"] = _call(fsdp_model, x)
+            if graph and t <= GRAPH_MAX_TOKENS:
+                planner.lookahead = True
+                runs["graph_replicated"] = _graphed(_call(replicated, x), dev)
+                runs["graph_sharded"] = _graphed(_call(sharded, x), dev)
+            for variant, fn in runs.items():
                 planner.lookahead = variant != "sharded_no_lookahead"
-                model = models[name]
                 for _ in range(warmup):
-                    model(x)
-                comm.barrier()
-                row[variant] = _timed(lambda m=model, x=x: m(x), steps, dev)
+                    fn()
+                samples, hosts = [], []
+                for _ in range(repeats):
+                    c.barrier()
+                    ms, host = _timed(fn, steps, dev)
+                    samples.append(ms)
+                    hosts.append(host)
+                row[variant] = samples
+                row[f"{variant}_host_ms"] = statistics.median(hosts)
             planner.lookahead = True
             rows.append(row)
-    return {"rank": ctx.rank, "mode": comm.mode, "emulation": ctx.emulation, "rows": rows,
-            "replicated_bytes": sharded.weight_sharding.replicated_bytes(),
-            "sharded_resident_bytes": sharded.weight_sharding.resident_bytes()}
+    return {"rank": ctx.rank, "mode": c.mode, "emulation": ctx.emulation or getattr(c, "emulation", ""),
+            "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
+            "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
+            "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
+            "fsdp2": fsdp_model is not None}
 
 
-def summarize(results: list[dict[str, Any]], preset: str) -> dict[str, Any]:
-    """Per tokens value: the slowest rank's time per variant (a step ends when every rank ends)."""
-    rows = []
-    for i, row in enumerate(results[0]["rows"]):
-        merged = {"tokens_per_rank": row["tokens_per_rank"]}
-        for v in VARIANTS:
-            if v in row:
-                merged[v] = max(r["rows"][i][v] for r in results)
-        for v in VARIANTS[1:]:
-            if v in merged:
-                merged[f"{v}_vs_replicated"] = merged[v] / merged["replicated"]
-        rows.append(merged)
+# ---- the report -------------------------------------------------------------------------------------------
+def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str, Any]:
+    """Per tokens value and variant: the slowest rank's median (a step ends when every rank ends),
+    with the spread over repeats, ratios, the floor and the host costs."""
     r0 = results[0]
-    return {"bench": "step", "preset": preset, "mode": r0["mode"], "emulation": r0["emulation"],
-            "world_size": len(results), "variants": [v for v in VARIANTS if v in rows[0]],
+    variants = [v for v in EAGER + GRAPH if v in r0["rows"][0]]
+    layers = r0["sharded_layers"]
+    rows = []
+    for i, row in enumerate(r0["rows"]):
+        merged: dict[str, Any] = {"tokens_per_rank": row["tokens_per_rank"],
+                                  "equal": all(r["rows"][i]["equal"] for r in results)}
+        for v in variants:
+            per_rank = [r["rows"][i][v] for r in results]
+            worst = max(per_rank, key=statistics.median)
+            merged[v] = statistics.median(worst)
+            merged[f"{v}_min"], merged[f"{v}_max"] = min(worst), max(worst)
+            merged[f"{v}_host_ms"] = max(r["rows"][i][f"{v}_host_ms"] for r in results)
+        for v in variants:
+            if v != "replicated" and v != "graph_replicated":
+                base = "graph_replicated" if v.startswith("graph") else "replicated"
+                merged[f"{v}_vs_replicated"] = merged[v] / merged[base]
+        floor = max(r["floor_ms"] for r in results)
+        merged["floor_ms"] = floor
+        if floor:
+            merged["sharded_vs_floor"] = merged["sharded"] / floor
+        merged["host_overhead_us_per_layer"] = (merged["sharded_host_ms"] - merged["replicated_host_ms"]) * 1e3 / layers
+        rows.append(merged)
+    return {"bench": "step", "model": model, "comm": comm, "mode": r0["mode"], "emulation": r0["emulation"],
+            "world_size": len(results), "variants": variants, "sharded_layers": layers,
+            "bus_bandwidth_GBps": min(r["bus_bandwidth_Bps"] for r in results) / 1e9,
+            "planner_host_us_per_layer": max(r["planner_host_us_per_layer"] for r in results),
             "replicated_bytes_per_rank": r0["replicated_bytes"],
-            "sharded_resident_bytes_per_rank": r0["sharded_resident_bytes"], "rows": rows}
+            "sharded_resident_bytes_per_rank": r0["sharded_resident_bytes"], "rows": rows,
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = f"wsharding bench step -- {report['mode']}, {report['world_size']} ranks, preset {report['preset']}"
+    head = (f"wsharding bench step -- {report['mode']}, {report['world_size']} ranks, model {report['model']}, "
+            f"comm {report['comm']}")
     lines = [head] + ([f"  NOTE: {report['emulation']}"] if report["emulation"] else [])
-    cols = [v for v in VARIANTS if v in report["rows"][0]]
-    lines.append("  tokens/rank " + "".join(f"{c:>22}" for c in cols))
+    lines.append(f"  bus bandwidth {report['bus_bandwidth_GBps']:.1f} GB/s; planner + comm host time "
+                 f"{report['planner_host_us_per_layer']:.1f} us per sharded layer (bare loop, no compute)")
+    cols = report["variants"]
+    spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols) and not any(
+        c.startswith("graph") for c in cols) and report["mode"].startswith("cpu")
+    lines.append("  tokens/rank " + "".join(f"{c:>24}" for c in cols) + f"{'floor':>11}{'host us/layer':>15}  equal")
     for row in report["rows"]:
-        cells = [f"{row['replicated']:9.3f} ms{'':11}"]
-        cells += [f"{row[c]:9.3f} ms ({row[c + '_vs_replicated']:5.2f}x)" for c in cols[1:]]
-        lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>22}" for c in cells))
+        cells = []
+        for c in cols:
+            cell = f"{row[c]:8.3f} ms"
+            if spread:
+                cell = f"{row[c]:7.2f} ({row[c + '_min']:.2f}-{row[c + '_max']:.2f})"
+            if f"{c}_vs_replicated" in row:
+                cell += f" {row[c + '_vs_replicated']:4.2f}x"
+            cells.append(cell)
+        floor = f"{row['floor_ms']:7.3f} ms" if row["floor_ms"] else "   (N=1)  "
+        lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>24}" for c in cells)
+                     + f"{floor:>11}{row['host_overhead_us_per_layer']:>15.1f}  {row['equal']}")
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: k3-like on GPUs, tiny on CPU")
-    p.add_argument("--tokens", default=None, help="comma-separated tokens per rank (default 1,16,256,2048)")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--model", default=None, choices=MODELS,
+                   help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
+    p.add_argument("--comm", default="auto", choices=("auto", "torch", "nccl"),
+                   help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated tokens per rank (default 1,16,256,2048,8192 on GPUs, 1,16,256 on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 20 GPU, 5 CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="measurements per value (default 1 GPU, 3 CPU)")
+    p.add_argument("--graph", action="store_true", help="also capture and replay the layer loop in a CUDA graph")
     p.add_argument("--no-fsdp", action="store_true", help="leave FSDP2 out")
-    p.add_argument("--out", default="figures/bench_step", help="path prefix for .json and the figure ('' for none)")
+    p.add_argument("--json", default="wsharding-out/bench_step", help="path prefix for .json and the figure ('' for none)")
 
 
 def main(args: argparse.Namespace) -> int:
     gpus = gpu_count()
     backend = "nccl" if gpus else "gloo"
     n = args.ranks or (gpus if gpus else 2)
-    preset = args.preset or ("k3-like" if gpus and not in_ci() else "tiny")
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 16, 256] if not gpus else [1, 16, 256, 2048])
-    with RankCluster(n, backend=backend, ranks_per_gpu=ceil_div(n, gpus) if gpus else 1, task_timeout=3600) as cluster:
-        results = cluster.run(step_bench_rank, preset, tokens, steps=args.steps, fsdp=not args.no_fsdp)
-    report = summarize(results, preset)
+    model = args.model or ("llama8b-blocks" if gpus and not in_ci() else "tiny-blocks")
+    tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens
+              else ([1, 16, 256, 2048, 8192] if gpus else [1, 16, 256]))
+    steps = args.steps or (20 if gpus else 5)
+    repeats = args.repeats or (1 if gpus else 3)
+    rpg = ceil_div(n, gpus) if gpus else 1
+    if rpg > 1:
+        backend = "gloo"  # several ranks per GPU: torch's NCCL refuses duplicate GPUs, our binding does not
+    with RankCluster(n, backend=backend, ranks_per_gpu=rpg, task_timeout=3600) as cluster:
+        results = cluster.run(step_bench_rank, model, tokens, steps=steps, comm=args.comm, fsdp=not args.no_fsdp,
+                              graph=args.graph, repeats=repeats)
+    report = summarize(results, model, args.comm)
     print(format_table(report))
-    if args.out:
-        from wsharding.lab.viz.bench import step_figure
-        from wsharding.lab.viz.export import save_figure
-
-        out = Path(args.out)
+    if args.json:
+        out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        for path in [str(out.with_suffix(".json")), *save_figure(step_figure(report), out)]:
-            print(f"  wrote {path}")
+        print(f"  wrote {out.with_suffix('.json')}")
+        try:
+            from wsharding.lab.viz.bench import step_figure
+            from wsharding.lab.viz.export import save_figure
+        except ImportError as e:  # the GPU machine has no plotly: the JSON is the result there
+            print(f"  (no figure: {e})")
+        else:
+            for path in save_figure(step_figure(report), out):
+                print(f"  wrote {path}")
     return 0

@@ -1,0 +1,65 @@
+"""GPU: the hot path never holds the host, and a missing rank is an error, not a hang (issue 10)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from wsharding.cluster import RankCluster
+from wsharding.lab.tasks.hotpath import host_not_held, missing_rank
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _ours() -> bool:
+    from wsharding.lab.tasks.model import ours_supported
+
+    return ours_supported()
+
+
+@pytest.mark.parametrize("model", ["small", "tiny-blocks"])
+@pytest.mark.parametrize("comm", ["torch", "nccl"])
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_gpu_forward_returns_while_the_gpu_still_sleeps(comm, lookahead, model):
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
+    if comm == "nccl" and not _ours():
+        pytest.skip("needs NCCL >= 2.28.3 with symmetric windows")
+    n = min(_gpus(), 2)
+    with RankCluster(n, backend="nccl", task_timeout=300) as c:
+        for r in c.run(host_not_held, comm, lookahead, model):
+            # deterministic: the sleep queued in front takes ~1 s of GPU time; a host wait anywhere in
+            # the forward (a sync, a poll, a .item()) would have let it finish first
+            assert r["returned_while_gpu_busy"], r
+            assert r["gathers"] > 0
+
+
+def _multi_rank_ok() -> bool:
+    if _gpus() < 1 or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        return False
+    from wsharding.comm.nccl.library import NcclLibraryError, default_library
+
+    try:
+        return bool(default_library().describe().get("multi_rank_per_gpu"))
+    except NcclLibraryError:
+        return False
+
+
+def test_gpu_missing_rank_mid_forward_is_an_error_within_the_timeout():
+    if _gpus() >= 2 and _ours():
+        cluster = RankCluster(2, backend="nccl", task_timeout=120)
+    elif _multi_rank_ok():
+        cluster = RankCluster(2, backend="gloo", task_timeout=120)
+    else:
+        pytest.skip("needs 2 GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 for 2 ranks on one GPU")
+    with cluster as c:
+        r0, r1 = c.run(missing_rank, 5.0)
+    assert r1["error"] is None
+    assert r0["error"] is not None and "rank 0" in r0["error"] and "layer" in r0["error"], r0
+    assert r0["seconds"] < 60, r0  # the timeout (5 s) plus the watchdog's period, never a hang
