@@ -50,6 +50,7 @@ class StepTrace:
         """A timing event for ``kind`` that the caller records on the stream where it happens (the
         copy or gather stream of a backend)."""
         ev = torch.cuda.Event(enable_timing=True)
+        ev.record()  # torch creates the CUDA event at its first record; the caller records it again
         self._raw.setdefault(layer, {})[kind] = ev
         return ev
 

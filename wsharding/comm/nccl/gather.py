@@ -52,6 +52,9 @@ class NcclPreparedGather:
         self.in_place = is_slice_of(chunk, full, comm.rank)
         self.copied = torch.cuda.Event()
         self.ready = torch.cuda.Event() if comm.world_size > 1 else self.copied
+        # torch creates the CUDA event at its first record: record once so the handles exist.
+        self.copied.record(comm.copy_stream)
+        self.ready.record(comm.stream)
         self._copied_ev = self.copied.cuda_event
         self._ready_ev = self.ready.cuda_event
         self._copy_stream = comm.copy_stream.cuda_stream
