@@ -163,3 +163,18 @@ def test_watchdog_thread_finds_the_error_by_itself():
 
 def test_sharding_error_is_a_value_error():
     assert issubclass(ShardingError, ValueError)
+
+
+class RecapturedEvent:
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: invalid argument")  # what cudaEventQuery says after a capture
+
+
+def test_watchdog_drops_an_event_recorded_again_in_a_capture():
+    dog, aborted = _dog(timeout_s=5.0)
+    try:
+        dog.watch(RecapturedEvent(), "layer 1: gather")
+        t0 = dog._inflight[-1][2]
+        assert dog.check_once(now=t0 + 10.0) is None and dog.pending() == 0 and aborted == []
+    finally:
+        dog.stop()
