@@ -165,7 +165,7 @@ class NcclCommunicator:
         self.aborted = False
         self.closed = False
         #: Held around NCCL calls that the watchdog's abort (from its thread) must not interleave with.
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.watchdog: Watchdog | None = None
         # Callbacks of the users whose tensors view our memory (weight shardings): run before we free it.
         self._on_close: list[weakref.WeakMethod] = []
@@ -244,7 +244,7 @@ class NcclCommunicator:
             self._teardown(error=True)
             raise
         self.watchdog = Watchdog(self._async_error_text, self._abort_from_watchdog, timeout_s=self.timeout_s,
-                                 name=f"wsharding-nccl-watchdog-r{self.rank}")
+                                 name=f"wsharding-nccl-watchdog-r{self.rank}", lock=self.lock)
 
     # ---- helpers -----------------------------------------------------------------------------
     def exchange(self, obj: Any) -> list[Any]:
@@ -425,7 +425,9 @@ class NcclCommunicator:
         event.record(s)
         self._last_event = event
         self.gathers_issued += 1
-        if not torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing():
+            self.watchdog.pause_for_capture()
+        else:
             self.watchdog.watch(event, what)
         handle = NcclGatherHandle(self, event, what)
         if not async_op:

@@ -65,6 +65,9 @@ class NcclPreparedGather:
         comm = self.comm
         if comm.watchdog.error is not None:
             comm.raise_if_failed(self.what)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            comm.watchdog.pause_for_capture()
         cu = self._cu
         k, g = self._copy_stream, self._gather_stream
         if gate is not None:
@@ -89,7 +92,7 @@ class NcclPreparedGather:
         if marks is not None:
             cu.event_record(marks[1].cuda_event, g if comm.world_size > 1 else k)
         comm.gathers_issued += 1
-        if not torch.cuda.is_current_stream_capturing():  # a captured gather is watched at its replay
+        if not capturing:  # a captured gather runs at the graph's replay, not now
             comm.watchdog.watch(self.ready, self.what)
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:

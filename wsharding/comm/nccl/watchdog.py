@@ -40,6 +40,7 @@ class Watchdog:
         timeout_s: float,
         period_s: float = 0.05,
         name: str = "wsharding-nccl-watchdog",
+        lock: threading.RLock | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.period_s = period_s
@@ -47,6 +48,11 @@ class Watchdog:
         self._abort = abort
         self._inflight: collections.deque[tuple[torch.cuda.Event, str, float]] = collections.deque()
         self._stop = threading.Event()
+        #: Held while querying events; the hot path takes it to pause the watchdog for a capture.
+        self.lock = lock or threading.RLock()
+        #: True while a CUDA graph is being captured: querying an event that the capture is recording
+        #: would invalidate the capture, so nothing is queried until the next eager gather.
+        self.paused = False
         #: The error found, once found (read by the hot path: a plain attribute read).
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -55,6 +61,16 @@ class Watchdog:
     def watch(self, event: torch.cuda.Event, what: str) -> None:
         """Hot path: remember a gather in flight (its completion event). O(1), no CUDA call."""
         self._inflight.append((event, what, time.monotonic()))
+        self.paused = False
+
+    def pause_for_capture(self) -> None:
+        """Called (once per captured gather) before events are recorded inside a CUDA-graph capture:
+        stop querying, and forget the gathers in flight (their events are about to be recorded in the
+        graph; the capture is ordered after them)."""
+        if not self.paused:
+            with self.lock:
+                self.paused = True
+                self._inflight.clear()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -69,17 +85,20 @@ class Watchdog:
     def check_once(self, now: float | None = None) -> str | None:
         """One round of checks (the thread's loop body; tests call it directly)."""
         q = self._inflight
-        while q:
-            event, what, since = q[0]
-            try:
-                if not event.query():
-                    break
-            except RuntimeError:
-                # The event was recorded again inside a CUDA-graph capture since (the planner's events
-                # serve eager steps and captures alike): it no longer tells about this gather, which
-                # the later capture was ordered after. Nothing to watch here any more.
-                pass
-            q.popleft()
+        with self.lock:
+            if self.paused:
+                return self.error
+            while q:
+                event, what, since = q[0]
+                try:
+                    if not event.query():
+                        break
+                except RuntimeError:
+                    # The event was recorded again inside a CUDA-graph capture since (the planner's
+                    # events serve eager steps and captures alike): it no longer tells about this
+                    # gather, which the capture was ordered after. Nothing to watch here any more.
+                    pass
+                q.popleft()
         if self.error is None:
             msg = self._check_async()
             if msg is None and q:

@@ -189,6 +189,22 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     floor_ms = sum((n - 1) / n * ws.layouts[i].total_bytes / bw for i in ws.sharded_layer_ids) * 1e3 if bw else 0.0
     planner_us = planner_host_us(ws)
     rows = []
+
+    def measure(row: dict[str, Any], runs: dict[str, Callable[[], Any]]) -> None:
+        for variant, fn in runs.items():
+            planner.lookahead = variant != "sharded_no_lookahead"
+            for _ in range(warmup):
+                fn()
+            samples, hosts = [], []
+            for _ in range(repeats):
+                c.barrier()
+                ms, host = _timed(fn, steps, dev)
+                samples.append(ms)
+                hosts.append(host)
+            row[variant] = samples
+            row[f"{variant}_host_ms"] = statistics.median(hosts)
+        planner.lookahead = True
+
     with torch.no_grad():
         for t in tokens:
             x = make_input(t, 1000 + ctx.rank)
@@ -197,29 +213,26 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                     "sharded_no_lookahead": _call(sharded, x)}
             if fsdp_model is not None:
                 runs["fsdp2"] = _call(fsdp_model, x)
-            if graph and t <= GRAPH_MAX_TOKENS:
-                planner.lookahead = True
-                runs["graph_replicated"] = _graphed(_call(replicated, x), dev)
-                runs["graph_sharded"] = _graphed(_call(sharded, x), dev)
-            for variant, fn in runs.items():
-                planner.lookahead = variant != "sharded_no_lookahead"
-                for _ in range(warmup):
-                    fn()
-                samples, hosts = [], []
-                for _ in range(repeats):
-                    c.barrier()
-                    ms, host = _timed(fn, steps, dev)
-                    samples.append(ms)
-                    hosts.append(host)
-                row[variant] = samples
-                row[f"{variant}_host_ms"] = statistics.median(hosts)
-            planner.lookahead = True
+            measure(row, runs)
             rows.append(row)
+        # CUDA graphs last, at decode sizes: a capture that fails can only cost the graph numbers.
+        graph_error = None
+        for row in rows if graph else []:
+            if row["tokens_per_rank"] > GRAPH_MAX_TOKENS:
+                continue
+            x = make_input(row["tokens_per_rank"], 1000 + ctx.rank)
+            try:
+                runs = {"graph_replicated": _graphed(_call(replicated, x), dev),
+                        "graph_sharded": _graphed(_call(sharded, x), dev)}
+            except RuntimeError as e:
+                graph_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                break
+            measure(row, runs)
     return {"rank": ctx.rank, "mode": c.mode, "emulation": ctx.emulation or getattr(c, "emulation", ""),
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
-            "fsdp2": fsdp_model is not None}
+            "fsdp2": fsdp_model is not None, "graph_error": graph_error if graph else None}
 
 
 # ---- the report -------------------------------------------------------------------------------------------
@@ -227,19 +240,19 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
     """Per tokens value and variant: the slowest rank's median (a step ends when every rank ends),
     with the spread over repeats, ratios, the floor and the host costs."""
     r0 = results[0]
-    variants = [v for v in EAGER + GRAPH if v in r0["rows"][0]]
+    variants = [v for v in EAGER + GRAPH if any(v in row for row in r0["rows"])]
     layers = r0["sharded_layers"]
     rows = []
     for i, row in enumerate(r0["rows"]):
         merged: dict[str, Any] = {"tokens_per_rank": row["tokens_per_rank"],
                                   "equal": all(r["rows"][i]["equal"] for r in results)}
-        for v in variants:
+        for v in [v for v in variants if v in row]:
             per_rank = [r["rows"][i][v] for r in results]
             worst = max(per_rank, key=statistics.median)
             merged[v] = statistics.median(worst)
             merged[f"{v}_min"], merged[f"{v}_max"] = min(worst), max(worst)
             merged[f"{v}_host_ms"] = max(r["rows"][i][f"{v}_host_ms"] for r in results)
-        for v in variants:
+        for v in [v for v in variants if v in row]:
             if v != "replicated" and v != "graph_replicated":
                 base = "graph_replicated" if v.startswith("graph") else "replicated"
                 merged[f"{v}_vs_replicated"] = merged[v] / merged[base]
@@ -251,6 +264,7 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
         rows.append(merged)
     return {"bench": "step", "model": model, "comm": comm, "mode": r0["mode"], "emulation": r0["emulation"],
             "world_size": len(results), "variants": variants, "sharded_layers": layers,
+            "graph_error": next((r["graph_error"] for r in results if r.get("graph_error")), None),
             "bus_bandwidth_GBps": min(r["bus_bandwidth_Bps"] for r in results) / 1e9,
             "planner_host_us_per_layer": max(r["planner_host_us_per_layer"] for r in results),
             "replicated_bytes_per_rank": r0["replicated_bytes"],
@@ -266,12 +280,15 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"  bus bandwidth {report['bus_bandwidth_GBps']:.1f} GB/s; planner + comm host time "
                  f"{report['planner_host_us_per_layer']:.1f} us per sharded layer (bare loop, no compute)")
     cols = report["variants"]
-    spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols) and not any(
+    spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols if c in row) and not any(
         c.startswith("graph") for c in cols) and report["mode"].startswith("cpu")
     lines.append("  tokens/rank " + "".join(f"{c:>24}" for c in cols) + f"{'floor':>11}{'host us/layer':>15}  equal")
     for row in report["rows"]:
         cells = []
         for c in cols:
+            if c not in row:
+                cells.append("-")
+                continue
             cell = f"{row[c]:8.3f} ms"
             if spread:
                 cell = f"{row[c]:7.2f} ({row[c + '_min']:.2f}-{row[c + '_max']:.2f})"
@@ -281,6 +298,8 @@ def format_table(report: dict[str, Any]) -> str:
         floor = f"{row['floor_ms']:7.3f} ms" if row["floor_ms"] else "   (N=1)  "
         lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>24}" for c in cells)
                      + f"{floor:>11}{row['host_overhead_us_per_layer']:>15.1f}  {row['equal']}")
+    if report.get("graph_error"):
+        lines.append(f"  CUDA graph: not measured ({report['graph_error']})")
     return "\n".join(lines)
 
 
