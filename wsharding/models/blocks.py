@@ -81,11 +81,14 @@ class LlamaBlock(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         a = self.attn_norm(x)
-        q = self.q_proj(a).view(t, cfg.heads, cfg.head_dim).transpose(0, 1)
-        k = self.k_proj(a).view(t, cfg.kv_heads, cfg.head_dim).transpose(0, 1)
-        v = self.v_proj(a).view(t, cfg.kv_heads, cfg.head_dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.o_proj(o.transpose(0, 1).reshape(t, -1))
+        # [1, heads, T, head_dim] with the KV heads repeated: the layout the fused (flash) attention
+        # kernels take; 3-D inputs or enable_gqa send SDPA to its quadratic-memory math fallback.
+        rep = cfg.heads // cfg.kv_heads
+        q = self.q_proj(a).view(1, t, cfg.heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(a).view(1, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2).repeat_interleave(rep, dim=1)
+        v = self.v_proj(a).view(1, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2).repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(t, -1))
         gate, up = self.gate_up_proj(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
