@@ -97,9 +97,16 @@ class WeightShardPlanner:
         #: Layers that gate a later gather (the previous occupant of some layer's slot).
         self._gating = {p for p in self._prev.values() if p is not None}
         if self.cuda:
+            from wsharding.comm.cuda_driver import driver
+
+            self._cu = driver()
             self._fork = torch.cuda.Event()
             self._done = {i: torch.cuda.Event() for i in self._gating}
+            for ev in self._done.values():
+                ev.record()  # torch creates the CUDA event at its first record: the handle must exist
+            self._done_handle = {i: ev.cuda_event for i, ev in self._done.items()}
         self._compute: torch.cuda.Stream | None = None
+        self._compute_handle = 0
         # Per-step state: the step in which each layer was issued / waited / finished (no clearing).
         self._issued: dict[int, int] = dict.fromkeys(layers, -1)
         self._waited: dict[int, int] = dict.fromkeys(layers, -1)
@@ -134,6 +141,7 @@ class WeightShardPlanner:
         if self.cuda:
             # Once per step (6.6 us on an H200), not once per layer.
             self._compute = torch.cuda.current_stream(self.device)
+            self._compute_handle = self._compute.cuda_stream
         self.trace = StepTrace(self.step, self.comm.rank, self.cuda, self.device) if self.trace_enabled else None
 
     def pre_dispatch(self, start_layer: int, end_layer: int | None = None) -> None:
@@ -204,7 +212,7 @@ class WeightShardPlanner:
             return
         self._finished[layer] = self.step
         if self.cuda and layer in self._gating:
-            self._done[layer].record(self._compute)
+            self._cu.event_record(self._done_handle[layer], self._compute_handle)
         if self.trace is not None:
             self.trace.mark(layer, "compute_end")
         if self._held:
@@ -280,6 +288,7 @@ class WeightShardPlanner:
         """Gather ``layer`` again, now, after its slot was given to another layer."""
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.device)
+            self._compute_handle = self._compute.cuda_stream
             self._fork.record(self._compute)
             self.comm.fork(self._fork)  # everything queued so far may read the slot: wait for it
         g = self._gathers[layer]
