@@ -319,6 +319,11 @@ class WeightShardPlanner:
         self.trace = None
         return done
 
+    @property
+    def prepared_gathers(self) -> dict[int, PreparedGather]:
+        """Each sharded layer's prepared gather (read-only use: counters, benchmarks)."""
+        return dict(self._gathers)
+
     def close(self) -> None:
         """Refuse every later step (the sharding freed the slots and chunks)."""
         self.closed = True

@@ -325,6 +325,31 @@ class NcclCommunicator:
         gathers): if it is not done within the timeout, the communicator is aborted."""
         self.watchdog.watch(event, what)
 
+    def spin_until_launched(self, what: str) -> None:
+        """Hot path: after ncclInProgress, poll the async state without sleeping until the launch is
+        done (success) -- it takes microseconds; abort and raise on an error or after the timeout."""
+        state = ctypes.c_int(NCCL_IN_PROGRESS)
+        ref = ctypes.byref(state)
+        get = self.nccl.ncclCommGetAsyncError
+        deadline = None
+        polls = 0
+        while True:
+            rc = get(self.handle, ref)
+            if rc != NCCL_SUCCESS:
+                self.fail(rc, f"ncclCommGetAsyncError after {what}")
+            if state.value == NCCL_SUCCESS:
+                return
+            if state.value != NCCL_IN_PROGRESS:
+                self.fail(state.value, what)
+            polls += 1
+            if polls % 4096 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    self.abort()
+                    raise CommTimeout(f"{what} on rank {self.rank}: NCCL did not finish launching it within "
+                                      f"{self.timeout_s:.1f} s; the communicator was aborted")
+
     def complete(self, rc: int, what: str) -> None:
         """Check a call's result; for in-progress (non-blocking comm) poll until done or timeout."""
         if rc in (NCCL_SUCCESS, NCCL_IN_PROGRESS):

@@ -60,6 +60,8 @@ class NcclPreparedGather:
         self._copy_stream = comm.copy_stream.cuda_stream
         self._gather_stream = comm.stream.cuda_stream
         self._cu = driver()
+        #: Launches that NCCL finished on its own thread (non-blocking communicator), for the bench.
+        self.in_progress_launches = 0
 
     def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
         comm = self.comm
@@ -83,11 +85,15 @@ class NcclPreparedGather:
                 if comm.handle is None or comm.aborted:
                     comm.raise_if_failed(self.what)
                 rc = comm.nccl.ncclAllGather(self._own_ptr, self._full_ptr, self.nbytes, NCCL_UINT8, comm.handle, g)
-            if rc != NCCL_SUCCESS:
-                if rc == NCCL_IN_PROGRESS:
-                    comm.complete(rc, self.what)  # rare: a busy non-blocking communicator, polled
-                else:
-                    comm.fail(rc, self.what)
+            if rc == NCCL_IN_PROGRESS:
+                # A non-blocking communicator may hand the launch to NCCL's own thread: the gather is
+                # on the stream only once the async state reads success, and `ready` must be recorded
+                # after it. The launch takes microseconds, so spin on the state (a sleep between polls
+                # would cost the step far more); the deadline still turns a stuck launch into an error.
+                comm.spin_until_launched(self.what)
+                self.in_progress_launches += 1
+            elif rc != NCCL_SUCCESS:
+                comm.fail(rc, self.what)
             cu.event_record(self._ready_ev, g)
         if marks is not None:
             cu.event_record(marks[1].cuda_event, g if comm.world_size > 1 else k)

@@ -232,7 +232,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
-            "fsdp2": fsdp_model is not None, "graph_error": graph_error if graph else None}
+            "fsdp2": fsdp_model is not None,
+            "nccl_in_progress_launches": sum(getattr(g, "in_progress_launches", 0) for g in planner.prepared_gathers.values()), "graph_error": graph_error if graph else None}
 
 
 # ---- the report -------------------------------------------------------------------------------------------
