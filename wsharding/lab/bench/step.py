@@ -304,6 +304,11 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def saved_reports(folder: str | Path = "figures/device", pattern: str = "bench_step_*.json") -> dict[str, dict[str, Any]]:
+    """The ``bench step`` reports kept in ``folder`` (named after machine and date), by file stem."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(folder).glob(pattern))}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
     p.add_argument("--model", default=None, choices=MODELS,

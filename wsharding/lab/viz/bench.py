@@ -31,3 +31,22 @@ def step_figure(report: dict[str, Any]) -> go.Figure:
                       xaxis_title="tokens per rank", yaxis_title="ms per step", xaxis_type="log", yaxis_type="log",
                       height=460)
     return fig
+
+
+def against_figure(report: dict[str, Any], base: str = "replicated") -> go.Figure:
+    """Each variant's step time divided by ``base`` (``replicated`` or ``floor_ms``), grouped by tokens
+    per rank: 1.0 is the goal line; below the floor is impossible."""
+    fig = go.Figure()
+    rows = [r for r in report["rows"] if r.get(base)]
+    for v in report["variants"]:
+        if v == base:
+            continue
+        pts = [(str(r["tokens_per_rank"]), r[v] / r[base]) for r in rows if v in r]
+        fig.add_trace(go.Bar(x=[p[0] for p in pts], y=[p[1] for p in pts], name=v, marker_color=COLORS.get(v),
+                             text=[f"{p[1]:.2f}x" for p in pts], textposition="outside"))
+    name = "the link floor" if base == "floor_ms" else base
+    fig.add_shape(type="line", xref="paper", x0=0, x1=1, y0=1, y1=1, line={"dash": "dot", "color": "#444"})
+    fig.update_layout(barmode="group", height=420, xaxis_title="tokens per rank", yaxis_title=f"step / {name}",
+                      title=f"Step time against {name} ({report['mode']}, {report['world_size']} ranks, "
+                            f"{report.get('model', '')}, comm {report.get('comm', '')})")
+    return fig
