@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from wsharding.comm.base import CommError, check_gather_args
+from wsharding.comm.groups import shard_group_ranks
 from wsharding.comm.nccl.binding import (
     CTA_POLICY_NAMES,
     NCCL_IN_PROGRESS,
@@ -113,6 +114,41 @@ def _close_all() -> None:
             pass
 
 
+# [Note: shard groups]
+# The first seed shards within intra-node groups of 8 ranks, (rank // 8) * 8, and runs DP across them.
+# Each group is its own NCCL communicator: rank 0 *of the group* makes an ncclUniqueId and shares it
+# over the group's gloo group only, so the groups never see each other's ids, and each communicator
+# owns its symmetric windows (registration is collective over the group, not the world). The same
+# grouping as ``wsharding.comm.groups`` and the torch.distributed backend (``new_shard_comms``).
+def exchange_over(cpu_group: Any, world_size: int, obj: Any) -> list[Any]:
+    """Every member's ``obj`` in group order, over the CPU (gloo) group; ``[obj]`` for a group of one."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=cpu_group)
+    return out
+
+
+def share_unique_id(nccl: NcclBinding, rank_in_group: int, exchange: Any) -> bytes:
+    """Rank 0 of the group makes the ``ncclUniqueId``; ``exchange`` (over the group's CPU group) hands
+    it to every member. One id per group: ranks of other groups never receive it."""
+    uid = nccl.get_unique_id() if rank_in_group == 0 else None
+    return exchange(uid.to_bytes() if uid is not None else None)[0]
+
+
+def group_members(cpu_group: Any, world_size: int) -> tuple[int, ...]:
+    """Global ranks of ``cpu_group`` in group order (``None``: the default group, or a lone rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return tuple(range(world_size))
+    if cpu_group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(cpu_group))
+
+
 class NcclGatherHandle:
     """A gather in flight on the communicator's stream (see :meth:`NcclCommunicator.all_gather_into`)."""
 
@@ -138,9 +174,10 @@ class NcclCommunicator:
     """A :class:`~wsharding.comm.base.Communicator` on libnccl with symmetric windows.
 
     Args:
-        cpu_group: a gloo process group over the same ranks, used to share the unique id and
-            check window registration (``None``: the default group, or world size 1 when
-            torch.distributed is not initialised).
+        cpu_group: a gloo process group over the same ranks -- the whole world, or one shard group
+            ([Note: shard groups]; :func:`from_context` with ``group_size``) -- used to share the unique
+            id and check window registration (``None``: the default group, or world size 1 when
+            torch.distributed is not initialised). ``rank`` and ``world_size`` are those inside it.
         device: this rank's CUDA device (default: the current one).
         cta_policy: 2 (zero: copy engine, the default) or 0 (SM kernels, for comparison).
         timeout_s: how long any operation may stay in progress before the communicator is aborted.
@@ -229,8 +266,9 @@ class NcclCommunicator:
         self.gathers_issued = 0
         self._last_event: torch.cuda.Event | None = None
 
-        uid = self.nccl.get_unique_id() if self.rank == 0 else None
-        raw = self.exchange(uid.to_bytes() if uid is not None else None)[0]
+        #: Global ranks of this communicator's shard group, in group order ([Note: shard groups]).
+        self.group_ranks = group_members(cpu_group, self.world_size)
+        raw = share_unique_id(self.nccl, self.rank, self.exchange)
         self._config = make_config(blocking=False, cta_policy=cta_policy, comm_name=name.encode())
         comm = ctypes.c_void_p()
         _LIVE.add(self)
@@ -249,13 +287,7 @@ class NcclCommunicator:
     # ---- helpers -----------------------------------------------------------------------------
     def exchange(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order, over the CPU group (gloo)."""
-        if self.world_size == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
-        return out
+        return exchange_over(self.cpu_group, self.world_size, obj)
 
     def async_state(self) -> int:
         """``ncclCommGetAsyncError``: 0 done, 7 in progress, anything else an error."""
@@ -535,13 +567,15 @@ class NcclCommunicator:
         return {
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
             "emulation": self.emulation, "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
+            "group_ranks": list(self.group_ranks),
             "cta_policy_name": CTA_POLICY_NAMES[self.cta_policy], "nccl": self.library.describe(),
             "windows": sum(1 for b in self.pool.buffers if b.window is not None),
             "registered_bytes": self.pool.registered_bytes,
         }
 
     def __repr__(self) -> str:
-        return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, mode={self.mode!r}, "
+        return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, group={list(self.group_ranks)}, "
+                f"mode={self.mode!r}, "
                 f"cta_policy={self.cta_policy}, nccl={format_version(self.library.version)})")
 
 
@@ -557,11 +591,37 @@ def gloo_group_for(ctx: Any) -> Any:
     return ctx.store["_wsharding_gloo"]
 
 
-def from_context(ctx: Any, *, device: torch.device | str | None = None, **kwargs: Any) -> NcclCommunicator:
-    """An :class:`NcclCommunicator` over all ranks of a :class:`~wsharding.cluster.RankContext`.
+def gloo_shard_group_for(ctx: Any, group_size: int) -> Any:
+    """The gloo group of this rank's shard group ``(rank // g) * g`` ([Note: shard groups]).
+
+    Collective: every rank calls it with the same ``group_size``; every group of the world is created
+    on every rank, in the same order (``new_group``'s rule), and cached in ``ctx.store``. A group size
+    of the whole world is :func:`gloo_group_for`.
+    """
+    groups = shard_group_ranks(ctx.world_size, group_size)
+    if len(groups) == 1:
+        return gloo_group_for(ctx)
+    key = ("_wsharding_gloo_shard_groups", len(groups[0]))
+    if key not in ctx.store:
+        import torch.distributed as dist
+
+        mine = None
+        for ranks in groups:
+            pg = dist.new_group(ranks, backend="gloo")
+            if ctx.rank in ranks:
+                mine = pg
+        ctx.store[key] = mine
+    return ctx.store[key]
+
+
+def from_context(ctx: Any, *, device: torch.device | str | None = None, group_size: int | None = None,
+                 **kwargs: Any) -> NcclCommunicator:
+    """An :class:`NcclCommunicator` over this rank's shard group of a :class:`~wsharding.cluster.RankContext`
+    (``group_size`` ``None``: all ranks; else groups ``(rank // g) * g``, one communicator each).
 
     On gloo clusters (several ranks on one GPU) each rank takes ``cuda:(rank % gpus)``.
     """
     if device is None:
         device = ctx.device if ctx.device.type == "cuda" else torch.device("cuda", ctx.rank % max(1, torch.cuda.device_count()))
-    return NcclCommunicator(gloo_group_for(ctx), device=device, **kwargs)
+    cpu_group = gloo_group_for(ctx) if group_size is None else gloo_shard_group_for(ctx, group_size)
+    return NcclCommunicator(cpu_group, device=device, **kwargs)

@@ -36,28 +36,41 @@ def ours_supported() -> bool:
 
 
 def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None = None):
-    """The communicator the sharded layers gather with.
+    """The communicator the sharded layers gather with, over this rank's shard group.
 
+    ``group_size`` (default: the whole world) cuts the world into groups ``(rank // g) * g``, as the
+    first seed's intra-node groups of 8; each group shards one copy of the weights between its members.
     ``"torch"``: torch.distributed over this rank's shard group (gloo on CPU, NCCL on GPUs).
-    ``"nccl"``: our ctypes NCCL communicator over the whole world -- buffers from ``ncclMemAlloc``
-    registered as symmetric windows, CTA policy 2, so gathers take the copy-engine path. Created once
-    per rank and kept in ``ctx.store`` (creating a communicator is collective and slow).
+    ``"nccl"``: our ctypes NCCL communicator over the group -- one unique id per group, buffers from
+    ``ncclMemAlloc`` registered as symmetric windows of the group, CTA policy 2, so gathers take the
+    copy-engine path. Created once per rank and group size, kept in ``ctx.store`` (creating a
+    communicator is collective and slow).
     ``"auto"``: ``"nccl"`` when :func:`ours_supported`, else ``"torch"``.
     """
     if comm == "auto":
         comm = "nccl" if ours_supported() else "torch"
+    g = ctx.world_size if group_size is None else min(group_size, ctx.world_size)
     if comm == "torch":
-        return ctx.shard_comm(group_size or ctx.world_size)
+        return ctx.shard_comm(g)
     if comm != "nccl":
         raise ValueError(f"unknown communicator {comm!r}: use 'torch', 'nccl' or 'auto'")
-    if group_size not in (None, ctx.world_size):
-        raise ValueError(f"the nccl communicator spans the whole world ({ctx.world_size} ranks): group_size "
-                         f"{group_size} is not supported with it")
-    if "_wsharding_nccl_comm" not in ctx.store:
+    key = "_wsharding_nccl_comm" if g == ctx.world_size else f"_wsharding_nccl_comm.g{g}"
+    if key not in ctx.store:
         from wsharding.comm.nccl import from_context
 
-        ctx.store["_wsharding_nccl_comm"] = from_context(ctx)
-    return ctx.store["_wsharding_nccl_comm"]
+        ctx.store[key] = from_context(ctx, group_size=None if g == ctx.world_size else g)
+    return ctx.store[key]
+
+
+def group_of(comm: Any) -> list[int]:
+    """Global ranks of a communicator's shard group (either backend), in group order."""
+    ranks = getattr(comm, "group_ranks", None)
+    if ranks is not None:
+        return list(ranks)
+    import torch.distributed as dist
+
+    group = getattr(comm, "group", None)
+    return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
 
 
 def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *, lookahead: bool = True,
@@ -94,6 +107,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "slot_bytes": ws.slots.slot_bytes,
         "layout_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
         "mode": comm.mode,
+        "group": group_of(comm),
     }
 
 

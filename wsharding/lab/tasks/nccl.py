@@ -192,3 +192,25 @@ def unregistered_refused() -> str:
 
 __all__ = ["default_stream_refused", "gather_roundtrip", "graph_replay", "missing_rank",
            "unregistered_refused"]
+
+
+def group_unique_ids(ctx: RankContext, group_size: int) -> dict[str, Any]:
+    """The unique-id exchange of :class:`~wsharding.comm.nccl.NcclCommunicator`, run on its own over this
+    rank's shard group: the gloo group from ``from_context``'s helper, rank 0 of each group making a
+    real ``ncclGetUniqueId`` (it needs libnccl, not a GPU), every member receiving its group's id.
+
+    This is the part of the constructor that decides which ranks end up in one communicator; the rest
+    (``ncclCommInitRankConfig``, windows) needs GPUs (``tests/test_gpu_sharding.py``).
+    """
+    import torch.distributed as dist
+
+    from wsharding.comm.nccl.binding import NcclBinding
+    from wsharding.comm.nccl.communicator import exchange_over, gloo_shard_group_for, group_members, share_unique_id
+    from wsharding.comm.nccl.library import default_library
+
+    group = gloo_shard_group_for(ctx, group_size)
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    raw = share_unique_id(NcclBinding(default_library()), rank, lambda obj: exchange_over(group, size, obj))
+    return {"rank": ctx.rank, "rank_in_group": rank, "group_size": size,
+            "group": list(group_members(group, size)), "unique_id": raw.hex()}
