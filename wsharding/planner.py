@@ -328,3 +328,132 @@ class WeightShardPlanner:
         """Refuse every later step (the sharding freed the slots and chunks)."""
         self.closed = True
         self._gathers.clear()
+
+    # ---- the first layer of a model with no layer before it (the draft model) -------------------------
+    # [Note: the draft's first layer]
+    # A draft model runs right after the target model. Its first sharded layer has no previous layer
+    # whose compute could hide its gather, so (first seed, "CUDA graph 与 draft 模型") that gather is
+    # issued *before* the draft's step, on a dedicated stream, during the region between the two models
+    # (the seed's ~4 ms commit step), and outside the draft's CUDA graph:
+    #
+    #     target(tokens)
+    #     draft.planner.prefetch_first_weight_shard()   # dedicated stream, forked from the compute stream
+    #     commit()                                      # any work that is not a layer
+    #     draft.planner.wait_first_weight_shard()       # compute stream waits; cold start: gathers now
+    #     draft(tokens)                                 # reset, pre_dispatch_after_prefetch, the layers
+    #
+    # Why not the shared side stream: there it queues behind the target model's gathers (the seed saw
+    # ~25 us of overlap). The fork orders the prefetch after everything already queued on the compute
+    # stream -- the previous draft step, which may still read the slot it overwrites, included. On CPU
+    # ranks the same calls hold an async gloo handle, waited on by ``wait_first_weight_shard``.
+    _first_handle = None
+    _first_armed = False
+    _first_stream: torch.cuda.Stream | None = None
+    _first_ready: torch.cuda.Event | None = None
+    #: Prefetches issued, and cold starts (``wait_first_weight_shard`` with nothing prefetched: inline).
+    first_prefetches = 0
+    cold_starts = 0
+
+    @property
+    def first_layer(self) -> int:
+        """The first sharded layer: the one :meth:`prefetch_first_weight_shard` gathers."""
+        return self.sharded_ids[0]
+
+    def first_stream(self) -> torch.cuda.Stream:
+        """The dedicated stream of the first layer's prefetch (CUDA), created once, outside any step."""
+        if self._first_stream is None:
+            self._first_stream = torch.cuda.Stream(self.device)
+        return self._first_stream
+
+    def prefetch_first_weight_shard(self, stream: torch.cuda.Stream | None = None, *, fork: bool = True) -> None:
+        """Issue the gather of the first sharded layer now, ahead of the step that uses it.
+
+        CUDA: on ``stream`` (default: :meth:`first_stream`, dedicated; passing the stream the target's
+        gathers use shows why not to), after a fork from the current stream; never waits on the host.
+        CPU: an async gloo collective. Call it outside any CUDA graph; every rank must call it at the
+        same point. ``fork=False`` is only for demonstrating the race the fork prevents.
+        """
+        if self.closed:
+            raise PlannerClosedError("prefetch_first_weight_shard(): this weight sharding was closed")
+        first = self.first_layer
+        if self._first_handle is not None:
+            raise CommError(f"layer {first}: prefetch_first_weight_shard() called twice on rank {self.comm.rank} "
+                            "before wait_first_weight_shard(): one prefetch per draft step (every rank the same)")
+        self.comm.raise_if_failed(f"prefetch of layer {first}")
+        st, full = self.layers[first], self.slots.full_buffer(first)
+        what = f"layer {first}: prefetch of {st.layout.total_bytes} B into slot {SLOT_NAMES[self._slot_of[first]]}"
+        self.slots.occupant[self._slot_of[first]] = None  # receiving
+        try:
+            if not self.cuda:
+                self._first_handle = self.comm.all_gather_into(full, st.chunk, async_op=True, what=what)
+            else:
+                s = stream if stream is not None else self.first_stream()
+                if fork:
+                    s.wait_stream(torch.cuda.current_stream(self.device))
+                if self._first_ready is None:
+                    self._first_ready = torch.cuda.Event()
+                with torch.cuda.stream(s):  # issued from s itself: no backend adds a wait on another stream
+                    own_stream = getattr(self.comm, "copy_stream", None) is not None
+                    if own_stream:
+                        # Our NCCL binding gathers on the stream it is given; in place, like its
+                        # prepared gathers: this rank's chunk goes into its slice of the slot first.
+                        n = st.chunk.numel()
+                        own = full.narrow(0, self.comm.rank * n, n)
+                        own.copy_(st.chunk)
+                        handle = self.comm.all_gather_into(full, own, async_op=True, stream=s, what=what)
+                    else:
+                        # torch.distributed runs the collective on its own stream, ordered after s;
+                        # waiting here orders s after it.
+                        handle = self.comm.all_gather_into(full, st.chunk, async_op=True, what=what)
+                        handle.wait()
+                self._first_ready.record(s)
+                self._first_handle = handle
+        except CommError as e:
+            raise CommError(self._stuck_message(first, e)) from e
+        self.first_prefetches += 1
+        self.gathers_total += 1
+
+    def wait_first_weight_shard(self) -> None:
+        """Make the first layer's weights ready before the step: CUDA, the current stream waits for
+        the prefetch (no host wait); CPU, block on it. With nothing prefetched (a cold start) the
+        gather is issued now and waited on at once: inline, its whole time exposed."""
+        first = self.first_layer
+        if self._first_handle is None:
+            self.cold_starts += 1
+            self.prefetch_first_weight_shard()
+        handle, self._first_handle = self._first_handle, None
+        try:
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(self._first_ready)
+            else:
+                handle.wait()
+        except CommError as e:
+            raise CommError(self._stuck_message(first, e)) from e
+        self.slots.occupant[self._slot_of[first]] = first
+        self._first_armed = True
+
+    def pre_dispatch_after_prefetch(self, start_layer: int, end_layer: int | None = None) -> None:
+        """:meth:`pre_dispatch` of a step whose first sharded layer was made ready by
+        :meth:`wait_first_weight_shard`: the fork and the step's start, without issuing that layer's
+        gather again; it counts as this step's gather and wait of the layer. A prefetch nobody waited
+        on is waited on here; with none at all (or a step that starts past the first layer) this is
+        plain :meth:`pre_dispatch`, the inline path."""
+        first = self.first_layer
+        if self._first_handle is not None:
+            self.wait_first_weight_shard()
+        if not self._first_armed or start_layer > first or (end_layer is not None and end_layer <= first):
+            self.pre_dispatch(start_layer, end_layer)
+            return
+        self._first_armed = False
+        lookahead, self.lookahead = self.lookahead, False
+        try:
+            self.pre_dispatch(start_layer, end_layer)  # fork and trace start, nothing issued
+        finally:
+            self.lookahead = lookahead
+        self._issued[first] = self._waited[first] = self.step
+        self.gathers_this_step += 1
+        self.waits_this_step += 1
+        self.slots.occupant[self._slot_of[first]] = first
+        if self.trace is not None:
+            for kind in ("wait_start", "wait_end", "compute_start"):
+                self.trace.mark(first, kind)  # the wait happened before the step, outside it

@@ -19,6 +19,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "wsharding.lab.bench.step",
         "step time: replicated vs weight-sharded (lookahead on/off) vs FSDP2, across tokens per rank",
     ),
+    "draft": (
+        "wsharding.lab.bench.draft",
+        "draft model, layer 0: exposed gather time with a dedicated stream vs the shared side stream vs inline",
+    ),
 }
 
 

@@ -1,0 +1,96 @@
+"""``wsharding bench draft``: how much of the draft model's first-layer gather stays exposed.
+
+A step is the target model's forward, a region that is not a layer (a labelled stand-in for the
+first seed's ~4 ms commit step), and a 2-layer draft's forward whose first sharded layer is gathered
+(see :mod:`wsharding.lab.tasks.draft`):
+
+* ``dedicated``: prefetched on the planner's own stream after the target, under the region;
+* ``shared``: prefetched on the stream the target's gathers use (the seed saw ~25 us of overlap);
+* ``inline``: not prefetched: gathered at the draft's start (a cold start), its whole time exposed.
+
+Reported per mode: the median exposed time (compute-stream events around the wait) and step time,
+slowest rank. On CPU ranks the same calls run on gloo (emulated; no streams, so no ``shared`` row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from wsharding.cluster import RankCluster
+from wsharding.lab.tasks.draft import draft_exposed
+from wsharding.lab.tasks.model import ours_supported
+from wsharding.models import PRESETS
+from wsharding.runtime import gpu_count, in_ci
+from wsharding.units import ceil_div
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The benchmark's report: per mode the slowest rank's median exposed time and step time."""
+    r0 = results[0]
+    rows = []
+    for i, row in enumerate(r0["rows"]):
+        per_rank = [r["rows"][i] for r in results]
+        rows.append({"mode": row["mode"],
+                     "exposed_us": max(x["exposed_us_median"] for x in per_rank),
+                     "step_ms": max(x["step_ms_median"] for x in per_rank),
+                     "exposed_us_per_rank": [x["exposed_us_median"] for x in per_rank]})
+    keep = ("mode", "emulation", "communicator", "preset", "draft_layers", "first_layer_bytes", "region",
+            "commit_ms", "tokens")
+    return {"bench": "draft", "world_size": len(results), **{k: r0[k] for k in keep}, "rows": rows}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"wsharding bench draft -- {report['mode']}, {report['world_size']} ranks, target {report['preset']}, "
+             f"{report['draft_layers']}-layer draft, first layer |T| = {report['first_layer_bytes'] / 2**20:.2f} MiB, "
+             f"gathers by {report['communicator']}"]
+    if report["emulation"]:
+        lines.append(f"  NOTE: {report['emulation']}")
+    lines.append(f"  region between the models: {report['region']}")
+    lines.append(f"  {'first-layer gather':<22}{'exposed (median)':>20}{'step (median)':>18}")
+    for row in report["rows"]:
+        lines.append(f"  {row['mode']:<22}{row['exposed_us']:>17.1f} us{row['step_ms']:>15.3f} ms")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="target model (the draft has its dimensions, 2 layers); default k3-like on GPUs, tiny on CPU")
+    p.add_argument("--tokens", type=int, default=8, help="tokens per rank per step")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode")
+    p.add_argument("--commit-ms", type=float, default=4.0, help="length of the region between the models (ms)")
+    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"])
+    p.add_argument("--out", default="figures/bench_draft", help="path prefix for .json and the figure ('' for none)")
+
+
+def main(args: argparse.Namespace) -> int:
+    gpus = gpu_count()
+    backend = "nccl" if gpus else "gloo"
+    n = args.ranks or (gpus if gpus else 2)
+    preset = args.preset or ("k3-like" if gpus and not in_ci() else "tiny")
+    ranks_per_gpu = ceil_div(n, gpus) if gpus else 1
+    if ranks_per_gpu > 1:
+        backend = "gloo"  # several ranks on one GPU: gloo between processes, our NCCL comm for the gathers
+    with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
+        comm = args.comm if args.comm != "auto" else ("nccl" if gpus and ours_supported() else "torch")
+        results = cluster.run(draft_exposed, preset, tokens=args.tokens, steps=args.steps, commit_ms=args.commit_ms,
+                              comm=comm)
+    report = summarize(results)
+    print(format_table(report))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        print(f"  wrote {out.with_suffix('.json')}")
+        try:
+            from wsharding.lab.viz.draft import draft_exposed_figure
+            from wsharding.lab.viz.export import save_figure
+        except ImportError as e:  # the GPU machine has no plotly: the JSON is drawn elsewhere
+            print(f"  no figure ({e}); draw it from the JSON with wsharding.lab.viz.draft")
+        else:
+            for path in save_figure(draft_exposed_figure(report), out):
+                print(f"  wrote {path}")
+    return 0

@@ -1,0 +1,238 @@
+"""Rank tasks of the draft model's first-layer prefetch (notebook 03 section 7, ``wsharding bench draft``).
+
+One step of speculative decoding, as in the first seed: the target model's forward, a region that is
+not a layer (the seed's ~4 ms commit step; here a labelled stand-in, :func:`commit_region`), then the
+draft model's forward. The draft's first sharded layer is gathered in one of three ways (``mode``):
+
+* ``"dedicated"``: ``prefetch_first_weight_shard()`` on the planner's own stream after the target, so
+  the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/planner.py``);
+* ``"shared"``: the same prefetch on the stream the target's gathers use (our NCCL comm's gather stream;
+  the torch backend issues its gathers from the compute stream, so that stream) -- what the seed
+  measured at ~25 us of overlap;
+* ``"inline"``: no prefetch; ``wait_first_weight_shard()`` finds none (a cold start) and gathers now.
+
+Exposed time is what the compute stream spends in ``wait_first_weight_shard()``: CUDA events recorded
+on the compute stream just before and after it (CUDA), or the wall time of the call (CPU ranks, where
+gloo gathers on its own thread; there are no streams, so ``"shared"`` does not apply).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from wsharding.cluster import RankContext
+from wsharding.lab.tasks.model import shard_comm_for, tokens_for
+from wsharding.models import ToyDecoder, decoder_config
+from wsharding.models.draft import DraftDecoder, build_draft_pair, draft_config
+from wsharding.shard import WeightSharding
+
+MODES = ("dedicated", "shared", "inline")
+#: What the CPU-rank version runs: gloo has no streams to share.
+CPU_MODES = ("dedicated", "inline")
+COMMIT_WORDS = "stand-in for the seed's commit step (not a layer, not a real commit)"
+
+
+def commit_region(device: torch.device, ms: float, kind: str = "auto") -> tuple[Callable[[], None], str]:
+    """A callable that keeps the compute side busy for about ``ms`` milliseconds, and its label.
+
+    ``kind``: ``"matmul"`` (chained bf16 GEMMs on the current stream, the count calibrated once to
+    ``ms``), ``"sleep"`` (the host sleeps: on CPU ranks gloo's thread gathers meanwhile), or ``"auto"``
+    (matmul on CUDA, sleep on CPU). It stands for the seed's commit step and is labelled as such.
+    """
+    if kind == "auto":
+        kind = "matmul" if device.type == "cuda" else "sleep"
+    if ms <= 0:
+        return (lambda: None), "no region between the models"
+    if kind == "sleep":
+        def sleep() -> None:
+            time.sleep(ms / 1e3)
+        return sleep, f"{COMMIT_WORDS}: host sleep of {ms:g} ms"
+    if kind != "matmul":
+        raise ValueError(f"commit region kind {kind!r}: use 'matmul', 'sleep' or 'auto'")
+    n = 2048 if device.type == "cuda" else 256
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(device, dtype) / n**0.5
+    b = a.clone()
+
+    def gemm() -> None:
+        torch.mm(a, b, out=b)
+
+    per = _time_ms(gemm, device, reps=5)
+    count = max(1, round(ms / per))
+
+    def region() -> None:
+        for _ in range(count):
+            gemm()
+
+    return region, f"{COMMIT_WORDS}: {count} x {n}^3 {str(dtype).split('.')[-1]} GEMM (~{count * per:.2f} ms)"
+
+
+def _time_ms(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
+def shared_stream(comm: Any) -> torch.cuda.Stream:
+    """The stream the target model's gathers use: our NCCL comm's gather stream, or (torch backend,
+    which issues gathers from the compute stream) the current stream."""
+    return getattr(comm, "stream", None) or torch.cuda.current_stream(comm.device)
+
+
+def prepare(draft: DraftDecoder, mode: str, comm: Any) -> None:
+    """Between the target and the region: issue the draft's first gather as ``mode`` says."""
+    planner = draft.planner
+    if mode == "dedicated":
+        planner.prefetch_first_weight_shard()
+    elif mode == "shared":
+        planner.prefetch_first_weight_shard(shared_stream(comm) if planner.cuda else None)
+    elif mode != "inline":
+        raise ValueError(f"mode {mode!r}: use one of {MODES}")
+
+
+def check_modes(modes: Sequence[str]) -> list[str]:
+    """``modes`` as a list, refusing a name that is not one of :data:`MODES`."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: use one of {MODES}")
+    return list(modes)
+
+
+def _models(ctx: RankContext, preset: str, comm_name: str, draft_layers: int):
+    """The sharded target, the replicated draft and the sharded draft on this rank, kept in
+    ``ctx.store`` (one configuration at a time: a notebook must not pile models up)."""
+    cfg = decoder_config(preset)
+    key = ("draft_tasks.models", cfg, comm_name, draft_layers)
+    if key not in ctx.store:
+        for k in [k for k in ctx.store if isinstance(k, tuple) and k and k[0] == "draft_tasks.models"]:
+            del ctx.store[k]
+        comm = shard_comm_for(ctx, comm_name)
+        ws = WeightSharding(comm, sharded_layers=range(1, cfg.layers))
+        target = ToyDecoder(cfg, seed=0, weight_sharding=ws, device=comm.device).eval()
+        ws.finalize()
+        draft_rep, draft = build_draft_pair(draft_config(cfg, draft_layers), comm)
+        ctx.store[key] = (comm, cfg, target, draft_rep, draft)
+    return ctx.store[key]
+
+
+def draft_equality(ctx: RankContext, preset: str, counts: Sequence[Sequence[int]], *,
+                   modes: Sequence[str] = CPU_MODES, comm: str = "torch", draft_layers: int = 2,
+                   commit_ms: float = 1.0) -> dict[str, Any]:
+    """Steps of target + region + draft in every ``mode``; the sharded draft's logits against the
+    replicated draft's, bit for bit. Also the two paths a caller may take by mistake: a prefetch never
+    waited on before the draft's step (``"no_wait"``), and no call at all (``"no_calls"``).
+
+    ``counts[step][rank]`` tokens per step (at least one: a draft step always has a token). Returns per
+    mode: equality per step, the draft's gathers per step (one per sharded layer, the prefetched one
+    included), and the planner's prefetch and cold-start counts.
+    """
+    modes = check_modes(modes)
+    comm_, cfg, target, draft_rep, draft = _models(ctx, preset, comm, draft_layers)
+    region, label = commit_region(comm_.device, commit_ms)
+    planner = draft.planner
+    results: dict[str, dict[str, Any]] = {}
+    with torch.no_grad():
+        for mode in [*modes, "no_wait", "no_calls"]:
+            prefetches, cold = planner.first_prefetches, planner.cold_starts
+            equal, gathers = [], []
+            for step in range(len(counts)):
+                n = max(1, counts[step][ctx.rank % len(counts[step])])
+                x = tokens_for(ctx.rank, step, [[n]], cfg.vocab, comm_.device)
+                target(x)
+                if mode in MODES:
+                    prepare(draft, mode, comm_)
+                    region()
+                    planner.wait_first_weight_shard()
+                elif mode == "no_wait":
+                    planner.prefetch_first_weight_shard()
+                    region()
+                logits = draft(x)
+                gathers.append(planner.gathers_this_step)
+                equal.append(bool(torch.equal(logits, draft_rep(x))))
+            results[mode] = {"equal": equal, "gathers": gathers, "prefetches": planner.first_prefetches - prefetches,
+                             "cold_starts": planner.cold_starts - cold}
+    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": ctx.emulation, "region": label,
+            "first_layer": planner.first_layer, "sharded_layers": draft.weight_sharding.sharded_layer_ids,
+            "modes": results}
+
+
+def draft_exposed(ctx: RankContext, preset: str, *, tokens: int = 8, steps: int = 20, warmup: int = 3,
+                  commit_ms: float = 4.0, region_kind: str = "auto", comm: str = "auto", draft_layers: int = 2,
+                  modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """Exposed time of the draft's first-layer gather per mode, over ``steps`` timed steps of
+    target + region + draft (after ``warmup``), and the mean step time. On CUDA the exposed time is
+    taken by events on the compute stream around ``wait_first_weight_shard()``; on CPU ranks it is
+    the wall time of that call.
+    """
+    comm_, cfg, target, _rep, draft = _models(ctx, preset, comm, draft_layers)
+    dev = comm_.device
+    cuda = dev.type == "cuda"
+    modes = check_modes(modes or (MODES if cuda else CPU_MODES))
+    region, label = commit_region(dev, commit_ms, region_kind)
+    planner = draft.planner
+    x = tokens_for(ctx.rank, 0, [[tokens]], cfg.vocab, dev)
+    prefetches, cold = planner.first_prefetches, planner.cold_starts
+    rows = []
+    with torch.no_grad():
+        for mode in modes:
+            exposed, step_ms = [], []
+            for s in range(warmup + steps):
+                if cuda:
+                    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                    marks[0].record()
+                else:
+                    t0 = time.perf_counter()
+                target(x)
+                prepare(draft, mode, comm_)
+                region()
+                if cuda:
+                    marks[1].record()
+                else:
+                    w0 = time.perf_counter()
+                planner.wait_first_weight_shard()
+                if cuda:
+                    marks[2].record()
+                else:
+                    w1 = time.perf_counter()
+                draft(x)
+                if cuda:
+                    marks[3].record()
+                    torch.cuda.synchronize(dev)
+                    if s >= warmup:
+                        exposed.append(marks[1].elapsed_time(marks[2]) * 1e3)
+                        step_ms.append(marks[0].elapsed_time(marks[3]))
+                elif s >= warmup:
+                    exposed.append((w1 - w0) * 1e6)
+                    step_ms.append((time.perf_counter() - t0) * 1e3)
+                comm_.barrier()  # every rank starts the next step together: the gathers pair up
+            rows.append({"mode": mode, "exposed_us": exposed, "step_ms": step_ms,
+                         "exposed_us_median": _median(exposed), "step_ms_median": _median(step_ms)})
+    first = planner.first_layer
+    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": getattr(comm_, "emulation", "") or ctx.emulation,
+            "communicator": type(comm_).__name__, "preset": preset, "draft_layers": draft_layers,
+            "first_layer_bytes": draft.weight_sharding.layouts[first].total_bytes, "region": label,
+            "commit_ms": commit_ms, "tokens": tokens, "rows": rows,
+            "cold_starts": planner.cold_starts - cold, "prefetches": planner.first_prefetches - prefetches}
+
+
+def _median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    if not v:
+        return 0.0
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2

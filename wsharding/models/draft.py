@@ -1,0 +1,62 @@
+"""A small draft model whose first sharded layer is gathered before its step (speculative decoding).
+
+In the first seed's deployment a draft model (dflash) runs after the target model every step. Its
+weights are sharded too ("推广到 attention 和 draft"), and its layer 0 -- the first sharded layer --
+has no earlier layer whose compute could hide its gather. The planner's answer
+([Note: the draft's first layer] in ``wsharding/planner.py``) is to issue that gather between the two
+models, on a dedicated stream, and to wait on it just before the draft's step; this module gives the
+draft the step that uses it.
+
+The draft here is a :class:`~wsharding.models.ToyDecoder` with the target's dimensions and two layers
+(:func:`draft_config`), every layer sharded -- layer 0, dense, included. A real draft reads the
+target's hidden states; this one reads the same tokens, which changes nothing about its gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wsharding.comm.base import Communicator
+from wsharding.models.decoder import DecoderConfig, ToyDecoder, decoder_config
+from wsharding.shard import WeightSharding, run_layers
+
+
+def draft_config(target: str | DecoderConfig, layers: int = 2) -> DecoderConfig:
+    """The draft's configuration: the target's dimensions, ``layers`` layers (default 2)."""
+    return decoder_config(target, layers)
+
+
+class DraftDecoder(ToyDecoder):
+    """A :class:`ToyDecoder` whose step begins with :meth:`WeightShardPlanner.pre_dispatch_after_prefetch`:
+    the first sharded layer's weights were made ready before the step by
+    ``planner.wait_first_weight_shard()`` (after ``planner.prefetch_first_weight_shard()``, or inline on
+    a cold start). Without either call the step gathers that layer itself, as any model does.
+    """
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        planner = self.planner
+        if planner is None:
+            h = run_layers(self.layers, h, None)
+        else:
+            # The loop of wsharding.shard.run_layers, except for the step's start.
+            end = len(self.layers)
+            planner.reset()
+            planner.pre_dispatch_after_prefetch(0, end)
+            for i in range(end):
+                planner.maybe_dispatch(i + 1)
+                h = self.layers[i](h)
+                planner.update_done_event(i, self.layers[i])
+        return self.lm_head(self.norm(h))
+
+
+def build_draft_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 1, lookahead: bool = True,
+                     trace: bool = False) -> tuple[DraftDecoder, DraftDecoder]:
+    """The replicated draft and its sharded twin on this rank, every layer sharded (the first one is
+    the layer the prefetch is for). ``seed`` differs from the target's default: different weights."""
+    device = comm.device
+    replicated = DraftDecoder(cfg, seed=seed, device=device).eval()
+    ws = WeightSharding(comm, sharded_layers=range(cfg.layers), lookahead=lookahead, trace=trace)
+    sharded = DraftDecoder(cfg, seed=seed, weight_sharding=ws, device=device).eval()
+    ws.finalize()
+    return replicated, sharded
