@@ -2,11 +2,14 @@
 
 A sharded weight goes through four stages (first seed, "SGLang 中的实现"):
 
-1. **declare / validate** (:class:`WeightSharding` constructor): each layer names its targets; a
-   target must have ``tp_size`` 1 (its weight is byte-identical on every rank), else an error naming
-   it; a weight whose rows the group size does not divide is skipped with a warning. The layer's
-   targets form one :class:`~wsharding.layout.FlatLayout` -- one gather per layer. Every decision that
-   needs the full shape is taken here, before anything shrinks.
+1. **declare / validate** (:class:`WeightSharding` constructor): each layer names its candidates.
+   The package's own linears are decided by their group (the second seed's Linear contract): tp size
+   1 (byte-identical on every rank) -> a target, tp size > 1 -> left alone, as the seed shards
+   attention only when attn_tp_size == 1 and MoE peripherals only when replicated; every decision and
+   its reason is kept (:meth:`WeightSharding.report`). Any other module with ``tp_size`` > 1 is an
+   error naming it; a weight whose rows the group size does not divide is skipped with a warning. The
+   layer's targets form one :class:`~wsharding.layout.FlatLayout` -- one gather per layer. Every
+   decision that needs the full shape is taken here, before anything shrinks.
 2. **setup** (:meth:`WeightSharding.setup`): each target keeps only its own 1/N rows; a row-shard
    loader replaces the parameter's weight loader so that a checkpoint is read row range by row range
    (merged linears: per sub-block, :meth:`row_sub_blocks`).
@@ -78,6 +81,37 @@ class ShardTarget:
         return n
 
 
+@dataclass(frozen=True)
+class ShardDecision:
+    """What the declare stage decided for one declared weight, and the one-line reason."""
+
+    layer: int
+    name: str
+    sharded: bool
+    reason: str
+
+    def line(self) -> str:
+        return f"layer {self.layer}: {self.name}: {'sharded' if self.sharded else 'left alone'} -- {self.reason}"
+
+
+def group_words(module: nn.Module) -> str:
+    """``"group 'attn_tp', tp size 1"``: the parallel group a package linear was built on, in words."""
+    spec = getattr(module, "parallel_group", None)
+    name = spec if isinstance(spec, str) else ("tp" if spec is None else type(spec).__name__)
+    return f"group {name!r}, tp size {_tp_size(module)}"
+
+
+def _target_name(layer_id: int, layer: nn.Module, target: str | nn.Module) -> str:
+    """A declared target as an attribute path: a module given itself is looked up in ``layer``."""
+    if isinstance(target, str):
+        return target
+    for name, mod in layer.named_modules():
+        if mod is target and name:
+            return name
+    raise ShardingError(f"layer {layer_id}: a declared {type(target).__name__} is not a submodule of the layer: "
+                        "pass the layer's own linears (or their attribute paths)")
+
+
 def _tp_size(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return 1
@@ -135,8 +169,9 @@ class WeightSharding:
     """Weight sharding of one model over a shard group.
 
     ``layers`` are the model's blocks in execution order (index = layer id); ``targets`` maps a
-    layer id to the attribute paths of its target linears (when None, each layer's own
-    ``weight_shard_targets`` list is used, as the seed's modules declare them). ``sharded_layers``
+    layer id to its candidate linears -- attribute paths, or the package's linears themselves -- (when
+    None, each layer's own ``weight_shard_targets`` list is used, as the seed's modules declare them);
+    :meth:`declare` decides which of them are sharded. ``sharded_layers``
     restricts the range (the seed's default leaves the dense layer 0 out).
     """
 
@@ -144,7 +179,7 @@ class WeightSharding:
         self,
         comm: Communicator,
         layers: Sequence[nn.Module] | None = None,
-        targets: Mapping[int, Sequence[str]] | None = None,
+        targets: Mapping[int, Sequence[str | nn.Module]] | None = None,
         *,
         sharded_layers: Iterable[int] | None = None,
         lookahead: bool = True,
@@ -159,6 +194,8 @@ class WeightSharding:
         self.targets: dict[int, list[ShardTarget]] = {}
         self.layouts: dict[int, FlatLayout] = {}
         self.skipped: list[str] = []
+        #: Every declared weight, sharded or left alone, with the reason (:meth:`report`).
+        self.decisions: list[ShardDecision] = []
         self.loaders: dict[tuple[int, str], RowShardLoader] = {}
         self.chunks: dict[int, torch.Tensor] = {}
         self._shrunk: set[int] = set()
@@ -175,18 +212,26 @@ class WeightSharding:
             if not self.targets:
                 raise ShardingError("no layer has a shardable target: nothing to shard")
 
-    def declare(self, layer_id: int, layer: nn.Module, names: Sequence[str] | None = None) -> list[ShardTarget]:
-        """Validate layer ``layer_id``'s targets (``names``, or the layer's own
-        ``weight_shard_targets``) and fix its flat layout -- while every weight still has its full
-        shape. Layers outside the sharded range are left alone."""
+    def declare(self, layer_id: int, layer: nn.Module,
+                names: Sequence[str | nn.Module] | None = None) -> list[ShardTarget]:
+        """Decide layer ``layer_id``'s targets (``names`` -- attribute paths, or the package's own linears
+        themselves -- or the layer's own ``weight_shard_targets``) and fix its flat layout, while every
+        weight still has its full shape. Layers outside the sharded range are left alone.
+
+        A package linear (:class:`~wsharding.linear.LinearBase`) is decided by its group (the Linear
+        contract): tp size 1 -> a target; tp size > 1 -> left alone, tensor parallelism already splits
+        it. Each decision is kept, with its one-line reason, in :attr:`decisions` (:meth:`report`)."""
         if self.stage != "declared":
             raise ShardingError(f"declare() after {self.stage}: declare every layer before finalize")
+        if layer_id in self._shrunk:
+            raise ShardingError(f"layer {layer_id}: declare() after setup_layer(): its targets already hold 1/N "
+                                "rows, and a layout needs the full shapes. Declare a layer before it shrinks")
         if self.sharded_range is not None and layer_id not in self.sharded_range:
             return []
         names = getattr(layer, "weight_shard_targets", []) if names is None else names
         chosen = []
         for n in names:
-            t = self._validate(layer_id, layer, n)
+            t = self._validate(layer_id, layer, _target_name(layer_id, layer, n))
             if t is not None:
                 chosen.append(t)
         if chosen:
@@ -196,19 +241,35 @@ class WeightSharding:
             self.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], self.comm.world_size)
         return chosen
 
+    def report(self) -> str:
+        """One line per declared weight: sharded or left alone, and why."""
+        return "\n".join(d.line() for d in self.decisions)
+
     # ---- 1. declare / validate --------------------------------------------------------------------
+    def _decide(self, layer_id: int, name: str, sharded: bool, reason: str) -> None:
+        self.decisions.append(ShardDecision(layer_id, name, sharded, reason))
+
     def _validate(self, layer_id: int, layer: nn.Module, name: str) -> ShardTarget | None:
         try:
             module = layer.get_submodule(name)
         except AttributeError:
             raise ShardingError(f"layer {layer_id}: declared target {name!r} does not exist") from None
         tp = _tp_size(module)
-        if tp != 1:
+        if isinstance(module, LinearBase):
+            group = group_words(module)
+            if tp != 1:
+                self._decide(layer_id, name, False, f"{group}: tensor parallelism already splits it, "
+                                                    "its bytes differ between ranks")
+                return None
+            why = f"{group}: the same bytes on every rank"
+        elif tp != 1:
             raise ShardingError(
                 f"layer {layer_id}: target {name!r} has tp_size {tp}; weight sharding only applies to weights "
                 "replicated byte for byte on every rank (tp_size 1: ReplicatedLinear, or merged/QKV linears "
                 "built with the 'replicated' group). Remove it from the targets or build it with tp 1."
             )
+        else:
+            why = f"{type(module).__name__} (not split): the same bytes on every rank"
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ShardingError(f"layer {layer_id}: target {name!r} has no 2-D weight to shard")
@@ -218,7 +279,9 @@ class WeightSharding:
                    f"{self.comm.world_size}: left replicated")
             warnings.warn(msg, ShardingSkipWarning, stacklevel=4)
             self.skipped.append(f"{layer_id}:{name}")
+            self._decide(layer_id, name, False, f"{rows} rows, not divisible by the group size {self.comm.world_size}")
             return None
+        self._decide(layer_id, name, True, why)
         return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, _row_blocks(module, rows))
 
     # ---- 2. setup: keep only this rank's rows -------------------------------------------------------
@@ -465,6 +528,9 @@ def shard_blocks(
     trace: bool = False,
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
+
+    Matching package linears are decided by their group: those split by tensor parallelism are left
+    alone, each with its reason in ``ws.report()``.
 
     The model's own forward is unchanged: hooks on the model start each step (reset, pre_dispatch)
     and hooks on each block dispatch the next block's gather, wait for the block's own, and record

@@ -15,6 +15,7 @@ experts stay replicated.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -42,6 +43,15 @@ class DecoderConfig:
     expert_inter: int
     shared_inter: int
     dtype: str = "bfloat16"
+    #: Parallel group of the attention projections: ``"replicated"`` (DP attention, built unsplit) or
+    #: ``"attn_tp"`` (split over attention-TP, which is of size 1 under full DP attention).
+    attn_group: str = "replicated"
+    #: Parallel group of the shared expert: ``"replicated"`` (tp 1, as the seed's) or ``"shared_experts_tp"``
+    #: (TP MoE: split, and run over the tokens of every rank of the group).
+    moe_group: str = "replicated"
+    #: Merge ``latent_down`` and the shared expert's ``gate_up_proj`` into one GEMM (the seed's
+    #: ``_merge_front_weights``) where neither is sharded: a fusion that changes storage.
+    merge_front: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -51,7 +61,8 @@ class DecoderConfig:
         return replace(self, **kw)
 
     def sharded_bytes_per_layer(self) -> int:
-        """Bytes of one MoE layer's sharding targets (before layout padding)."""
+        """Bytes of one MoE layer's sharding targets (before layout padding), with the default groups
+        (every target tp 1)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         params = (q + 2 * kv) * h + h * q + self.latent * h + h * self.latent + 2 * self.shared_inter * h + h * self.shared_inter
         return params * self.torch_dtype.itemsize
@@ -82,45 +93,91 @@ SHARD_TARGETS = [
 ]
 
 
+def qkv_gemm_plan(qkv: QKVParallelLinear) -> dict[str, Any]:
+    """The qkv projection's GEMM, decided from the full shape of its weight: one merged GEMM over this
+    rank's ``[q; k; v]`` rows, then a split into ``[q, k, v]`` columns.
+
+    A decision that needs the full shape (the first seed's kernel choices in ``__init__``): weight
+    sharding later shrinks the weight to 1/N rows, so it must be taken before; asked after the shrink
+    it raises instead of planning for the wrong shape.
+    """
+    rows, cols = qkv.weight.shape
+    if rows != qkv.output_size_per_partition:
+        raise ValueError(
+            f"{qkv.prefix or 'qkv_proj'}.weight has {rows} rows, its partition has {qkv.output_size_per_partition}: "
+            "weight sharding already shrank it. Fusion and kernel decisions need the full shape: take them before "
+            "the shrink (in the layer's __init__, before WeightSharding.setup_layer)"
+        )
+    return {"gemm": "merged", "rows": rows, "cols": cols, "split": [qkv.q_size, qkv.kv_size, qkv.kv_size]}
+
+
 class Attention(nn.Module):
-    """Causal GQA self-attention over this rank's own tokens (DP attention: nothing is split)."""
+    """Causal GQA self-attention over this rank's own tokens.
+
+    ``cfg.attn_group`` ``"replicated"`` (DP attention: nothing is split) or ``"attn_tp"`` (each rank holds
+    its heads; size 1 under full DP attention, where it is the same as replicated).
+    """
 
     def __init__(self, cfg: DecoderConfig, prefix: str) -> None:
         super().__init__()
         dt = cfg.torch_dtype
-        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, bias=False,
-                                          params_dtype=dt, parallel_group="replicated", prefix=f"{prefix}.qkv_proj")
+                                          params_dtype=dt, parallel_group=cfg.attn_group, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, params_dtype=dt,
-                                        parallel_group="replicated", prefix=f"{prefix}.o_proj")
+                                        parallel_group=cfg.attn_group, prefix=f"{prefix}.o_proj")
+        self.heads, self.kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
+        #: Decided now, from the full shape (see :func:`qkv_gemm_plan`).
+        self.qkv_gemm = qkv_gemm_plan(self.qkv_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_gemm["split"], dim=-1)
         q = q.view(t, self.heads, self.head_dim).transpose(0, 1)
         k = k.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
         v = v.view(t, self.kv_heads, self.head_dim).transpose(0, 1)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(a.transpose(0, 1).reshape(t, q_size))
+        return self.o_proj(a.transpose(0, 1).reshape(t, self.heads * self.head_dim))
+
+
+def over_group_tokens(fn: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Run a tensor-parallel block on the tokens of every rank of ``group`` and return this rank's rows.
+
+    Under DP attention each rank holds its own tokens, while a TP block needs the same tokens on every
+    member: gather them (padded to the longest rank), compute, keep this rank's rows. Every rank calls it
+    (idle ranks with their one-token dummy step), so the collectives pair up.
+    """
+    count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+    longest = int(group.all_gather(count, dim=0).max())
+    padded = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])]) if longest > x.shape[0] else x
+    out = fn(group.all_gather(padded.contiguous(), dim=0))
+    start = group.rank_in_group * longest
+    return out[start : start + x.shape[0]]
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate/up merged in one linear (tp 1)."""
+    """``down(silu(gate(x)) * up(x))`` with gate/up merged in one linear, on ``group`` (default tp 1;
+    ``"shared_experts_tp"``: split, run over the group's tokens by :func:`over_group_tokens`)."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, prefix: str) -> None:
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, prefix: str, group: str = "replicated") -> None:
         super().__init__()
-        self.inter = inter
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, params_dtype=dtype,
-                                                       parallel_group="replicated", prefix=f"{prefix}.gate_up_proj")
+                                                       parallel_group=group, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(inter, hidden, bias=False, params_dtype=dtype,
-                                           parallel_group="replicated", prefix=f"{prefix}.down_proj")
+                                           parallel_group=group, prefix=f"{prefix}.down_proj")
+        #: This rank's gate and up widths.
+        self.parts = list(self.gate_up_proj.output_partition_sizes)
+
+    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest of the block, from the output of ``gate_up_proj`` (or of a merged GEMM that holds it)."""
+        gate, up = gate_up.split(self.parts, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.gate_up_proj.tp_size > 1:
+            return over_group_tokens(lambda h: self.from_gate_up(self.gate_up_proj(h)), x, self.gate_up_proj.tp_group)
+        return self.from_gate_up(self.gate_up_proj(x))
 
 
 class Expert(nn.Module):
@@ -136,7 +193,8 @@ class Expert(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    """Router + latent down -> top-k routed experts -> latent up, plus a shared expert (tp 1)."""
+    """Router + latent down -> top-k routed experts -> latent up, plus a shared expert (tp 1, or TP MoE
+    with ``cfg.moe_group``)."""
 
     def __init__(self, cfg: DecoderConfig, prefix: str) -> None:
         super().__init__()
@@ -149,7 +207,33 @@ class LatentMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg.latent, cfg.expert_inter, dt) for _ in range(cfg.experts))
         self.latent_up = ReplicatedLinear(cfg.latent, cfg.hidden, bias=False, params_dtype=dt,
                                           prefix=f"{prefix}.latent_up")
-        self.shared_expert = GatedMLP(cfg.hidden, cfg.shared_inter, dt, f"{prefix}.shared_expert")
+        self.shared_expert = GatedMLP(cfg.hidden, cfg.shared_inter, dt, f"{prefix}.shared_expert", cfg.moe_group)
+        #: ``latent_down`` and ``shared_expert.gate_up_proj`` stacked, when :meth:`plan_front_merge` merged them.
+        self.front_weight: torch.Tensor | None = None
+
+    def plan_front_merge(self, enabled: bool, sharded: Collection[str]) -> str:
+        """Decide the front merge (one GEMM for ``latent_down`` and the shared expert's ``gate_up_proj``,
+        which read the same input). It changes storage, so a weight that weight sharding takes must not
+        join it (the seed skips ``_merge_front_weights`` when the MoE is sharded): the merged copy would
+        hold that weight in full on every rank. ``sharded``: names (inside this module) of the targets.
+        Decided with the full shapes, before the shrink."""
+        self.front_weight = None
+        if not enabled:
+            return "off"
+        names = ("latent_down", "shared_expert.gate_up_proj")
+        taken = [n for n in names if n in sharded]
+        if taken:
+            return f"skipped: {', '.join(taken)} sharded (weights become slot views; a merged copy would keep them whole)"
+        gate_up = self.shared_expert.gate_up_proj
+        if gate_up.tp_size != 1:
+            return f"skipped: the shared expert is split (tp size {gate_up.tp_size}), latent_down is not"
+        for lin in (self.latent_down, gate_up):
+            if lin.weight.shape[0] != lin.output_size_per_partition:
+                raise ValueError(f"{lin.prefix}.weight has {lin.weight.shape[0]} rows, its partition has "
+                                 f"{lin.output_size_per_partition}: decide the front merge before weight sharding "
+                                 "shrinks the layer")
+        self.front_weight = torch.cat([self.latent_down.weight.detach(), gate_up.weight.detach()])
+        return f"merged: one GEMM of {list(self.front_weight.shape)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x.float()), dim=-1)
@@ -158,17 +242,24 @@ class LatentMoE(nn.Module):
         # Dense gating (every expert sees every token, weighted 0 when not chosen): no data-dependent
         # shapes, so the step can be captured in a CUDA graph. Fine for the few experts of this model.
         gate = torch.zeros_like(probs).scatter_(1, chosen, weights).to(x.dtype)
-        h = self.latent_down(x)
+        if self.front_weight is not None:
+            h, gate_up = F.linear(x, self.front_weight).split([self.latent_down.output_size, sum(self.shared_expert.parts)],
+                                                               dim=-1)
+            shared = self.shared_expert.from_gate_up(gate_up)
+        else:
+            h = self.latent_down(x)
+            shared = self.shared_expert(x)
         routed = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             routed = routed + expert(h) * gate[:, e : e + 1]
-        return self.latent_up(routed) + self.shared_expert(x)
+        return self.latent_up(routed) + shared
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.cfg = cfg
         dt = cfg.torch_dtype
         p = f"layers.{layer_id}"
         self.attn_norm = nn.RMSNorm(cfg.hidden, dtype=dt)
@@ -181,6 +272,18 @@ class DecoderLayer(nn.Module):
         else:
             self.moe = LatentMoE(cfg, f"{p}.moe")
             self.weight_shard_targets = list(SHARD_TARGETS)
+
+    def plan_fusions(self, sharded: Collection[str] = ()) -> dict[str, str]:
+        """Fusion decisions that need the full shapes and the list of sharding targets (``sharded``:
+        attribute paths inside this layer): taken after :meth:`WeightSharding.declare` and before
+        :meth:`WeightSharding.setup_layer` shrinks the targets, as the seed takes its kernel choices and
+        skips its storage-changing fusions at the end of the layer's ``__init__``."""
+        plan = self.attn.qkv_gemm
+        self.fusions = {"qkv_gemm": f"{plan['gemm']}: one GEMM of [{plan['rows']}, {plan['cols']}], split {plan['split']}"}
+        if not self.dense:
+            inner = {n.removeprefix("moe.") for n in sharded if n.startswith("moe.")}
+            self.fusions["front_merge"] = self.moe.plan_front_merge(self.cfg.merge_front, inner)
+        return self.fusions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prepare_layer_weight_shard_forward(self)  # waits (once) for this layer's gathered weights
@@ -211,8 +314,10 @@ class ToyDecoder(nn.Module):
             layer = DecoderLayer(cfg, i).to(device)
             _init_(layer, gen, device)  # deterministic weights: the same on every rank for a seed
             self.layers.append(layer)
+            # Decide, with the full shapes: the targets (from their groups), then the fusions, then shrink.
+            chosen = weight_sharding.declare(i, layer) if weight_sharding is not None else []
+            layer.plan_fusions({t.name for t in chosen})
             if weight_sharding is not None:
-                weight_sharding.declare(i, layer)
                 weight_sharding.setup_layer(i)
         self.norm = nn.RMSNorm(cfg.hidden, dtype=dt, device=device)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dt, device=device)

@@ -165,3 +165,52 @@ def memory_over_steps(ctx: RankContext, preset: str | DecoderConfig, steps: int,
         torch.cuda.synchronize(dev)
         after = torch.cuda.memory_allocated(dev)
     return {"rank": ctx.rank, "before": before, "after": after, "gathers": sharded.planner.gathers_total}
+
+
+def parallel_model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *,
+                            moe_tp: bool = True, merge_front: bool = False, lookahead: bool = True,
+                            seed: int = 0) -> dict[str, Any]:
+    """The decoder built with **DP attention** (attention on ``attn_tp``, of size 1: every rank its own
+    tokens) and, with ``moe_tp``, a **TP MoE** shared expert (``shared_experts_tp`` over all ranks), its
+    targets decided by their groups; sharded against unsharded, bit for bit, over ``counts`` steps.
+
+    ``merge_front``: the decoder's storage-changing fusion, which the sharded layers must skip. The
+    reference is then built without it, so that both compute the same GEMMs.
+    """
+    from wsharding.linear import ParallelState, parallel_state
+    from wsharding.models import ToyDecoder
+    from wsharding.shard import WeightSharding
+
+    base = decoder_config(preset)
+    cfg = base.with_(attn_group="attn_tp", moe_group="shared_experts_tp" if moe_tp else "replicated",
+                     merge_front=merge_front)
+    comm = shard_comm_for(ctx, "torch")
+    state = ParallelState.from_dist(ctx, attn_dp_size=ctx.world_size)  # attn_tp size 1: DP attention
+    with parallel_state(state):
+        replicated = ToyDecoder(cfg.with_(merge_front=False), seed=seed, device=comm.device).eval()
+        ws = WeightSharding(comm, sharded_layers=range(1, cfg.layers), lookahead=lookahead)
+        sharded = ToyDecoder(cfg, seed=seed, weight_sharding=ws, device=comm.device).eval()
+        ws.finalize()
+    equal, max_diff = [], 0.0
+    with torch.no_grad():
+        for step in range(len(counts)):
+            x = tokens_for(ctx.rank, step, counts, cfg.vocab, comm.device)
+            out_s = aligned_forward(sharded, x, sharded.dummy_tokens)
+            out_r = aligned_forward(replicated, x, replicated.dummy_tokens)  # collectives of the TP MoE pair up
+            if out_s is None:
+                equal.append(None)
+                continue
+            equal.append(bool(torch.equal(out_r, out_s)))
+            max_diff = max(max_diff, float((out_r.float() - out_s.float()).abs().max()))
+    layer1 = sharded.layers[1]
+    return {
+        "rank": ctx.rank, "equal": equal, "max_abs_diff": max_diff,
+        "attn_tp_size": state.attn_tp_size,
+        "report": ws.report(),
+        "targets": {i: [t.name for t in ts] for i, ts in ws.targets.items()},
+        "shared_gate_up_shape": list(layer1.moe.shared_expert.gate_up_proj.weight.shape),
+        "fusions": {i: dict(layer.fusions) for i, layer in enumerate(sharded.layers)},
+        "reference_fusions": {i: dict(layer.fusions) for i, layer in enumerate(replicated.layers)},
+        "replicated_bytes": ws.replicated_bytes(), "resident_bytes": ws.resident_bytes(),
+        "formula_bytes": ws.formula_bytes(),
+    }
