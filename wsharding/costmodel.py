@@ -435,6 +435,9 @@ class Deployment:
     collective_latency: float = 0.0
     kv_bytes_per_token: int | None = None
     context: int | None = None
+    #: The KV-cache pool per GPU when the weights are replicated (bytes): what the memory left after
+    #: every weight and the activations holds. Sharding adds its net saving to it.
+    kv_pool_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _int(self.ranks, "ranks", minimum=1)
@@ -449,6 +452,8 @@ class Deployment:
             _int(self.kv_bytes_per_token, "kv_bytes_per_token", minimum=1)
         if self.context is not None:
             _int(self.context, "context", minimum=1)
+        if self.kv_pool_bytes is not None:
+            _int(self.kv_pool_bytes, "kv_pool_bytes", minimum=0)
 
     @property
     def bandwidth(self) -> float:
@@ -548,6 +553,37 @@ class Plan:
         ctx = self.deployment.context
         return None if ctx is None or self.extra_kv_tokens is None else self.extra_kv_tokens // ctx
 
+    # ---- what the saving buys: the KV-cache pool, replicated vs sharded -------------------------------
+    @property
+    def kv_pool_bytes(self) -> int | None:
+        """The replicated deployment's KV pool per GPU: the deployment's, else the model's default."""
+        v = self.deployment.kv_pool_bytes
+        return v if v is not None else self.model.defaults.get("kv_pool_bytes")
+
+    @property
+    def context(self) -> int | None:
+        """Tokens per sequence when counting concurrent sequences: the deployment's, else the model's default."""
+        v = self.deployment.context
+        return v if v is not None else self.model.defaults.get("context")
+
+    def kv_capacity(self) -> dict[str, int | None] | None:
+        """KV-cache tokens and concurrent sequences (of :attr:`context` tokens) per GPU, replicated vs
+        sharded: the sharded pool is the replicated one plus the net saving (the seed finalizes before
+        the pool is sized, so everything given back becomes KV cache). None without a pool and a
+        KV size per token."""
+        kv, pool = self.kv_bytes_per_token, self.kv_pool_bytes
+        if kv is None or pool is None:
+            return None
+        sharded_pool = pool + max(0, self.bill.net_saving_bytes)
+        ctx = self.context
+        return {
+            "pool_bytes_replicated": pool, "pool_bytes_sharded": sharded_pool,
+            "tokens_replicated": pool // kv, "tokens_sharded": sharded_pool // kv,
+            "context": ctx,
+            "sequences_replicated": None if ctx is None else pool // (kv * ctx),
+            "sequences_sharded": None if ctx is None else sharded_pool // (kv * ctx),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; bytes are integers, times seconds, bandwidth bytes/s."""
         b, d = self.bill, self.deployment
@@ -577,6 +613,7 @@ class Plan:
             "extra_kv_tokens": self.extra_kv_tokens,
             "context": d.context,
             "extra_requests": self.extra_requests,
+            "kv_capacity": self.kv_capacity(),
             "groups": [
                 {"name": n, "dtype": SUPPORTED_DTYPES[dt], "replicated_bytes": nb} for n, dt, nb in self.groups
             ],
@@ -697,4 +734,11 @@ def plan_table(plan: Plan) -> str:
     if plan.kv_bytes_per_token:
         lines.append(f"\nKV cache: {plan.kv_bytes_per_token} B per token -> net saving buys {plan.extra_kv_tokens} tokens"
                      + (f" = {plan.extra_requests} requests of {d.context} tokens" if d.context else ""))
+    cap = plan.kv_capacity()
+    if cap is not None:
+        seq = (f"; sequences of {cap['context']} tokens: {cap['sequences_replicated']:,} -> {cap['sequences_sharded']:,}"
+               if cap["context"] else "")
+        lines.append(f"KV pool per GPU {cap['pool_bytes_replicated'] / GiB:.2f} GiB replicated -> "
+                     f"{cap['pool_bytes_sharded'] / GiB:.2f} GiB sharded: tokens {cap['tokens_replicated']:,} -> "
+                     f"{cap['tokens_sharded']:,}{seq}")
     return "\n".join(lines)

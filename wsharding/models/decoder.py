@@ -25,6 +25,7 @@ from torch import nn
 
 from wsharding.comm.base import Communicator
 from wsharding.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from wsharding.models.kv_cache import KVStep
 from wsharding.shard import WeightSharding, prepare_layer_weight_shard_forward, run_layers
 
 
@@ -139,6 +140,28 @@ class Attention(nn.Module):
         k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(a.transpose(0, 1).reshape(t, self.heads * self.head_dim))
+
+    def forward_cached(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """The decode path: ``x`` holds ``step.new`` tokens of each of ``step.count`` sequences (``[B*T, hidden]``);
+        their K/V are written into the cache views ``[B, kv_heads, start+T, head_dim]``, then every query
+        attends to its sequence's cached tokens up to itself.
+
+        GQA without copying the cache: the query heads of one KV head are stacked as extra query rows
+        (``[B, kv_heads, rep*T, head_dim]``), so attention reads the cache as it lies.
+        """
+        b, t, rep = step.count, step.new, self.heads // self.kv_heads
+        q, k, v = self.qkv_proj(x).split(self.qkv_gemm["split"], dim=-1)
+        k_cache[:, :, step.start :] = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v_cache[:, :, step.start :] = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        # head h uses KV head h // rep (as repeat_interleave in forward): group the rep heads of a KV head
+        q = q.view(b, t, self.kv_heads, rep, self.head_dim).permute(0, 2, 3, 1, 4).reshape(b, self.kv_heads, rep * t, -1)
+        mask = None
+        if t > 1:  # a prompt: query i sees the cached prefix and the new tokens up to itself
+            seen = torch.arange(step.start + t, device=x.device)[None, :] <= step.start + torch.arange(t, device=x.device)[:, None]
+            mask = seen.repeat(rep, 1)
+        a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
+        a = a.view(b, self.kv_heads, rep, t, self.head_dim).permute(0, 3, 1, 2, 4).reshape(b * t, -1)
+        return self.o_proj(a)
 
 
 def over_group_tokens(fn: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -291,6 +314,14 @@ class DecoderLayer(nn.Module):
         ffn = self.mlp if self.dense else self.moe
         return x + ffn(self.mlp_norm(x))
 
+    def forward_cached(self, x: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """:meth:`forward` on the decode path, attention reading and writing ``step``'s KV-cache slots."""
+        prepare_layer_weight_shard_forward(self)
+        k_cache, v_cache = step.pool.layer(self.layer_id, step.first, step.count, step.start + step.new)
+        x = x + self.attn.forward_cached(self.attn_norm(x), k_cache, v_cache, step)
+        ffn = self.mlp if self.dense else self.moe
+        return x + ffn(self.mlp_norm(x))
+
 
 class ToyDecoder(nn.Module):
     """Embedding, layers (dense layer 0, DP-attention + latent-MoE layers), norm, LM head.
@@ -333,6 +364,21 @@ class ToyDecoder(nn.Module):
         h = self.embed(tokens)
         h = run_layers(self.layers, h, self.planner)
         return self.lm_head(self.norm(h))
+
+    def forward_cached(self, tokens: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """The decode path: ``tokens`` ``[B, T]`` -- ``T`` new tokens of each of the ``B`` sequences in slots
+        ``[step.first, step.first + B)`` of a :class:`~wsharding.models.kv_cache.KVCachePool`, all at
+        position ``step.start`` -- returns logits ``[B, T, vocab]`` and advances the sequences. Sharded
+        layers gather their weights exactly as in :meth:`forward`."""
+        b, t = tokens.shape
+        if (b, t) != (step.count, step.new):
+            raise ValueError(f"forward_cached: tokens {list(tokens.shape)} do not match the step's {step.count} "
+                             f"sequences x {step.new} new tokens")
+        h = self.embed(tokens).reshape(b * t, -1)
+        h = run_layers(self.layers, h, self.planner, call=lambda layer, x: layer.forward_cached(x, step))
+        out = self.lm_head(self.norm(h)).view(b, t, -1)
+        step.advance()
+        return out
 
     def dummy_tokens(self) -> torch.Tensor:
         """One token, for a rank with no work this step (see :func:`wsharding.shard.aligned_forward`)."""
