@@ -51,7 +51,7 @@ def test_gpu_decode_with_kv_cache_equals_replicated():
 def test_gpu_fill_the_pool_the_larger_batch_runs():
     cluster, comm = _two_ranks()
     with cluster:
-        res = cluster.run(kv_fill, "k3-like", context=4096, kv_gib_replicated=2.0, reserve_gib=0.5, comm=comm)
+        res = cluster.run(kv_fill, "k3-like", context=4096, kv_gib_replicated=2.0, reserve_gib=1.0, comm=comm)
     for r in res:
         print(f"\nrank {r['rank']} ({r['mode']}{', ' + r['emulation'] if r['emulation'] else ''}): {r['cap']}\n"
               f"  KV per token {r['kv_bytes_per_token']} B, context {r['context']}: sequences replicated "

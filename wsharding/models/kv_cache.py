@@ -42,27 +42,38 @@ def kv_bytes_per_token(model: Any) -> int:
 
 
 def kv_budget_bytes(device: torch.device, *, reserve_bytes: int = 0, cap_bytes: int | None = None,
-                    world_size: int = 1) -> tuple[int, str]:
+                    share: int = 1) -> tuple[int, str]:
     """Bytes free for a KV-cache pool on this rank now, and how that was measured.
 
-    CUDA: ``cudaMemGetInfo``'s free bytes plus the bytes torch's caching allocator reserved but does not
-    use (its own to hand out again), minus ``reserve_bytes`` (activations of the steps that will run).
-    With ``cap_bytes`` (this process's share of the GPU, e.g. under ``set_per_process_memory_fraction``) the
-    budget is also at most ``cap_bytes`` minus what torch has allocated. CPU ranks: ``MemAvailable`` of
-    ``/proc/meminfo`` divided by ``world_size`` -- labelled an emulation.
+    CUDA: ``cudaMemGetInfo``'s free bytes (split between the ``share`` ranks that use this device) plus
+    the bytes torch's caching allocator reserved but does not use (its own to hand out again), minus
+    ``reserve_bytes`` (activations of the steps that will run). With ``cap_bytes`` (this process's share
+    of the GPU, e.g. under ``set_per_process_memory_fraction``) the budget is also at most ``cap_bytes``
+    minus what torch has allocated. CPU ranks: ``MemAvailable`` of ``/proc/meminfo`` split between the
+    ``share`` ranks of the machine -- labelled an emulation.
     """
+    share = max(1, share)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         cached = torch.cuda.memory_reserved(device) - allocated
-        budget = free + cached - reserve_bytes
+        budget = free // share + cached - reserve_bytes
         how = "free GPU memory after finalize (cudaMemGetInfo + torch's cached, unused)"
+        if share > 1:
+            how += f", split between the {share} ranks on this GPU"
         if cap_bytes is not None:
             budget = min(budget, cap_bytes - allocated - reserve_bytes)
             how += f", under a per-process cap of {cap_bytes / 2**30:.2f} GiB"
         return max(0, budget), how
-    available = _mem_available()
-    return max(0, available // max(1, world_size) - reserve_bytes), CPU_BUDGET_WORDS
+    return max(0, _mem_available() // share - reserve_bytes), CPU_BUDGET_WORDS
+
+
+def ranks_sharing_device(world_size: int, device: torch.device) -> int:
+    """How many ranks of a one-machine world share ``device``'s memory: all of them on CPU, the ranks per
+    GPU on CUDA (several ranks time-slicing one GPU)."""
+    if device.type != "cuda":
+        return world_size
+    return max(1, -(-world_size // max(1, torch.cuda.device_count())))
 
 
 def _mem_available() -> int:
@@ -191,13 +202,13 @@ class KVStep:
 
 def replicated_vs_sharded(replicated: torch.nn.Module, sharded: torch.nn.Module, sharded_buffers: list[torch.Tensor],
                           *, context: int, reserve_bytes: int = 0, cap_bytes: int | None = None,
-                          world_size: int = 1) -> dict[str, Any]:
+                          share: int = 1) -> dict[str, Any]:
     """KV-cache capacity on this rank if only one of the two models were loaded, measured now, after
     finalize, with both resident: the free budget (:func:`kv_budget_bytes`) plus the bytes of the model
     that would not be there. ``sharded_buffers``: the sharding's chunks and slots (its weights view the
     slots). The difference of the two pools is exactly the bytes sharding gave back."""
     device = replicated.embed.weight.device
-    free, how = kv_budget_bytes(device, reserve_bytes=reserve_bytes, cap_bytes=cap_bytes, world_size=world_size)
+    free, how = kv_budget_bytes(device, reserve_bytes=reserve_bytes, cap_bytes=cap_bytes, share=share)
     rep, sh = model_bytes(replicated), model_bytes(sharded, *sharded_buffers)
     kv = kv_bytes_per_token(sharded)
     return {"measured": how, "free_bytes": free, "reserve_bytes": reserve_bytes, "kv_bytes_per_token": kv,

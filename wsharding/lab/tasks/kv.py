@@ -19,7 +19,14 @@ import torch
 from wsharding.cluster import RankContext
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import ToyDecoder, build_pair, decoder_config
-from wsharding.models.kv_cache import KVCachePool, KVStep, kv_budget_bytes, kv_bytes_per_token, replicated_vs_sharded
+from wsharding.models.kv_cache import (
+    KVCachePool,
+    KVStep,
+    kv_budget_bytes,
+    kv_bytes_per_token,
+    ranks_sharing_device,
+    replicated_vs_sharded,
+)
 from wsharding.shard import WeightSharding
 
 
@@ -65,7 +72,7 @@ def kv_capacity_now(ctx: RankContext, preset: str, *, context: int = 256, reserv
     replicated, sharded = build_pair(cfg, comm_)
     ws = sharded.weight_sharding
     out = replicated_vs_sharded(replicated, sharded, [*ws.chunks.values(), *ws.slots.buffers], context=context,
-                                reserve_bytes=reserve_bytes, world_size=ctx.world_size)
+                                reserve_bytes=reserve_bytes, share=ranks_sharing_device(ctx.world_size, comm_.device))
     out.update({"rank": ctx.rank, "mode": comm_.mode, "emulation": ctx.emulation,
                 "replicated_bytes": ws.replicated_bytes(), "resident_bytes": ws.resident_bytes()})
     return out
@@ -122,7 +129,7 @@ def _fill_and_run(model: ToyDecoder, sequences: int, context: int, chunk: int, p
 
 
 def kv_fill(ctx: RankContext, preset: str, *, context: int = 4096, kv_gib_replicated: float = 2.0,
-            reserve_gib: float = 0.5, chunk: int = 4, piece: int = 512, comm: str = "torch") -> dict[str, Any]:
+            reserve_gib: float = 1.0, chunk: int = 4, piece: int = 512, comm: str = "torch") -> dict[str, Any]:
     """CUDA only. Emulate a GPU whose memory leaves ``kv_gib_replicated`` GiB of KV cache to the replicated
     model (a per-process cap: ``torch.cuda.set_per_process_memory_fraction``, labelled in the result):
 
