@@ -204,7 +204,7 @@ def format_table(report: dict[str, Any]) -> str:
         rep, sh = kv["replicated"], kv["sharded"]
         lines += [
             f"  KV cache, rank 0 ({kv['kv_bytes_per_token']} B per token; {kv['measured']}):",
-            f"    tokens replicated {rep['tokens']:,} | sharded {sh['tokens']:,} (+{sh['tokens'] - rep['tokens']:,}); "
+            f"    tokens replicated {rep['tokens']:,} | sharded {sh['tokens']:,} ({sh['tokens'] - rep['tokens']:+,}); "
             f"sequences of {kv['context']} tokens {rep['sequences']:,} | {sh['sequences']:,}",
         ]
     return "\n".join(lines)
