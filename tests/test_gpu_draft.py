@@ -14,7 +14,7 @@ import torch
 
 from wsharding.cluster import RankCluster
 from wsharding.lab.bench.draft import format_table, summarize
-from wsharding.lab.tasks.draft import MODES, draft_equality, draft_exposed
+from wsharding.lab.tasks.draft import MODES, draft_equality, draft_exposed, draft_graph_replay
 
 pytestmark = pytest.mark.gpu
 COUNTS = [[3, 5], [1, 2], [4, 1]]
@@ -65,6 +65,15 @@ def test_gpu_draft_exposed_dedicated_vs_shared_vs_inline(two):
     assert "stand-in for the seed's commit step" in report["region"] and "GEMM" in report["region"]
     # under a 4 ms region the prefetched gather is done before the draft starts; inline it is all exposed
     assert rows["dedicated"]["exposed_us"] < rows["inline"]["exposed_us"]
+
+
+@pytest.mark.parametrize("comm", ["torch", "nccl"])
+def test_gpu_draft_graph_replay_with_layer0_outside(two, comm):
+    if comm == "torch" and two.backend != "nccl":
+        pytest.skip("torch.distributed's own NCCL refuses 2 ranks on 1 GPU")
+    for r in two.run(draft_graph_replay, "small", 8, 3, comm=comm):
+        assert r["replays_equal"] == [True] * 3
+        assert r["gathers_in_captured_step"] == 2  # layer 0 counted (prefetched), layer 1 captured
 
 
 # ---- the fork: the prefetch must not overwrite a slot the previous draft step still reads ----------

@@ -236,3 +236,46 @@ def _median(values: Sequence[float]) -> float:
         return 0.0
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def draft_graph_replay(ctx: RankContext, preset: str, tokens: int = 8, replays: int = 3, *, comm: str = "torch",
+                       commit_ms: float = 1.0) -> dict[str, Any]:
+    """CUDA only: the draft's forward captured in a CUDA graph *without* its first layer's gather, which
+    stays outside: every step runs the target eagerly, prefetches, runs the region, waits, then replays
+    the graph. Each replay's logits against the replicated draft's, bit for bit."""
+    comm_, cfg, target, draft_rep, draft = _models(ctx, preset, comm, 2)
+    dev = comm_.device
+    if dev.type != "cuda":
+        raise RuntimeError("draft_graph_replay needs CUDA ranks")
+    region, label = commit_region(dev, commit_ms)
+    planner = draft.planner
+    static = torch.zeros(tokens, dtype=torch.long, device=dev)
+    results = []
+    with torch.no_grad():
+        side = torch.cuda.Stream(dev)  # warm up off the default stream (cuBLAS handles) before capturing
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                target(static)
+                planner.prefetch_first_weight_shard()
+                planner.wait_first_weight_shard()
+                draft(static)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        planner.wait_first_weight_shard()  # a cold start, outside the capture: the captured step skips layer 0
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            static_out = draft(static)
+        captured_gathers = planner.gathers_this_step
+        for r in range(replays):
+            x = tokens_for(ctx.rank, r, [[tokens]], cfg.vocab, dev)
+            static.copy_(x)
+            target(x)
+            planner.prefetch_first_weight_shard()
+            region()
+            planner.wait_first_weight_shard()
+            graph.replay()
+            torch.cuda.synchronize(dev)
+            results.append(bool(torch.equal(static_out, draft_rep(x))))
+    return {"rank": ctx.rank, "mode": comm_.mode, "region": label, "replays_equal": results,
+            "gathers_in_captured_step": captured_gathers}
