@@ -72,7 +72,7 @@ def test_missing_tensor_is_named(tmp_path):
         ("layers.0.attn.o_proj.weight", (slice(0, -2), slice(None)), r"'layers.0.attn.o_proj.weight'.*cannot be loaded"),
         # a sharded weight: the row-shard loader complains
         ("layers.1.attn.k_proj.weight", (slice(None), slice(0, -1)),
-         r"'layers.1.attn.k_proj.weight'.*shape \[48, 95\], expected at least 48 rows of \[96\]"),
+         r"'layers.1.attn.k_proj.weight'.*shape \[48, 95\], expected exactly \[48, 96\]"),
     ],
 )
 def test_misshapen_tensor_is_named(tmp_path, key, cut, match):

@@ -1,28 +1,37 @@
 """Checkpoints in safetensors: save a replicated model, load into a (sharded) model row range by row range.
 
 A checkpoint stores weights as the original model does: separate ``q_proj`` / ``k_proj`` / ``v_proj``
-and ``gate_proj`` / ``up_proj`` tensors, which the merged linears load by shard id. Loading calls
-each parameter's ``weight_loader``: the linear's own (v1/v2) for replicated weights, and the
-row-shard loader that weight sharding installs on its targets. The row-shard loader is handed a
-lazy safetensors slice, so a rank reads only its own rows of a sharded weight from the file.
+and ``gate_proj`` / ``up_proj`` tensors (weights and their scales), which the merged linears load by
+shard id. Loading calls each parameter's ``weight_loader``: the linear's own (v1/v2) for replicated
+weights, and the loader weight sharding installs on its targets. That loader is handed a lazy tensor
+(:mod:`wsharding.safetensors_file`), so a rank reads only its own rows of a sharded weight from the
+file -- ``bytes_read`` in the result proves it. Then every linear that is not a sharding target runs
+its ``process_weights_after_loading`` (targets run it at finalize, on the gathered full weight).
 
-Every problem is reported with the tensor's name: a missing tensor, an unexpected one, a wrong shape.
+A Hugging Face folder (``save_pretrained``: ``model.safetensors`` or an index) loads the same way: its
+keys are the model's parameter names. Every problem is reported with the tensor's name: a missing
+tensor, an unexpected one, a wrong shape or dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from wsharding.shard import RowShardLoader
+from wsharding.comm.base import Communicator
+from wsharding.linear.base import process_weights
+from wsharding.linear.loading import CheckpointShapeError
+from wsharding.runtime import in_ci
+from wsharding.safetensors_file import Checkpoint, SafetensorsError
+from wsharding.shard import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, shard_blocks
 
-#: merged parameter -> the checkpoint tensors it is loaded from, with their shard ids
+#: merged module -> the checkpoint modules it is loaded from, with their shard ids
 STACKED: dict[str, list[tuple[str, Any]]] = {
     "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
     "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
@@ -35,48 +44,76 @@ class CheckpointError(ValueError):
 
 def checkpoint_layout(model: nn.Module) -> Iterator[tuple[str, str, Any]]:
     """``(checkpoint key, parameter name, shard id)`` for every tensor the model loads."""
-    names = {n for n, _ in model.named_parameters()}
-    # weights rebound to slot views are no longer parameters: a finalized model cannot be loaded
-    for name in sorted(names):
+    for name in sorted(n for n, _ in model.named_parameters()):
         module_path, _, leaf = name.rpartition(".")
         parent, _, mod_name = module_path.rpartition(".")
-        if mod_name in STACKED and leaf == "weight":
+        if mod_name in STACKED:
             for ckpt_mod, shard_id in STACKED[mod_name]:
                 yield f"{parent + '.' if parent else ''}{ckpt_mod}.{leaf}", name, shard_id
         else:
             yield name, name, None
 
 
-def save_checkpoint(model: nn.Module, path: str | Path) -> None:
-    """Write a replicated (tp 1) model's weights as a safetensors file, merged weights split back
-    into their checkpoint tensors."""
+def _shard_piece(module: nn.Module, param: torch.Tensor, value: torch.Tensor, shard_id: Any) -> torch.Tensor:
+    """The part of merged parameter ``param`` (its ``value``) that checkpoint sub-tensor ``shard_id`` holds."""
+    blocks = {b[0]: b for b in module.row_sub_blocks()}
+    index = list(blocks).index(shard_id)
+    _, offset, rows, _ = blocks[shard_id]
+    dim = getattr(param, "output_dim", 0)
+    if dim is None:  # one scale per shard (a processed one holds the same value for all)
+        return (value.reshape(-1)[0] if value.numel() == 1 else value.reshape(-1)[index]).reshape(())
+    physical = getattr(param, "physical", lambda _d, n: n)
+    return value.narrow(dim, physical(dim, offset), physical(dim, rows))
+
+
+def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write a replicated (tp 1) model's weights as a safetensors file, merged parameters split back
+    into their checkpoint tensors.
+
+    ``state_dict``: tensors to write instead of the parameters' own values -- for a sharded model,
+    :meth:`wsharding.shard.WeightSharding.full_state_dict` (its sharded weights are slot views).
+    """
     params = dict(model.named_parameters())
+    values = dict(state_dict) if state_dict is not None else {}
     out: dict[str, torch.Tensor] = {}
     for key, pname, shard_id in checkpoint_layout(model):
-        p = params[pname].detach()
-        if shard_id is None:
-            out[key] = p.contiguous().cpu()
-            continue
+        p = values.get(pname, params[pname]).detach()
         module = model.get_submodule(pname.rpartition(".")[0])
-        blocks = {b[0]: b for b in module.row_sub_blocks()}
-        _, offset, rows, _ = blocks[shard_id]
-        if getattr(module, "tp_size", 1) != 1:
-            raise CheckpointError(f"{pname}: only models built with tp 1 can be saved as full checkpoints")
-        out[key] = p[offset : offset + rows].contiguous().cpu()
+        if shard_id is not None:
+            if getattr(module, "tp_size", 1) != 1:
+                raise CheckpointError(f"{pname}: only models built with tp 1 can be saved as full checkpoints")
+            p = _shard_piece(module, params[pname], p, shard_id)
+        out[key] = p.contiguous().cpu()
     save_file(out, str(path))
 
 
-def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True) -> dict[str, int]:
-    """Load ``path`` into ``model`` through each parameter's weight loader.
+def show_progress(rank: int | None = None) -> bool:
+    """Progress bars only on rank 0, only on a terminal, never in CI logs."""
+    if rank is None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    return rank == 0 and not in_ci() and sys.stderr.isatty()
 
-    Returns ``{"tensors": n, "row_shard_tensors": m}``. Raises :class:`CheckpointError` naming the
-    tensor when one is missing, unexpected (with ``strict``) or misshapen.
+
+def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, process: bool = True,
+                    progress: bool | None = None) -> dict[str, int]:
+    """Load ``path`` (a safetensors file, or a folder as ``save_pretrained`` writes it) into ``model``
+    through each parameter's weight loader, then (``process``) run the after-loading step of every
+    linear that is not a sharding target.
+
+    Returns ``{"tensors", "row_shard_tensors", "bytes_read", "sharded_bytes_read"}``: sharded weights
+    account for ``sharded_bytes_read``, exactly this rank's rows. Raises :class:`CheckpointError`
+    naming the tensor when one is missing, unexpected (with ``strict``), misshapen or of the wrong
+    dtype. ``progress``: a tqdm bar (default: :func:`show_progress`).
     """
     params = dict(model.named_parameters())
     plan = list(checkpoint_layout(model))
-    counts = {"tensors": 0, "row_shard_tensors": 0}
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
+    counts = {"tensors": 0, "row_shard_tensors": 0, "bytes_read": 0, "sharded_bytes_read": 0}
+    try:
+        ckpt = Checkpoint(path)
+    except (SafetensorsError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from e
+    with ckpt:
+        keys = set(ckpt.keys())
         missing = [k for k, _, _ in plan if k not in keys]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -87,16 +124,22 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True) 
         unexpected = sorted(keys - {k for k, _, _ in plan})
         if strict and unexpected:
             raise CheckpointError(f"checkpoint {path} has tensor(s) the model does not know: {unexpected[:3]}")
-        for key, pname, shard_id in plan:
+        bar = _progress(plan, f"loading {Path(path).name}", show_progress() if progress is None else progress)
+        for key, pname, shard_id in bar:
             param = params[pname]
             loader = getattr(param, "weight_loader", None)
+            lazy = ckpt.get(key)
+            before = ckpt.bytes_read
             try:
-                if isinstance(loader, RowShardLoader):
-                    # a lazy slice: the loader reads only this rank's rows from the file
-                    loader(param, f.get_slice(key), shard_id)
-                    counts["row_shard_tensors"] += 1
+                if isinstance(loader, (RowShardLoader, FullShapeLoader)):
+                    loader(param, lazy, shard_id)  # reads only what this rank keeps
+                    counts["row_shard_tensors"] += isinstance(loader, RowShardLoader)
+                    counts["sharded_bytes_read"] += ckpt.bytes_read - before
                 else:
-                    tensor = f.get_tensor(key).to(param.device)
+                    if param.is_meta:
+                        raise CheckpointError(f"parameter {pname} is on the meta device: only sharded weights can "
+                                              "be built on meta (their rows are allocated by WeightSharding.setup)")
+                    tensor = lazy.read().to(param.device)
                     if loader is None:
                         _default_loader(param, tensor)
                     elif shard_id is None:
@@ -105,13 +148,42 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True) 
                         loader(param, tensor, shard_id)
             except CheckpointError:
                 raise
-            except (ValueError, RuntimeError) as e:
+            except (ShardingError, CheckpointShapeError, SafetensorsError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"checkpoint tensor {key!r} (for parameter {pname}) cannot be loaded: {e}") from e
             counts["tensors"] += 1
+        counts["bytes_read"] = ckpt.bytes_read
+    if process:
+        process_weights(model)
     return counts
+
+
+def _progress(items: list, desc: str, show: bool):
+    """A tqdm bar over ``items`` when ``show`` (tqdm is a dependency; a machine without it, such as an
+    offline GPU box set up before it was added, loads without a bar)."""
+    if not show:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="tensor")
 
 
 def _default_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(f"shape {list(tensor.shape)} does not match the parameter's {list(param.shape)}")
     param.data.copy_(tensor)
+
+
+def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList, patterns: Sequence[str],
+                 comm: Communicator, **kwargs: Any) -> WeightSharding:
+    """:func:`~wsharding.shard.shard_blocks` with the weights read from checkpoint ``path``.
+
+    The matching linears are shrunk to this rank's rows (their current values are not kept), the
+    checkpoint is loaded -- each sharded weight reads only this rank's rows, every other tensor is
+    read whole -- and the sharding is finalized. ``ws.load_result`` holds :func:`load_checkpoint`'s
+    counts. Works for any model whose parameter names are the checkpoint's keys (a Hugging Face
+    ``save_pretrained`` folder, or :func:`save_checkpoint`'s files).
+    """
+    return shard_blocks(model, blocks, patterns, comm, keep_initial_weights=False,
+                        load=lambda ws: load_checkpoint(model, path), **kwargs)

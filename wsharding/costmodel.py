@@ -544,6 +544,29 @@ class Plan:
         return self.deployment.kv_bytes_per_token or self.model.kv_bytes_per_token
 
     @property
+    def largest_weight_bytes(self) -> int:
+        """The largest single weight: the transient of loading one tensor or of one finalize gather."""
+        return max(math.prod(shape) * g.dtype.itemsize for layer in self.model.layers for g in layer.groups
+                   for _, shape in g.weights)
+
+    def load_peaks(self) -> dict[str, int]:
+        """Load-time peaks per GPU (first seed: "运行期常驻和加载峰值"), as upper bounds:
+
+        * ``device_rows``: row-shard loading (BF16/FP16, ModelOpt FP8): the row shards R/N, the two
+          slots and one weight in flight -- finalize packs a layer's rows into a slot before it
+          allocates the layer's chunk, so rows and chunks never coexist beyond one layer's padding;
+        * ``device_requant_then_shard``: block FP8 loads full weights (R), then chunks and slots
+          are allocated while they are still there: the peak is *not* reduced, only the resident;
+        * ``host``: one rank's shard plus one weight staged on the host.
+        """
+        b = self.bill
+        return {
+            "device_rows": b.resident_shard_bytes + b.slot_bytes + self.largest_weight_bytes,
+            "device_requant_then_shard": b.replicated_bytes + b.resident_shard_bytes + b.slot_bytes,
+            "host": b.resident_shard_bytes + self.largest_weight_bytes,
+        }
+
+    @property
     def extra_kv_tokens(self) -> int | None:
         kv = self.kv_bytes_per_token
         return None if kv is None else max(0, self.bill.net_saving_bytes) // kv
@@ -609,6 +632,10 @@ class Plan:
             "bandwidth_bytes_per_s": d.bandwidth,
             "efficiency": d.efficiency,
             "collective_latency_s": d.collective_latency,
+            "largest_weight_bytes": self.largest_weight_bytes,
+            "load_peak_device_bytes": self.load_peaks()["device_rows"],
+            "load_peak_device_requant_then_shard_bytes": self.load_peaks()["device_requant_then_shard"],
+            "load_peak_host_bytes": self.load_peaks()["host"],
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "extra_kv_tokens": self.extra_kv_tokens,
             "context": d.context,
@@ -713,6 +740,15 @@ def plan_table(plan: Plan) -> str:
     ]
     if b.net_saving_bytes <= 0:
         lines.append("  -> sharding does not pay: the two slots cost more than the shards give back")
+    lp = plan.load_peaks()
+    lines += [
+        "",
+        "load peaks per GPU (upper bounds; largest single weight " + fmt_bytes(plan.largest_weight_bytes) + "):",
+        f"  device, row-shard loading (BF16, ModelOpt FP8): {fmt_bytes(lp['device_rows'])}",
+        f"  device, block FP8 requant-then-shard:           {fmt_bytes(lp['device_requant_then_shard'])}"
+        "  (not reduced: full weights first)",
+        f"  host: one shard + one weight:                   {fmt_bytes(lp['host'])}",
+    ]
     lines += [
         "",
         f"traffic and time (largest layer {L.index}, |T| = {fmt_bytes(L.layout_bytes)}):",

@@ -26,59 +26,44 @@ import fnmatch
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from wsharding.bound import guard_bound_weight
 from wsharding.comm.base import Communicator
 from wsharding.layout import FlatLayout
 from wsharding.linear.base import LinearBase, rebind_tensor
 from wsharding.planner import ShardedLayer, WeightShardPlanner
+from wsharding.redistribute import agree_or_raise, redistribute_layer, set_weight_data
+from wsharding.rowloaders import (
+    FullShapeLoader,
+    RowBlock,
+    RowShardLoader,
+    ShardingError,
+    ShardTarget,
+    format_rows,
+    row_window,
+)
 from wsharding.slots import SlotPool
 from wsharding.units import align_up
+
+__all__ = [
+    "FullShapeLoader", "RowBlock", "RowShardLoader", "ShardTarget", "ShardingError", "ShardingSkipWarning",
+    "WeightSharding", "aligned_forward", "find_targets", "prepare_layer_weight_shard_forward", "row_window",
+    "run_layers", "shard_blocks",
+]
 
 #: How many shardings were finalized on each communicator: numbers the window tags of the next one.
 _SHARDINGS_ON: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
 
-#: (shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)
-RowBlock = tuple[Any, int, int, int]
-
-
-class ShardingError(ValueError):
-    """A target that cannot be sharded, or a sharding used out of order."""
+SHARD_MODES = ("rows", "requant_then_shard")
 
 
 class ShardingSkipWarning(UserWarning):
     """A declared target left replicated (its rows are not divisible by the group size)."""
-
-
-@dataclass
-class ShardTarget:
-    """One weight that is stored 1/N per rank and gathered before its layer runs."""
-
-    layer: int
-    name: str  # attribute path inside the layer, e.g. "attn.qkv_proj"
-    module: nn.Module
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    row_blocks: list[RowBlock] = field(default_factory=list)
-
-    @property
-    def entry(self) -> str:
-        return f"{self.name}.weight"
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
 
 
 @dataclass(frozen=True)
@@ -123,48 +108,6 @@ def _row_blocks(module: nn.Module, rows: int) -> list[RowBlock]:
     return list(fn()) if fn is not None else [(None, 0, rows, 0)]
 
 
-def row_window(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of a weight that ``rank`` keeps after setup (its 1/N row shard)."""
-    per = rows // world
-    return rank * per, (rank + 1) * per
-
-
-class RowShardLoader:
-    """Weight loader installed on a sharded parameter: copies only this rank's rows.
-
-    ``loaded_weight`` may be a tensor or a lazy safetensors slice (``get_slice``): only the needed
-    row range is read from it. For merged linears the checkpoint holds one tensor per sub-block;
-    ``loaded_shard_id`` picks the sub-block, whose rows are intersected with this rank's window.
-    """
-
-    def __init__(self, target: ShardTarget, rank: int, world: int) -> None:
-        self.target = target
-        self.window = row_window(target.rows, rank, world)
-        self.loaded_rows = 0
-
-    def __call__(self, param: torch.Tensor, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
-        t = self.target
-        blocks = [b for b in t.row_blocks if b[0] == loaded_shard_id] if len(t.row_blocks) > 1 else t.row_blocks
-        if not blocks:
-            ids = [b[0] for b in t.row_blocks]
-            raise ShardingError(f"{t.name}: no sub-block with shard id {loaded_shard_id!r} (known: {ids})")
-        _, param_off, rows, ckpt_off = blocks[0]
-        shape = tuple(loaded_weight.get_shape()) if hasattr(loaded_weight, "get_shape") else tuple(loaded_weight.shape)
-        want_cols = t.shape[1:]
-        if len(shape) != len(t.shape) or shape[1:] != want_cols or shape[0] < ckpt_off + rows:
-            raise ShardingError(
-                f"{t.name}.weight (shard {loaded_shard_id!r}): checkpoint tensor has shape {list(shape)}, expected "
-                f"at least {ckpt_off + rows} rows of {list(want_cols)}"
-            )
-        w0, w1 = self.window
-        a, b = max(w0, param_off), min(w1, param_off + rows)
-        if a >= b:
-            return  # none of this sub-block's rows live on this rank
-        piece = loaded_weight[ckpt_off + (a - param_off) : ckpt_off + (b - param_off)]
-        param.data[a - w0 : b - w0].copy_(piece)
-        self.loaded_rows += b - a
-
-
 class WeightSharding:
     """Weight sharding of one model over a shard group.
 
@@ -173,6 +116,11 @@ class WeightSharding:
     None, each layer's own ``weight_shard_targets`` list is used, as the seed's modules declare them);
     :meth:`declare` decides which of them are sharded. ``sharded_layers``
     restricts the range (the seed's default leaves the dense layer 0 out).
+
+    ``keep_initial_weights``: a model built with real weights is sharded as it is -- setup copies
+    this rank's rows and counts them as loaded. With False, setup allocates zeroed rows and every row
+    must then come from a checkpoint (finalize refuses any that did not). A model built on the meta
+    device always needs its rows loaded.
     """
 
     def __init__(
@@ -184,10 +132,12 @@ class WeightSharding:
         sharded_layers: Iterable[int] | None = None,
         lookahead: bool = True,
         trace: bool = False,
+        keep_initial_weights: bool = True,
     ) -> None:
         self.comm = comm
         self.lookahead = lookahead
         self.trace = trace
+        self.keep_initial_weights = keep_initial_weights
         self.sharded_range = None if sharded_layers is None else set(sharded_layers)
         self.stage = "declared"
         self.layers: dict[int, nn.Module] = {}
@@ -196,7 +146,7 @@ class WeightSharding:
         self.skipped: list[str] = []
         #: Every declared weight, sharded or left alone, with the reason (:meth:`report`).
         self.decisions: list[ShardDecision] = []
-        self.loaders: dict[tuple[int, str], RowShardLoader] = {}
+        self.loaders: dict[tuple[int, str], RowShardLoader | FullShapeLoader] = {}
         self.chunks: dict[int, torch.Tensor] = {}
         self._shrunk: set[int] = set()
         self.slots: SlotPool | None = None
@@ -237,6 +187,9 @@ class WeightSharding:
         if chosen:
             self.layers[layer_id] = layer
             self.targets[layer_id] = chosen
+            for t in chosen:
+                # Loading reads this: the linear's own after-loading step runs at finalize instead.
+                t.module.weight_shard_target = t
             # Attention and MoE targets of a layer share one layout: one gather per layer.
             self.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], self.comm.world_size)
         return chosen
@@ -270,6 +223,18 @@ class WeightSharding:
             )
         else:
             why = f"{type(module).__name__} (not split): the same bytes on every rank"
+        method = getattr(module, "quant_method", None)
+        mode = getattr(method, "weight_shard_mode", "rows") if method is not None else "rows"
+        if mode is None:
+            raise ShardingError(
+                f"layer {layer_id}: target {name!r} uses {type(method).__name__}, which weight sharding cannot "
+                f"shard: {getattr(method, 'weight_shard_refusal', '') or 'it declares no weight_shard_mode'}. "
+                "Leave it out of the targets, or quantize it with a method that can be sharded "
+                "(unquantized, int8, fp8, fp8_block)."
+            )
+        if mode not in SHARD_MODES:
+            raise ShardingError(f"layer {layer_id}: target {name!r}: {type(method).__name__}.weight_shard_mode is "
+                                f"{mode!r}; expected one of {SHARD_MODES}")
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ShardingError(f"layer {layer_id}: target {name!r} has no 2-D weight to shard")
@@ -282,11 +247,12 @@ class WeightSharding:
             self._decide(layer_id, name, False, f"{rows} rows, not divisible by the group size {self.comm.world_size}")
             return None
         self._decide(layer_id, name, True, why)
-        return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, _row_blocks(module, rows))
+        return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, _row_blocks(module, rows), mode)
 
     # ---- 2. setup: keep only this rank's rows -------------------------------------------------------
     def setup_layer(self, layer_id: int) -> None:
-        """Shrink layer ``layer_id``'s targets to this rank's 1/N rows and install row-shard loaders.
+        """Shrink layer ``layer_id``'s targets to this rank's 1/N rows and install row-shard loaders
+        (requant-then-shard targets keep their full shape, and a loader that records what arrives).
 
         A model calls it at the end of each layer's construction, so at most one layer's full
         weights exist at a time. The rows kept are copied from the current weight (a model built
@@ -294,16 +260,22 @@ class WeightSharding:
         """
         if layer_id in self._shrunk or layer_id not in self.targets:
             return
-        rank, world = self.comm.rank, self.comm.world_size
+        rank, world, dev = self.comm.rank, self.comm.world_size, self.comm.device
         for t in self.targets[layer_id]:
-            w0, w1 = row_window(t.rows, rank, world)
             p = t.module.weight
-            if p.is_meta:
-                rows = torch.empty((w1 - w0, *t.shape[1:]), dtype=t.dtype, device=self.comm.device)
+            keep = self.keep_initial_weights and not p.is_meta
+            inner = getattr(p, "weight_loader", None)
+            if t.mode == "rows":
+                w0, w1 = row_window(t.rows, rank, world)
+                shape = (w1 - w0, *t.shape[1:])
+                data = p.data[w0:w1].to(dev, copy=True) if keep else torch.zeros(shape, dtype=t.dtype, device=dev)
+                loader: RowShardLoader | FullShapeLoader = RowShardLoader(t, rank, world)
             else:
-                rows = p.data[w0:w1].to(self.comm.device, copy=True)
-            p.data = rows  # the full storage is released when nothing else holds it
-            loader = RowShardLoader(t, rank, world)
+                data = p.data.to(dev) if keep else torch.zeros(t.shape, dtype=t.dtype, device=dev)
+                loader = FullShapeLoader(t, inner)
+            p = set_weight_data(t.module, data)  # the full storage is released when nothing else holds it
+            if keep:
+                loader.coverage.mark_all()
             p.weight_loader = loader
             self.loaders[(layer_id, t.name)] = loader
         self._shrunk.add(layer_id)
@@ -317,54 +289,55 @@ class WeightSharding:
         return self
 
     # ---- 3. finalize: row shards -> flat chunks, slots, views --------------------------------------
-    def finalize(self) -> WeightSharding:
-        """Redistribute row shards into flat chunks, free them, allocate the slots, bind the views.
+    def finalize(self, observe: Callable[[str, int | None], None] | None = None) -> WeightSharding:
+        """Redistribute row shards into flat chunks, run the after-loading step, bind the views.
 
-        Collective: every rank calls it. Buffers are allocated in layer order on every rank and, with
-        a symmetric-memory backend, registered as windows in one collective call sorted by tag.
+        Collective: every rank calls it. First every rank checks its targets (every row loaded, shape
+        and dtype as declared) and the ranks agree on the verdict, so a bad rank raises everywhere
+        instead of leaving the others in a gather. Then the two slots are allocated (and registered,
+        with a symmetric-memory backend), and layer by layer:
 
-        The redistribution gathers one weight at a time *through slot B*, in place: this rank's rows
-        are copied to their place in the slot, one gather fills the rest, and the rank keeps the
-        bytes that fall inside its own chunk window. Slot B is at least as large as any layer, so no
-        temporary full weight is allocated, and the gather runs inside a registered window (which a
-        copy-engine backend requires). Each layer's row shards are freed as soon as it is done.
+        1. this layer's row shards are packed into slot A and freed;
+        2. its chunk is allocated -- about the bytes just freed, so the peak stays at about
+           ``R/N + 2 slots`` plus one transient weight ([Note: finalize peak] in
+           :mod:`wsharding.redistribute`);
+        3. per weight, the full weight is rebuilt in slot B (one gather, in place: the seed's temporary
+           full weight costs nothing extra and lies in a registered window), the linear's
+           ``process_weights_after_loading`` runs on it (every rank computes the same bytes), and the
+           rank keeps the bytes inside its chunk window. A requant-then-shard weight is already full:
+           it is processed where it is and cut without a gather;
+        4. the weights become zero-copy views of their slot.
+
+        Chunks are registered in one more collective call at the end, in layer order on every rank.
+        ``observe(stage, layer)``, when given, is called after each of these steps (figures of the
+        redistribution peak: notebook 04 §3).
         """
+        def seen(stage: str, layer: int | None = None) -> None:
+            if observe is not None:
+                observe(stage, layer)
+
         if self.stage == "declared":
             self.setup()
         self._expect("setup", "finalize")
         if not self.targets:
             raise ShardingError("no layer has a shardable target: nothing to shard")
         comm = self.comm
-        rank, world = comm.rank, comm.world_size
+        problems = self.check_loaded()
         # Buffer tags name symmetric windows and must be unique on a communicator that outlives one
         # model: number the shardings made on it (the same count on every rank).
         k = _SHARDINGS_ON.get(comm, 0)
         _SHARDINGS_ON[comm] = k + 1
-        for i in sorted(self.targets):
-            self.chunks[i] = comm.alloc(self.layouts[i].chunk_bytes, tag=f"ws{k}.layer.{i}.chunk")
         self.slots = SlotPool(comm, self.layouts, tag=f"ws{k}.slot")
         register_all = getattr(comm, "register_all", None)
         if register_all is not None:
             register_all()  # collective, one order on every rank
-        staging = self.slots.buffers[1]
+        agree_or_raise(comm, self.slots, problems)
+        seen("slots")
         for i in sorted(self.targets):
-            layout, chunk = self.layouts[i], self.chunks[i]
-            chunk.zero_()
-            lo, hi = layout.chunk_range(rank)
-            for t in self.targets[i]:
-                e = layout.entry(t.entry)
-                rows = t.module.weight.data.contiguous().view(-1).view(torch.uint8)
-                per_rank = e.nbytes // world
-                full = staging.narrow(0, 0, e.nbytes)
-                mine = full.narrow(0, rank * per_rank, per_rank)
-                mine.copy_(rows)
-                comm.all_gather_into(full, mine, what=f"finalize of layer {i} {t.entry}")
-                a, b = max(lo, e.offset), min(hi, e.end)
-                if a < b:
-                    chunk[a - lo : b - lo].copy_(full[a - e.offset : b - e.offset])
-            views = self.slots.views(i)
-            for t in self.targets[i]:
-                rebind_tensor(t.module, "weight", views[t.entry])  # frees this layer's row shards
+            redistribute_layer(comm, self.layouts[i], self.targets[i], self.slots, self.chunks, i,
+                               f"ws{k}.layer.{i}.chunk", seen)
+        if register_all is not None:
+            register_all()  # the chunks: the next gathers read them
         self.planner = WeightShardPlanner(
             comm,
             {i: ShardedLayer(i, self.layouts[i], self.chunks[i]) for i in self.targets},
@@ -377,6 +350,9 @@ class WeightSharding:
         on_close = getattr(comm, "on_close", None)
         if on_close is not None:
             on_close(self.close)  # the communicator closes us before it frees the memory we view
+        for ts in self.targets.values():
+            for t in ts:
+                guard_bound_weight(t)
         self.stage = "finalized"
         return self
 
@@ -416,6 +392,51 @@ class WeightSharding:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def check_loaded(self) -> list[str]:
+        """What would stop finalize on this rank: rows never loaded, weights changed since declare."""
+        problems = []
+        for i in sorted(self.targets):
+            for t in self.targets[i]:
+                w = t.module.weight
+                loader = self.loaders[(i, t.name)]
+                w0, w1 = loader.window
+                want = (w1 - w0, *t.shape[1:])
+                if w.dtype != t.dtype or tuple(w.shape) != want:
+                    problems.append(f"{t.label} is {w.dtype} {list(w.shape)}, expected {t.dtype} {list(want)}: was "
+                                    "the model converted (.to(), .half()) after WeightSharding declared it? Convert "
+                                    "dtype and device before sharding")
+                    continue
+                missing = loader.missing_rows()
+                if missing:
+                    problems.append(f"{t.label}: rows {format_rows(missing)} (of this rank's rows [{w0}, {w1}) of "
+                                    f"{t.rows}) were never loaded")
+        return problems
+
+    def full_state_dict(self, model: nn.Module | None = None, *, device: torch.device | str = "cpu"
+                        ) -> dict[str, torch.Tensor]:
+        """The real full weights, gathered from the chunks, as a state dict (collective).
+
+        After finalize a sharded weight is a view of its slot, so ``model.state_dict()`` returns
+        whatever layer last used that slot; this gathers each layer into its own slot (the same
+        bytes the planner gathers) and copies its weights out to ``device``. With ``model``: the
+        model's whole ``state_dict()`` (every tensor copied to ``device``) with the sharded weights
+        replaced; without: only the sharded weights, keyed ``"<layer id>.<target>.weight"``.
+        Saving the result (:func:`wsharding.checkpoint.save_checkpoint`) loses nothing.
+        """
+        self._expect("finalized", "full_state_dict")
+        full: dict[int, torch.Tensor] = {}
+        for i in sorted(self.targets):
+            buf = self.slots.full_buffer(i)
+            self.comm.all_gather_into(buf, self.chunks[i], what=f"full_state_dict: layer {i}")
+            self.slots.occupy(i)
+            views = self.layouts[i].views(buf)
+            for t in self.targets[i]:
+                full[id(t.module.weight)] = views[t.entry].to(device, copy=True)
+        if model is None:
+            return {f"{t.layer}.{t.entry}": full[id(t.module.weight)] for ts in self.targets.values() for t in ts}
+        return {k: full[id(v)] if id(v) in full else v.detach().to(device, copy=True)
+                for k, v in model.state_dict(keep_vars=True).items()}
+
     def _expect(self, stage: str, what: str) -> None:
         if self.stage != stage:
             raise ShardingError(f"{what}() needs stage {stage!r}, the sharding is at {self.stage!r}")
@@ -438,6 +459,27 @@ class WeightSharding:
         g = getattr(self.comm, "alloc_granularity", 1)
         slot = align_up(max(lay.total_bytes for lay in self.layouts.values()), g)
         return sum(align_up(lay.chunk_bytes, g) for lay in self.layouts.values()) + 2 * slot
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of sharded weights this rank holds now, from the storages: ``"weights"`` (row shards,
+        or full weights of requant-then-shard targets, still outside the slots), ``"chunks"``,
+        ``"slots"``."""
+        slot_ptrs = {b.untyped_storage().data_ptr() for b in self.slots.buffers} if self.slots else set()
+        weights: dict[int, int] = {}
+        for ts in self.targets.values():
+            for t in ts:
+                st = t.module.weight.untyped_storage()
+                if st.data_ptr() not in slot_ptrs and not t.module.weight.is_meta:
+                    weights[st.data_ptr()] = st.nbytes()
+        return {
+            "weights": sum(weights.values()),
+            "chunks": sum(c.untyped_storage().nbytes() for c in self.chunks.values()),
+            "slots": sum(b.untyped_storage().nbytes() for b in self.slots.buffers) if self.slots else 0,
+        }
+
+    def largest_weight_bytes(self) -> int:
+        """The largest single target weight: the transient of a load or of one finalize gather."""
+        return max(t.nbytes for ts in self.targets.values() for t in ts)
 
     def resident_bytes(self) -> int:
         """Bytes actually allocated for sharded weights on this rank (chunks + two slots), measured
@@ -526,11 +568,16 @@ def shard_blocks(
     sharded_layers: Iterable[int] | None = None,
     lookahead: bool = True,
     trace: bool = False,
+    keep_initial_weights: bool = True,
+    load: Callable[[WeightSharding], Any] | None = None,
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
 
     Matching package linears are decided by their group: those split by tensor parallelism are left
     alone, each with its reason in ``ws.report()``.
+
+    ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
+    row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
 
     The model's own forward is unchanged: hooks on the model start each step (reset, pre_dispatch)
     and hooks on each block dispatch the next block's gather, wait for the block's own, and record
@@ -540,8 +587,12 @@ def shard_blocks(
     if not isinstance(block_list, nn.ModuleList):
         raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
     targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
-    ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace)
-    ws.setup().finalize()
+    ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace,
+                        keep_initial_weights=keep_initial_weights)
+    ws.setup()
+    if load is not None:
+        ws.load_result = load(ws)
+    ws.finalize()
     planner = ws.planner
     count = len(block_list)
 

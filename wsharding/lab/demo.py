@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, RankContext
+from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.lab.tasks.model import ours_supported, shard_comm_for, tokens_for
-from wsharding.models import PRESETS, build_pair, decoder_config
+from wsharding.models import PRESETS, decoder_config
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
 from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import aligned_forward
@@ -66,7 +67,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
     CPU ranks) replicated vs sharded, from the memory free after finalize."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
-    replicated, sharded = build_pair(cfg, comm, lookahead=True, trace=False)
+    replicated, sharded, load = build_pair_measured(cfg, comm)
     ws = sharded.weight_sharding
     planner = ws.planner
     # Right after finalize, as the seed sizes its KV pool: before any step allocates activations.
@@ -139,6 +140,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "trace": {k: v.records() for k, v in traces.items()},
         "tokens": [counts[s][ctx.rank % len(counts[0])] for s in range(len(counts))],
         "kv_cache": kv_cache,
+        "load": load,
     }
 
 
@@ -173,6 +175,7 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "kv_cache": r0.get("kv_cache"),
         "kv_cache_tokens_per_rank": [(r["kv_cache"]["replicated"]["tokens"], r["kv_cache"]["sharded"]["tokens"])
                                      for r in reports if r.get("kv_cache")],
+        "load_peak_per_rank": [r["load"] for r in reports],
     }
 
 
@@ -207,6 +210,11 @@ def format_table(report: dict[str, Any]) -> str:
             f"    tokens replicated {rep['tokens']:,} | sharded {sh['tokens']:,} ({sh['tokens'] - rep['tokens']:+,}); "
             f"sequences of {kv['context']} tokens {rep['sequences']:,} | {sh['sequences']:,}",
         ]
+    if report.get("load_peak_per_rank"):  # finalize peak (device: CUDA allocator; CPU ranks: resident set)
+        peak = max(r["device_peak_bytes"] for r in report["load_peak_per_rank"])
+        lines.append(f"  finalize peak per rank (max, measured) {mib(peak)}  bound R/N + slots + one weight "
+                     f"{mib(report['load_peak_per_rank'][0]['bound_bytes'])}"
+                     + ("  (CPU ranks: resident set, MiBs of process noise)" if report["emulation"] else ""))
     return "\n".join(lines)
 
 

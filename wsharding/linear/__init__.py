@@ -11,7 +11,7 @@
 :func:`~wsharding.linear.contract.check_contract` runs the seed's five alignment checks on a model.
 """
 
-from wsharding.linear.base import LinearBase, ReplicatedLinear, rebind_tensor
+from wsharding.linear.base import LinearBase, ReplicatedLinear, process_weights, rebind_tensor
 from wsharding.linear.column import ColumnParallelLinear, MergedColumnParallelLinear
 from wsharding.linear.groups import (
     DistGroup,
@@ -28,14 +28,16 @@ from wsharding.linear.groups import (
     resolve_linear_group,
 )
 from wsharding.linear.loading import CheckpointShapeError, pad_or_narrow
+from wsharding.linear.methods import METHODS, make_quant_method
 from wsharding.linear.qkv import QKVParallelLinear
-from wsharding.linear.quant import LinearMethodBase, UnquantizedLinearMethod
+from wsharding.linear.quant import LinearMethodBase, QuantError, UnquantizedLinearMethod
 from wsharding.linear.row import RowParallelLinear, skip_mlp_all_reduce
 
 __all__ = [
     "CheckpointShapeError", "ColumnParallelLinear", "DistGroup", "GroupError", "LinearBase", "LinearMethodBase",
-    "LogicalGroup", "MergedColumnParallelLinear", "ParallelState", "QKVParallelLinear", "ReplicatedGroup",
-    "ReplicatedLinear", "ReplicatedParallelGroup", "RowParallelLinear", "UnquantizedLinearMethod", "attn_coords",
-    "derive_attn_tp_size", "get_parallel", "group_rank_size", "pad_or_narrow", "parallel_state", "rebind_tensor",
+    "LogicalGroup", "METHODS", "MergedColumnParallelLinear", "ParallelState", "QKVParallelLinear", "ReplicatedGroup",
+    "QuantError", "ReplicatedLinear", "ReplicatedParallelGroup", "RowParallelLinear", "UnquantizedLinearMethod", "attn_coords",
+    "derive_attn_tp_size", "get_parallel", "group_rank_size", "make_quant_method", "pad_or_narrow", "parallel_state",
+    "process_weights", "rebind_tensor",
     "resolve_linear_group", "skip_mlp_all_reduce",
 ]

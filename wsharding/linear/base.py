@@ -34,9 +34,24 @@ def rebind_tensor(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """
     param = layer._parameters.get(name)
     if param is not None:
-        param.data = tensor
+        # Under a subclass's own ``data`` property (weight sharding guards bound weights with one).
+        torch._C.TensorBase.data.__set__(param, tensor)
     else:
         setattr(layer, name, tensor)
+
+
+def process_weights(model: nn.Module) -> int:
+    """Run ``process_weights_after_loading`` on every linear of ``model`` that still needs it,
+    except weight-sharding targets (their finalize runs it on the gathered full weight).
+
+    Call it once every weight has arrived (:func:`wsharding.checkpoint.load_checkpoint` does).
+    Returns how many linears were processed now."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase) and getattr(m, "weight_shard_target", None) is None and not m.weights_processed:
+            m.process_weights_after_loading()
+            n += 1
+    return n
 
 
 class LinearBase(nn.Module):
@@ -102,8 +117,15 @@ class LinearBase(nn.Module):
     def tp_size(self) -> int:
         return group_rank_size(self.tp_group)[1]
 
+    #: Set once ``process_weights_after_loading`` ran: it may requantize, so it must run only once.
+    weights_processed: bool = False
+
     def process_weights_after_loading(self) -> None:
+        """The quant method's after-loading step, once (a second call does nothing)."""
+        if self.weights_processed:
+            return
         self.quant_method.process_weights_after_loading(self)
+        self.weights_processed = True
 
     def _load_split(self, param: torch.Tensor, loaded: torch.Tensor, dim_attr: str, full: int) -> None:
         """v1 loading along the split dim named by ``dim_attr`` (``output_dim`` for column linears,

@@ -34,11 +34,27 @@ from wsharding.linear.parameters import (
 from wsharding.units import ceil_div
 
 
+class QuantError(ValueError):
+    """A quantized weight or scale that does not fit its quant method: names the layer and the rule."""
+
+
 class LinearMethodBase:
-    """The three things a quant method does: create parameters, compute, tidy up after loading."""
+    """The three things a quant method does: create parameters, compute, tidy up after loading.
+
+    Two more attributes tell weight sharding how to treat the method's ``weight``:
+
+    * ``weight_shard_mode``: ``"rows"`` -- each rank loads only its 1/N rows, and
+      ``process_weights_after_loading`` runs at finalize on the gathered full weight (it must keep the
+      weight's shape and dtype); ``"requant_then_shard"`` -- the weight is loaded at full shape,
+      processed, and only then sharded (the load peak is not reduced); ``None`` -- cannot be sharded,
+      ``weight_shard_refusal`` says why.
+    * the sharded parameter is always ``weight``; every other parameter (scales) stays replicated.
+    """
 
     #: v2 methods give ``weight_loader_v2`` to their parameters; v1 ones give ``weight_loader``.
     uses_weight_loader_v2: bool = True
+    weight_shard_mode: str | None = "rows"
+    weight_shard_refusal: str = ""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
@@ -55,8 +71,15 @@ class LinearMethodBase:
         """This rank's weight as ``[out_per_partition, in_per_partition]`` floats (for tests and figures)."""
         raise NotImplementedError
 
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parameters of ``layer`` (as this method creates them, merged shards stacked) that
+        represent the float weight ``w`` ``[out_per_partition, in]``: how toy models and tests make
+        quantized weights and checkpoints."""
+        raise NotImplementedError(f"{type(self).__name__} cannot quantize a float weight")
 
-def _register(layer: nn.Module, name: str, param: torch.Tensor) -> None:
+
+def register_param(layer: nn.Module, name: str, param: torch.Tensor) -> None:
+    """Register ``param`` on ``layer`` as ``name`` and give it its ``<prefix>.<name>`` for error messages."""
     param.param_name = f"{layer.prefix}.{name}" if getattr(layer, "prefix", "") else name
     layer.register_parameter(name, param)
 
@@ -70,7 +93,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):
         data = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
-        _register(layer, "weight", ModelWeightParameter(data, weight_loader))
+        register_param(layer, "weight", ModelWeightParameter(data, weight_loader))
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
@@ -85,6 +108,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def dequantized_weight(self, layer):
         return layer.weight
+
+    def quantize(self, layer, w):
+        return {"weight": w.to(layer.params_dtype)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,12 +128,16 @@ class Int8PerChannelLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):
         rows = sum(output_partition_sizes)
-        _register(layer, "weight", ModelWeightParameter(
+        register_param(layer, "weight", ModelWeightParameter(
             torch.empty(rows, input_size_per_partition, dtype=torch.int8), weight_loader))
-        _register(layer, "weight_scale", ChannelQuantScaleParameter(torch.empty(rows, dtype=torch.float32), weight_loader))
+        register_param(layer, "weight_scale", ChannelQuantScaleParameter(torch.empty(rows, dtype=torch.float32), weight_loader))
 
     def dequantized_weight(self, layer):
         return layer.weight.float() * layer.weight_scale[:, None]
+
+    def quantize(self, layer, w):
+        q, s = quantize_per_channel_int8(w.float())
+        return {"weight": q, "weight_scale": s}
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), bias)
@@ -150,9 +180,9 @@ class BlockInt8LinearMethod(LinearMethodBase):
             raise ValueError(f"{layer.prefix or type(layer).__name__}: input partition {input_size_per_partition} is "
                              f"not a multiple of block_k {bk}")
         rows = sum(output_partition_sizes)
-        _register(layer, "weight", ModelWeightParameter(
+        register_param(layer, "weight", ModelWeightParameter(
             torch.empty(rows, input_size_per_partition, dtype=torch.int8), weight_loader))
-        _register(layer, "weight_scale_inv", BlockQuantScaleParameter(
+        register_param(layer, "weight_scale_inv", BlockQuantScaleParameter(
             torch.empty(ceil_div(rows, bn), ceil_div(input_size_per_partition, bk)), weight_loader, block=self.block))
 
     def dequantized_weight(self, layer):
@@ -197,6 +227,10 @@ def quantize_int4_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 class PackedInt4LinearMethod(LinearMethodBase):
     """int4 packed 8 per int32 along the output dim; one scale per logical shard (gate/up, q/k/v)."""
 
+    weight_shard_mode = None
+    weight_shard_refusal = ("its weight is `qweight`, eight int4 rows packed in one int32 row, so a rank's 1/N "
+                            "rows are not whole stored rows of the checkpoint")
+
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):
         rows = sum(output_partition_sizes)
@@ -204,10 +238,10 @@ class PackedInt4LinearMethod(LinearMethodBase):
             if size % INT4_PACK:
                 raise ValueError(f"{layer.prefix or type(layer).__name__}: output partition {i} has {size} rows, not "
                                  f"a multiple of the pack factor {INT4_PACK}")
-        _register(layer, "qweight", PackedParameter(
+        register_param(layer, "qweight", PackedParameter(
             torch.empty(rows // INT4_PACK, input_size_per_partition, dtype=torch.int32), weight_loader,
             packed_dim=0, pack_factor=INT4_PACK))
-        _register(layer, "weight_scale", PerTensorScaleParameter(
+        register_param(layer, "weight_scale", PerTensorScaleParameter(
             torch.empty(len(output_partition_sizes)), weight_loader))
 
     def dequantized_weight(self, layer):

@@ -24,7 +24,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsharding.comm.base import Communicator
-from wsharding.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from wsharding.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+    process_weights,
+)
+from wsharding.linear.methods import make_quant_method
 from wsharding.models.kv_cache import KVStep
 from wsharding.shard import WeightSharding, prepare_layer_weight_shard_forward, run_layers
 
@@ -53,6 +62,16 @@ class DecoderConfig:
     #: Merge ``latent_down`` and the shared expert's ``gate_up_proj`` into one GEMM (the seed's
     #: ``_merge_front_weights``) where neither is sharded: a fusion that changes storage.
     merge_front: bool = False
+    #: quant method of the sharding targets (and layer 0's projections): a name of
+    #: :data:`wsharding.linear.methods.METHODS` -- "none", "int8", "fp8" (ModelOpt per-tensor), "fp8_block"
+    quant: str = "none"
+    #: block edge of the block-scaled methods ("fp8_block", "int8_block"): blocks are quant_block x quant_block
+    quant_block: int = 128
+
+    def quant_method(self):
+        """A fresh quant method for one linear (None: unquantized)."""
+        block = (self.quant_block, self.quant_block)
+        return make_quant_method(self.quant, **({"block": block} if self.quant.endswith("_block") else {}))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -123,9 +142,11 @@ class Attention(nn.Module):
         super().__init__()
         dt = cfg.torch_dtype
         self.qkv_proj = QKVParallelLinear(cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, bias=False,
-                                          params_dtype=dt, parallel_group=cfg.attn_group, prefix=f"{prefix}.qkv_proj")
+                                          params_dtype=dt, parallel_group=cfg.attn_group, prefix=f"{prefix}.qkv_proj",
+                                          quant_method=cfg.quant_method())
         self.o_proj = RowParallelLinear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, params_dtype=dt,
-                                        parallel_group=cfg.attn_group, prefix=f"{prefix}.o_proj")
+                                        parallel_group=cfg.attn_group, prefix=f"{prefix}.o_proj",
+                                        quant_method=cfg.quant_method())
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
         #: Decided now, from the full shape (see :func:`qkv_gemm_plan`).
         self.qkv_gemm = qkv_gemm_plan(self.qkv_proj)
@@ -183,12 +204,15 @@ class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate/up merged in one linear, on ``group`` (default tp 1;
     ``"shared_experts_tp"``: split, run over the group's tokens by :func:`over_group_tokens`)."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, prefix: str, group: str = "replicated") -> None:
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, prefix: str, group: str = "replicated",
+                 cfg: DecoderConfig | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, params_dtype=dtype,
-                                                       parallel_group=group, prefix=f"{prefix}.gate_up_proj")
+                                                       parallel_group=group, prefix=f"{prefix}.gate_up_proj",
+                                                       quant_method=cfg.quant_method() if cfg else None)
         self.down_proj = RowParallelLinear(inter, hidden, bias=False, params_dtype=dtype,
-                                           parallel_group=group, prefix=f"{prefix}.down_proj")
+                                           parallel_group=group, prefix=f"{prefix}.down_proj",
+                                           quant_method=cfg.quant_method() if cfg else None)
         #: This rank's gate and up widths.
         self.parts = list(self.gate_up_proj.output_partition_sizes)
 
@@ -226,11 +250,11 @@ class LatentMoE(nn.Module):
         self.router = ReplicatedLinear(cfg.hidden, cfg.experts, bias=False, params_dtype=torch.float32,
                                        prefix=f"{prefix}.router")
         self.latent_down = ReplicatedLinear(cfg.hidden, cfg.latent, bias=False, params_dtype=dt,
-                                            prefix=f"{prefix}.latent_down")
+                                            prefix=f"{prefix}.latent_down", quant_method=cfg.quant_method())
         self.experts = nn.ModuleList(Expert(cfg.latent, cfg.expert_inter, dt) for _ in range(cfg.experts))
         self.latent_up = ReplicatedLinear(cfg.latent, cfg.hidden, bias=False, params_dtype=dt,
-                                          prefix=f"{prefix}.latent_up")
-        self.shared_expert = GatedMLP(cfg.hidden, cfg.shared_inter, dt, f"{prefix}.shared_expert", cfg.moe_group)
+                                          prefix=f"{prefix}.latent_up", quant_method=cfg.quant_method())
+        self.shared_expert = GatedMLP(cfg.hidden, cfg.shared_inter, dt, f"{prefix}.shared_expert", cfg.moe_group, cfg)
         #: ``latent_down`` and ``shared_expert.gate_up_proj`` stacked, when :meth:`plan_front_merge` merged them.
         self.front_weight: torch.Tensor | None = None
 
@@ -290,7 +314,7 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden, dtype=dt)
         self.dense = layer_id == 0
         if self.dense:
-            self.mlp = GatedMLP(cfg.hidden, cfg.dense_inter, dt, f"{p}.mlp")
+            self.mlp = GatedMLP(cfg.hidden, cfg.dense_inter, dt, f"{p}.mlp", cfg=cfg)
             self.weight_shard_targets = ["attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
         else:
             self.moe = LatentMoE(cfg, f"{p}.moe")
@@ -387,15 +411,25 @@ class ToyDecoder(nn.Module):
 
 def _init_(module: nn.Module, gen: torch.Generator, device: torch.device | str) -> None:
     """Fill every floating parameter from ``gen`` (scaled normal), on CPU then copied: the same bits
-    on every rank and every device."""
+    on every rank and every device. A quantized linear draws the same float weight (in its
+    ``params_dtype``) and stores its quant method's quantization of it (weights and scales)."""
     with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dtype.is_floating_point:
-                if "norm" in name:
-                    p.fill_(1.0)
+        for mod_name, mod in module.named_modules():
+            quantized = isinstance(mod, LinearBase) and not isinstance(mod.quant_method, UnquantizedLinearMethod)
+            for pname, p in mod.named_parameters(recurse=False):
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                if quantized:
+                    if pname == "weight":
+                        w = (torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5).to(mod.params_dtype)
+                        for k, v in mod.quant_method.quantize(mod, w).items():
+                            getattr(mod, k).data.copy_(v.reshape(getattr(mod, k).shape).to(device))
                     continue
-                fan_in = p.shape[-1] if p.dim() > 1 else 1
-                p.copy_((torch.randn(p.shape, generator=gen) / fan_in**0.5).to(p.dtype).to(device))
+                if p.dtype.is_floating_point:
+                    if "norm" in name:
+                        p.fill_(1.0)
+                        continue
+                    fan_in = p.shape[-1] if p.dim() > 1 else 1
+                    p.copy_((torch.randn(p.shape, generator=gen) / fan_in**0.5).to(p.dtype).to(device))
 
 
 def decoder_config(preset: str | DecoderConfig, layers: int | None = None) -> DecoderConfig:
@@ -421,7 +455,9 @@ def build_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 0, lookahe
     """
     device = comm.device
     replicated = ToyDecoder(cfg, seed=seed, device=device).eval()
+    process_weights(replicated)
     ws = WeightSharding(comm, sharded_layers=sharded_layers or range(1, cfg.layers), lookahead=lookahead, trace=trace)
     sharded = ToyDecoder(cfg, seed=seed, weight_sharding=ws, device=device).eval()
+    process_weights(sharded)  # the linears that stay replicated; the sharded ones are processed by finalize
     ws.finalize()
     return replicated, sharded
