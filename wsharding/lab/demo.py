@@ -273,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
     counts = default_counts(n, args.steps)
     ranks_per_gpu = ceil_div(n, gpus) if backend == "nccl" and gpus else 1
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
-        comm = args.comm if args.comm != "auto" else ("nccl" if cluster.backend == "nccl" and ours_supported() else "torch")
+        comm = args.comm if args.comm != "auto" else ("nccl" if cluster.on_gpus and ours_supported() else "torch")
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)
     report = summarize(reports, preset, n)
     print(format_table(report))
