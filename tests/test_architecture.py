@@ -39,6 +39,7 @@ FLOORS: dict[str, int] = {
     # ---- the teaching layer ----
     "wsharding.lab": 20,
     "wsharding.lab.layout_presets": 20,
+    "wsharding.lab.memory": 20,
     "wsharding.lab.tasks": 20,
     "wsharding.lab.viz": 21,
     "wsharding.lab.bench": 22,
