@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RankContext, choose_backend
+from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.lab.tasks.model import ours_supported, shard_comm_for, tokens_for
@@ -284,13 +284,18 @@ def main(args: argparse.Namespace) -> int:
     preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny-deep")
     counts = default_counts(n, args.steps)
     ranks_per_gpu = ceil_div(n, gpus) if backend == "nccl" and gpus else 1
+    devices = choose_backend(n, backend, ranks_per_gpu)[1]
     try:
-        check_demo_fits(preset, n, choose_backend(n, backend, ranks_per_gpu)[1])
+        check_demo_fits(preset, n, devices)
     except MemoryCheckError as e:
         print(f"wsharding demo: {e}", file=sys.stderr)
         return 2
+    on_gpus = any(d is not None for d in devices)
+    comm = args.comm if args.comm != "auto" else ("nccl" if on_gpus and ours_supported() else "torch")
+    if on_gpus and len(set(devices)) < n and comm == "torch":
+        print(f"wsharding demo: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
+        return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
-        comm = args.comm if args.comm != "auto" else ("nccl" if cluster.on_gpus and ours_supported() else "torch")
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)
     report = summarize(reports, preset, n)
     print(format_table(report))
