@@ -45,6 +45,7 @@ FLOORS: dict[str, int] = {
     "wsharding.lab.bench": 22,
     "wsharding.lab.demo": 22,
     "wsharding.lab.plan": 22,
+    "wsharding.lab.soak": 22,
     "wsharding.lab.info": 22,
     "wsharding.lab.widgets": 23,
     "wsharding.lab.cli": 24,

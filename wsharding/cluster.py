@@ -81,8 +81,11 @@ class ClusterError(RuntimeError):
 class RemoteError(ClusterError):
     """A task raised on one or more ranks. ``rank`` is the first failing rank."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str, others: str = "") -> None:
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str, others: str = "",
+                 errors: dict[int, tuple[str, str]] | None = None) -> None:
         self.rank = rank
+        #: Every failing rank's ``(type, message)``, this one included.
+        self.errors = dict(errors or {rank: (exc_type, message)})
         self.exc_type = exc_type
         self.remote_message = message
         self.remote_traceback = remote_traceback
@@ -93,7 +96,13 @@ class RemoteError(ClusterError):
 
 
 class WorkerDied(ClusterError):
-    """A rank process exited while the cluster was waiting for it."""
+    """A rank process exited while the cluster was waiting for it. ``rank``: the first that died;
+    ``errors``: what the other ranks raised meanwhile (``rank -> (type, message)``, with a grace)."""
+
+    def __init__(self, message: str, rank: int | None = None, errors: dict[int, tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.errors = dict(errors or {})
 
 
 class TaskTimeout(ClusterError):
@@ -367,6 +376,11 @@ class RankCluster:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     @property
+    def pids(self) -> list[int]:
+        """Process ids of the rank processes, in rank order (empty when stopped)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
     def rendezvous_port(self) -> int | None:
         """The port of the store the ranks met at (held by this process while the cluster runs)."""
         return None if self._store is None else self._store.port
@@ -463,9 +477,14 @@ class RankCluster:
         *,
         per_rank_args: Sequence[Sequence[Any]] | None = None,
         timeout: float | None = None,
+        grace: float | None = None,
     ) -> list[Any]:
         """Like :meth:`run`, with an explicit timeout and optional different arguments per rank
-        (``per_rank_args[r]`` is appended to ``args`` on rank ``r``)."""
+        (``per_rank_args[r]`` is appended to ``args`` on rank ``r``).
+
+        ``grace``: once a rank raised or died, how long the other ranks get to answer, so that their
+        own errors (a collective that timed out, a peer that closed) are reported too. Default: 3 s
+        after an error; after a death none -- the others are stopped at once."""
         if getattr(fn, "__module__", None) in ("__main__", "__mp_main__") or "<lambda>" in getattr(fn, "__qualname__", ""):
             raise ClusterError(
                 f"task {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
@@ -486,20 +505,25 @@ class RankCluster:
             except Exception as e:  # noqa: BLE001
                 raise ClusterError(f"arguments of {fn.__qualname__} cannot be sent to the ranks: {e}") from e
             conn.send_bytes(payload)
-        return self._collect(task_id, self.task_timeout if timeout is None else timeout, fn.__qualname__)
+        return self._collect(task_id, self.task_timeout if timeout is None else timeout, fn.__qualname__, grace)
 
-    def _collect(self, task_id: int | None, timeout: float, what: str) -> list[Any]:
+    def _collect(self, task_id: int | None, timeout: float, what: str, grace: float | None = None) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
+        dead: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        grace_end: float | None = None  # set when the first rank fails
         by_conn = {c: r for r, c in enumerate(self._conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
         try:
-            while len(results) + len(errors) < self.world_size:
-                pending_conns = [c for c, r in by_conn.items() if r not in results and r not in errors]
+            while len(results) + len(errors) + len(dead) < self.world_size:
+                done = results.keys() | errors.keys() | dead.keys()
+                pending_conns = [c for c, r in by_conn.items() if r not in done]
+                if (errors or dead) and grace_end is None:
+                    grace_end = time.monotonic() + (3.0 if grace is None else grace)
                 remaining = deadline - time.monotonic()
-                if errors:  # once one rank failed, give the others a short grace period
-                    remaining = min(remaining, 3.0)
+                if grace_end is not None:  # once one rank failed, the others get the grace period
+                    remaining = min(remaining, grace_end - time.monotonic())
                 if remaining <= 0:
                     break
                 ready = wait(pending_conns + list(by_sentinel), timeout=remaining)
@@ -526,14 +550,23 @@ class RankCluster:
                         how = f"exit code {code}"
                         if code is not None and code < 0:
                             how += f", killed by {signal.Signals(-code).name}"
-                        self._kill()
-                        raise WorkerDied(
-                            f"rank {rank} died ({how}) during {what}; all ranks were stopped "
-                            "and the cluster will restart on the next run"
-                        )
+                        dead[rank] = how
+                        del by_sentinel[obj]
+                        if grace is None:
+                            break  # no grace after a death: stop the others now
+                if dead and grace is None:
+                    break
         except KeyboardInterrupt:
             self._kill()
             raise
+        if dead:
+            rank = min(dead)
+            self._kill()
+            text = (f"rank {rank} died ({dead[rank]}) during {what}; all ranks were stopped "
+                    "and the cluster will restart on the next run")
+            text += "".join(f"\n(rank {r} also died: {dead[r]})" for r in sorted(dead) if r != rank)
+            text += "".join(f"\n(rank {r} raised {errors[r][0]}: {errors[r][1]})" for r in sorted(errors))
+            raise WorkerDied(text, rank, {r: (e[0], e[1]) for r, e in errors.items()})
         if errors:
             rank = min(errors)
             exc_type, message, tb = errors[rank]
@@ -545,7 +578,7 @@ class RankCluster:
                 # Ranks stuck in a collective that the failing rank never joined: restart.
                 others += f"\n(ranks {missing} did not finish; all ranks were stopped and will restart)"
                 self._kill()
-            raise RemoteError(rank, exc_type, message, tb, others)
+            raise RemoteError(rank, exc_type, message, tb, others, {r: (e[0], e[1]) for r, e in errors.items()})
         if len(results) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in results]
             self._kill()
