@@ -274,6 +274,25 @@ def format_report(results: list[dict[str, Any]], faults: list[dict[str, Any]]) -
     return "\n".join(lines)
 
 
+class ReportPathError(ValueError):
+    """A report path that cannot be written (refused before any work)."""
+
+
+def check_report_path(path: str, option: str) -> None:
+    """Refuse, before the work, a report path under a file or in a folder we may not write."""
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        raise ReportPathError(f"{option} {path}: this is a folder; give a file name")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ReportPathError(f"{option} {path}: {parent} is a file, so nothing can be written below it; "
+                              "choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ReportPathError(f"{option} {path}: no permission to write in {parent}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=3, help="rank processes (default 3)")
     p.add_argument("--steps", type=int, default=1000, help="soak steps (default 1000)")
@@ -286,6 +305,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.report:
+        try:
+            check_report_path(args.report, "--report")
+        except ReportPathError as e:
+            print(f"wsharding soak: {e}", file=sys.stderr)
+            return 2
     results = run_soak(args.ranks, args.steps, preset=args.preset, backend=args.backend, comm=args.comm)
     faults = [] if args.no_faults else [run_fault(f, args.ranks, preset=args.preset, backend=args.backend,
                                                   comm=args.comm) for f in FAULTS]
