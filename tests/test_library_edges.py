@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from wsharding.cluster import RankCluster, RemoteError
-from wsharding.comm.base import CommError, DoneHandle
+from wsharding.comm.base import CommError, DoneHandle, check_gather_args
 from wsharding.comm.torch_backend import TorchDistComm, mode_label
 from wsharding.layout import FlatLayout
 from wsharding.planner import PlannerClosedError
@@ -219,6 +219,48 @@ def test_running_a_held_layer_early_issues_its_gather_once():
     assert comm.started == ["layer 0", "layer 1", "layer 2"] and p.gathers_this_step == 3
 
 
+def test_a_traced_step_left_open_is_kept_at_the_next_reset():
+    blocks = [Block(8, i) for i in range(2)]
+    p = WeightSharding(Loopback(), blocks, {0: ["fc"], 1: ["fc"]}, trace=True).finalize().planner
+    x = torch.ones(1, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            p.reset()
+            p.pre_dispatch(0)
+            for i, b in enumerate(blocks):
+                p.maybe_dispatch(i + 1)
+                x = b(x)
+                p.update_done_event(i, b)
+    # no finish_step: the first step's trace is kept when the second starts, the second is still open
+    assert [t.step for t in p.traces] == [0] and p.trace is not None and p.trace.step == 1
+
+
+def test_gather_arguments_are_checked_by_every_backend():
+    comm = Loopback()
+    with pytest.raises(CommError, match=r"full must be a contiguous 1-D uint8 tensor, got torch.float32 \(4,\)"):
+        check_gather_args(comm, torch.zeros(4), torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(CommError, match="chunk is on meta, this rank's device is cpu"):
+        check_gather_args(comm, torch.zeros(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8, device="meta"))
+
+
+def test_loading_helpers_refuse_mismatches_and_pad_with_zeros():
+    from wsharding.linear.loading import CheckpointShapeError, copy_with_check, pad_or_narrow
+
+    dst = torch.zeros(2, 3)
+    param = torch.nn.Parameter(torch.zeros(4, 3))
+    param.param_name = "layers.1.o_proj.weight"
+    with pytest.raises(CheckpointShapeError, match=r"for layers.1.o_proj.weight \(rows\) has shape \(3, 3\) but "
+                                                   r"this rank's parameter slice is \(2, 3\)"):
+        copy_with_check(dst, torch.ones(3, 3), param, "rows")
+    copy_with_check(dst, torch.ones(2, 3))
+    assert torch.equal(dst, torch.ones(2, 3))
+    t = torch.arange(5.0)
+    assert torch.equal(pad_or_narrow(t, 0, 3, 4), torch.tensor([3.0, 4.0, 0.0, 0.0]))  # the last rank's rows
+    assert torch.equal(pad_or_narrow(t, 0, 6, 2), torch.zeros(2))  # past the end: all padding
+    with pytest.raises(ValueError, match="pad_or_narrow needs start >= 0 and size >= 0, got -1, 2"):
+        pad_or_narrow(t, 0, -1, 2)
+
+
 # ---- the torch.distributed backend on real ranks ----------------------------------------------------
 def gather_then_peer_skips(ctx) -> str:
     comm = ctx.comm
@@ -238,10 +280,11 @@ def done_callback_on_one_rank(ctx) -> list:
     full = comm.alloc(16)
     g = comm.prepare_gather(full, full, what="one rank")
     calls = []
+    before = comm.gathers_issued
     g.start()
     g.add_done_callback(lambda: calls.append("done"))  # nothing in flight on one rank: called at once
     g.wait()
-    return [calls, repr(comm), comm.gathers_issued]
+    return [calls, repr(comm), comm.gathers_issued - before]
 
 
 def test_a_gather_whose_peer_never_comes_is_a_named_error():
