@@ -122,7 +122,14 @@ def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm
     if not 0 < warmup < steps:
         raise ValueError(f"warmup: need 0 < warmup ({warmup}) < steps ({steps})")
     cfg = decoder_config(preset)
-    c = shard_comm_for(ctx, comm)
+    if comm == "nccl":
+        from wsharding.comm.nccl import from_context
+
+        # our communicator gives up on a gather after its own timeout: the cluster's collective timeout,
+        # so that a fault run's errors arrive within it (one soak or fault run per fresh cluster)
+        c = from_context(ctx, timeout_s=ctx.timeout.total_seconds())
+    else:
+        c = shard_comm_for(ctx, comm)
     replicated, sharded = build_pair(cfg, c, trace=keep_traces)
     planner = sharded.planner
     dev = c.device
