@@ -41,6 +41,8 @@ class Loopback:
         return LoopbackGather(self, full, chunk, what)
 
     def all_gather_into(self, full, chunk, *, async_op=False, what=""):
+        if self.fail and self.fail in what:
+            raise CommError(f"{what}: the peer went away")
         if full.data_ptr() != chunk.data_ptr():
             full.copy_(chunk)
         return DoneHandle()
@@ -344,3 +346,43 @@ def test_library_found_described_and_refused(monkeypatch):
             L.find_library()
     old = dataclasses.replace(lib, version_code=22901)
     assert old.describe()["multi_rank_per_gpu"] is False and old.version_str == "2.29.1"
+
+
+# ---- the draft model's first layer (prefetch before the step) ------------------------------------------
+def test_draft_first_layer_prefetch_cold_start_and_refusals():
+    ref = [Block(8, i) for i in range(3)]
+    blocks = [Block(8, i) for i in range(3)]
+    comm = Loopback()
+    ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(3)}, trace=True).finalize()
+    p = ws.planner
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref[2](ref[1](ref[0](x)))
+        for prefetch in (False, True):  # a cold start (gathered inline), then a real prefetch
+            if prefetch:
+                p.prefetch_first_weight_shard()
+            p.wait_first_weight_shard()
+            p.reset()
+            p.pre_dispatch_after_prefetch(0)
+            h = x
+            for i, b in enumerate(blocks):
+                p.maybe_dispatch(i + 1)
+                h = b(h)
+                p.update_done_event(i, b)
+            trace = p.finish_step()
+            assert torch.equal(h, want)
+            assert p.gathers_this_step == 3 and p.waits_this_step == 3
+            first = next(r for r in trace.records() if r["layer"] == 0)
+            assert first["wait_start"] <= first["wait_end"] <= first["compute_start"]  # waited before the step
+    assert (p.cold_starts, p.first_prefetches, p.first_layer) == (1, 2, 0)
+    assert sorted(p.prepared_gathers) == [0, 1, 2]
+    comm.fail = "layer 0: prefetch"
+    with pytest.raises(CommError, match=r"weight gather of layer 0 failed on rank 0 .*the peer went away"):
+        p.prefetch_first_weight_shard()
+    comm.fail = None
+    p.prefetch_first_weight_shard()
+    with pytest.raises(CommError, match=r"layer 0: prefetch_first_weight_shard\(\) called twice on rank 0"):
+        p.prefetch_first_weight_shard()
+    ws.close()
+    with pytest.raises(PlannerClosedError, match="prefetch_first_weight_shard"):
+        p.prefetch_first_weight_shard()
