@@ -90,12 +90,12 @@ def _cta_policy_env(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return NcclCommunicator(cta_policy=2)
 
 
-def _checkpoint(tmp: Path, edit: Callable[[dict, Path], None]) -> object:
+def _checkpoint(tmp: Path, edit: Callable[[dict, Path], None], quant: str | None = None) -> object:
     from wsharding.checkpoint import load_checkpoint, save_checkpoint
     from wsharding.models import PRESETS, ToyDecoder
     from wsharding.shard import WeightSharding
 
-    cfg = PRESETS["tiny"]
+    cfg = PRESETS["tiny"] if quant is None else PRESETS["tiny"].with_(quant=quant)
     path = tmp / "tiny.safetensors"
     save_checkpoint(ToyDecoder(cfg), path)
     edit(load_file(path), path)
@@ -128,11 +128,13 @@ def _ckpt_misshapen(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 
 
 def _ckpt_dtype(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    def edit(t: dict, path: Path) -> None:
-        t["layers.0.attn.o_proj.weight"] = t["layers.0.attn.o_proj.weight"].float()
+    from wsharding.models import PRESETS, ToyDecoder
+
+    def edit(t: dict, path: Path) -> None:  # a BF16 tensor where the FP8 model keeps e4m3 bytes
+        t["layers.1.attn.o_proj.weight"] = ToyDecoder(PRESETS["tiny"]).state_dict()["layers.1.attn.o_proj.weight"]
         save_file(t, path)
 
-    return _checkpoint(tmp, edit)
+    return _checkpoint(tmp, edit, quant="fp8")
 
 
 def _ckpt_truncated(tmp: Path, mp: pytest.MonkeyPatch) -> object:
@@ -247,15 +249,15 @@ CASES: dict[str, Case] = {
         ("layers.1.attn.k_proj.weight", "[48, 95]"), "load the checkpoint written for this model or preset",
         _ckpt_misshapen),
     "checkpoint wrong dtype": Case(
-        "loaded a tensor of another dtype (it would be converted silently)", "wsharding.checkpoint:CheckpointError",
-        ("layers.0.attn.o_proj.weight", "torch.float32", "torch.bfloat16"),
-        "convert the checkpoint, or build the model in the checkpoint's dtype", _ckpt_dtype),
+        "loaded a tensor whose dtype does not fit a quantized (FP8/int) weight", "wsharding.checkpoint:CheckpointError",
+        ("layers.1.attn.o_proj.weight", "torch.bfloat16", "torch.float8_e4m3fn"),
+        "load the checkpoint made for this quant method (float dtypes are converted, like any loader)", _ckpt_dtype),
     "checkpoint truncated": Case(
         "loaded a truncated (or non-safetensors) file", "wsharding.checkpoint:CheckpointError",
-        ("tiny.safetensors", "truncated"), "write the checkpoint again (save_checkpoint)", _ckpt_truncated),
+        ("tiny.safetensors", "file ends at byte"), "write the checkpoint again (save_checkpoint)", _ckpt_truncated),
     "checkpoint absent": Case(
         "loaded a checkpoint path that does not exist", "wsharding.checkpoint:CheckpointError",
-        ("tiny.safetensors", "does not exist"), "check the path", _ckpt_absent),
+        ("tiny.safetensors", "No such file or directory"), "check the path", _ckpt_absent),
     "layout group size": Case(
         "built a layout for a group of 0 ranks", "wsharding.layout:LayoutError",
         ("group_size", "got 0"), "the group size is a whole number >= 1", _layout_group),
