@@ -153,7 +153,7 @@ def test_row_loader_refuses_an_unknown_sub_block():
     ws = WeightSharding(_RankOfTwo(), sharded_layers=range(1, cfg.layers))
     model = ToyDecoder(cfg, weight_sharding=ws)
     param = model.layers[1].attn.qkv_proj.weight
-    with pytest.raises(ShardingError, match=r"attn.qkv_proj: no sub-block with shard id 'x' \(known: \['q', 'k', 'v'\]\)"):
+    with pytest.raises(ShardingError, match=r"attn.qkv_proj.weight: no sub-block with shard id 'x' \(known: \['q', 'k', 'v'\]"):
         ws.loaders[(1, "attn.qkv_proj")](param, torch.zeros(8, cfg.hidden), "x")
 
 
