@@ -1,6 +1,7 @@
 """Weight sharding in a torchrun job.
 
     torchrun --nproc_per_node=2 examples/torchrun_shard.py            # GPUs with NCCL, else CPU/gloo
+    torchrun --nproc_per_node=2 examples/torchrun_shard.py --out DIR  # also DIR/rank<r>.json per rank
 
 Every rank builds the same model, shards its replicated linears over the group with the generic
 path (blocks in an nn.ModuleList, nn.Linear targets), runs its own tokens through both the sharded
@@ -9,8 +10,10 @@ model and an untouched replica, and checks that the outputs are identical bit fo
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -19,7 +22,10 @@ from wsharding.models import PRESETS, ToyDecoder
 from wsharding.shard import shard_blocks
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="folder for one JSON report per rank (rank<r>.json)")
+    args = parser.parse_args(argv)
     ctx = init_from_env()
     cfg = PRESETS["tiny"]
     replica = ToyDecoder(cfg, seed=0, device=ctx.device).eval()
@@ -32,9 +38,17 @@ def main() -> int:
     tokens = torch.randint(0, cfg.vocab, (3 + 2 * ctx.rank,), generator=torch.Generator().manual_seed(ctx.rank))
     with torch.no_grad():
         equal = torch.equal(replica(tokens.to(ctx.device)), model(tokens.to(ctx.device)))
-    print(json.dumps({"rank": ctx.rank, "world_size": ctx.world_size, "mode": ctx.mode, "emulation": ctx.emulation,
-                      "equal": equal, "gathers_per_step": ws.planner.gathers_this_step,
-                      "targets": sum(len(ts) for ts in ws.targets.values())}))
+    report = {"rank": ctx.rank, "world_size": ctx.world_size, "mode": ctx.mode, "emulation": ctx.emulation,
+              "equal": equal, "gathers_per_step": ws.planner.gathers_this_step,
+              "targets": sum(len(ts) for ts in ws.targets.values())}
+    if args.out:
+        # One file per rank: the ranks share one stdout, where their lines can interleave.
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f"rank{ctx.rank}.json.tmp"
+        tmp.write_text(json.dumps(report))
+        tmp.replace(out / f"rank{ctx.rank}.json")  # whole or absent, never half written
+    print(f"rank {ctx.rank}: {json.dumps(report)}", flush=True)
     return 0 if equal else 1
 
 

@@ -39,11 +39,13 @@ FLOORS: dict[str, int] = {
     # ---- the teaching layer ----
     "wsharding.lab": 20,
     "wsharding.lab.layout_presets": 20,
+    "wsharding.lab.memory": 20,
     "wsharding.lab.tasks": 20,
     "wsharding.lab.viz": 21,
     "wsharding.lab.bench": 22,
     "wsharding.lab.demo": 22,
     "wsharding.lab.plan": 22,
+    "wsharding.lab.soak": 22,
     "wsharding.lab.info": 22,
     "wsharding.lab.widgets": 23,
     "wsharding.lab.cli": 24,

@@ -55,8 +55,14 @@ def test_gpu_no_memory_growth_over_100_steps(gpu_cluster, comm):
 
 
 # ---- the gate on CUDA streams ---------------------------------------------------------------------
+#: ~50 ms of a spinning kernel at ~2 GHz: the compute stream sits in front of each layer's reads
+#: this long, while a gather issued without the gate (a copy of 2 MiB, microseconds) lands at once.
+SLEEP_CYCLES = 100_000_000
+
+
 class HeavyBlock(torch.nn.Module):
-    """Many GEMMs reading the same slot-bound weight: keeps the compute stream on this layer."""
+    """Sleeps on the compute stream, then reads its slot-bound weight in a few GEMMs: an ungated gather
+    into its slot certainly lands before the reads (the race made certain, not timed)."""
 
     def __init__(self, d: int, seed: int, device: torch.device) -> None:
         super().__init__()
@@ -69,7 +75,8 @@ class HeavyBlock(torch.nn.Module):
         from wsharding.shard import prepare_layer_weight_shard_forward
 
         prepare_layer_weight_shard_forward(self)
-        for _ in range(8):
+        torch.cuda._sleep(SLEEP_CYCLES)  # before the reader: the gate must hold the next gather this long
+        for _ in range(2):
             x = torch.tanh(self.fc(x))
         return x
 
@@ -80,8 +87,8 @@ def cuda_gate_race(ctx, gate: bool):
 
     comm = shard_comm_for(ctx, "torch")
     dev = comm.device
-    blocks = [HeavyBlock(4096, 10 + i, dev) for i in range(6)]
-    x = torch.randn(8192, 4096, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
+    blocks = [HeavyBlock(1024, 10 + i, dev) for i in range(6)]
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
     with torch.no_grad():
         ref = x
         for b in blocks:

@@ -116,3 +116,41 @@ def test_unknown_rule():
     with pytest.raises(ValueError, match="unknown contract rules"):
         check_contract(aligned(), rules=("group", "nope"))
     assert RULES == ("group", "size", "packing", "kv-replica", "reduction")
+
+
+class Edges(nn.Module):
+    """A plain column linear, one that gathers its output, and row linears that are not split or that
+    leave the reduction to the layer boundary."""
+
+    def __init__(self, st: ParallelState) -> None:
+        super().__init__()
+        from wsharding.linear import ColumnParallelLinear
+
+        self.col = ColumnParallelLinear(64, 128, bias=False, parallel_state=st)
+        self.col_gather = ColumnParallelLinear(64, 128, bias=False, gather_output=True, parallel_state=st)
+        self.row_boundary = RowParallelLinear(128, 64, bias=False, reduce_results=False, parallel_state=st)
+        self.row_single = RowParallelLinear(128, 64, bias=False, parallel_group="replicated", parallel_state=st)
+
+
+def test_contract_table_says_who_reduces_and_gathers():
+    rows = {r["linear"]: r["reduction"] for r in contract_table(Edges(ParallelState.logical(4, 1)))}
+    assert rows == {"col": "-", "col_gather": "all-gather over 4 ranks", "row_boundary": "layer boundary",
+                    "row_single": "none (not split)"}
+    assert check_contract(Edges(ParallelState.logical(4, 1))) == []
+
+
+def test_size_check_names_column_merged_and_q_mismatches():
+    m = Edges(ParallelState.logical(4, 1))
+    m.col.output_size_per_partition = 40  # ceil(128 / 4) is 32
+    found = [f for f in check_contract(m, ("size",)) if f.linear == "col"]
+    assert [f.message for f in found] == [
+        "40 rows per rank != ceil(128 / 4)",
+        "output_partition_sizes [32] do not add up to output_size_per_partition=40",
+        "weight has 32 elements on dim 0, expected 40 for 40 logical per-rank rows/columns"]
+    b = aligned()
+    b.gate_up_proj.output_sizes = [128, 64]  # no longer sums to the output size
+    assert any("sum(output_sizes)=192 != output_size=256" in f.message for f in check_contract(b, ("size",)))
+    b = aligned()
+    q, k, v = b.qkv_proj.output_partition_sizes
+    b.qkv_proj.output_partition_sizes = [q // 2, k, v]
+    assert any(f.message.startswith(f"q: {q // 2} rows per rank x 4 ranks") for f in check_contract(b, ("size",)))

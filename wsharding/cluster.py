@@ -20,17 +20,37 @@ Failure handling, the part that keeps notebooks and tests from hanging:
 * a task that does not finish within ``task_timeout`` raises :class:`TaskTimeout`;
 * in the last two cases, and when ranks that did not fail are left stuck in a collective, all
   workers are killed and the cluster restarts on the next ``run``;
-* leaving the ``with`` block, an error, KeyboardInterrupt or interpreter exit leave no process.
+* leaving the ``with`` block, an error, KeyboardInterrupt or interpreter exit leave no process;
+* a task that cannot be unpickled on a rank comes back as a :class:`RemoteError` of that task;
+* the workers die with the process that started them, even when it is SIGKILLed (then no Python
+  code of the parent runs: the kernel sends each worker SIGKILL, see [Note: parent-death signal]).
+
+[Note: parent-death signal] Each worker asks the kernel (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) to
+be killed when its parent goes away. SIGKILL, not SIGTERM: a worker stuck in a collective or a GPU
+wait sits in C code where a Python signal handler never runs. The kernel ties the signal to the
+parent *thread*, so it is armed only when the cluster is started from the main thread (a cluster
+started from another thread still stops its workers through the pipe's EOF when the parent exits
+normally). A parent that died before the worker armed it is caught by comparing ``getppid()``.
+
+[Note: the rendezvous port] The parent hosts the ``TCPStore`` the ranks meet at, bound to port 0:
+the kernel picks a free port and the store holds it from that moment on. (Asking for a free port,
+closing it and letting rank 0 bind it later leaves a window in which another process can take it.)
+
+Several ranks on one GPU: NCCL's process group refuses two ranks on one device ("Duplicate GPU
+detected"), so when ranks outnumber GPUs the ranks' control group is gloo by itself; the weight
+gathers then go through our NCCL communicator (``comm.nccl``), and the torch.distributed NCCL
+baseline cannot run (:data:`SHARED_GPU_TORCH_NOTE`).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
+import threading
 import time
 import traceback
 import weakref
@@ -47,6 +67,11 @@ from wsharding.units import ceil_div
 #: Words every CPU-rank report carries, so nobody mistakes CPU timings for GPU timings.
 CPU_EMULATION_NOTE = "emulated: CPU processes (gloo over 127.0.0.1) stand in for GPUs; timings are not GPU timings"
 SHARED_GPU_NOTE = "emulated: several ranks time-slice one GPU (NCCL multi-rank-per-GPU)"
+#: Said once when ranks outnumber GPUs and a torch.distributed NCCL gather was asked for.
+SHARED_GPU_TORCH_NOTE = (
+    "the torch.distributed NCCL baseline cannot run with several ranks per GPU (NCCL's process group "
+    "refuses two ranks on one device): the ranks use a gloo control group and gather with our NCCL communicator"
+)
 
 
 class ClusterError(RuntimeError):
@@ -56,8 +81,11 @@ class ClusterError(RuntimeError):
 class RemoteError(ClusterError):
     """A task raised on one or more ranks. ``rank`` is the first failing rank."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str, others: str = "") -> None:
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str, others: str = "",
+                 errors: dict[int, tuple[str, str]] | None = None) -> None:
         self.rank = rank
+        #: Every failing rank's ``(type, message)``, this one included.
+        self.errors = dict(errors or {rank: (exc_type, message)})
         self.exc_type = exc_type
         self.remote_message = message
         self.remote_traceback = remote_traceback
@@ -68,7 +96,13 @@ class RemoteError(ClusterError):
 
 
 class WorkerDied(ClusterError):
-    """A rank process exited while the cluster was waiting for it."""
+    """A rank process exited while the cluster was waiting for it. ``rank``: the first that died;
+    ``errors``: what the other ranks raised meanwhile (``rank -> (type, message)``, with a grace)."""
+
+    def __init__(self, message: str, rank: int | None = None, errors: dict[int, tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.errors = dict(errors or {})
 
 
 class TaskTimeout(ClusterError):
@@ -106,6 +140,8 @@ class RankContext:
         """
         from wsharding.comm.torch_backend import new_shard_comms
 
+        if self.device.type == "cuda" and self.backend != "nccl":
+            raise ClusterError(f"rank {self.rank}: {SHARED_GPU_TORCH_NOTE}; use comm='nccl' (ours) for the gathers")
         g = min(group_size, self.world_size)
         if g not in self._comms:
             self._comms[g] = new_shard_comms(g, device=self.device, mode=self.mode, timeout=self.timeout)
@@ -140,15 +176,20 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> RankContex
     global _CONTEXT
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cuda", local % max(torch.cuda.device_count(), 1)) if backend == "nccl" else torch.device("cpu")
+        backend = "nccl" if gpus else "gloo"
+    on_gpu = backend == "nccl"
+    shared = on_gpu and local_world > gpus
+    if shared:
+        backend = "gloo"  # NCCL's process group refuses several ranks on one GPU: gloo controls them
+    device = torch.device("cuda", local % gpus) if on_gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
-    shared = device.type == "cuda" and world > torch.cuda.device_count()
     _CONTEXT = _make_context(rank, world, device, backend, shared, timeout)
     return _CONTEXT
 
@@ -156,6 +197,10 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> RankContex
 # ------------------------------------------------------------------------------------------------
 # The worker side
 # ------------------------------------------------------------------------------------------------
+class _TaskUnpicklable(RuntimeError):
+    """A task (its function or an argument) could not be rebuilt on the rank."""
+
+
 def _send(conn: Connection, obj: Any) -> None:
     # Pickle here, not in a feeder thread: an unpicklable result must become an error message,
     # not a message that silently never arrives.
@@ -166,10 +211,24 @@ def _send(conn: Connection, obj: Any) -> None:
     conn.send_bytes(data)
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """[Note: parent-death signal]: SIGKILL this process when its parent goes away (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # not Linux: the pipe's EOF is the only signal
+        return
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 def _worker_main(
     rank: int,
     world: int,
-    init_method: str,
+    store_port: int,
+    parent_pid: int | None,
     backend: str,
     device_index: int | None,
     shared_gpu: bool,
@@ -179,6 +238,8 @@ def _worker_main(
     conn: Connection,
 ) -> None:
     global _CONTEXT
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     os.environ.update(env)
     torch.set_num_threads(threads)
     import torch.distributed as dist
@@ -188,9 +249,12 @@ def _worker_main(
         kwargs: dict[str, Any] = {}
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            kwargs["device_id"] = device
+            if backend == "nccl":
+                kwargs["device_id"] = device
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        # [Note: the rendezvous port]: the parent hosts the store; ranks are its clients.
+        store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
         _CONTEXT = _make_context(rank, world, device, backend, shared_gpu, timeout)
         _send(conn, ("ready", None, _CONTEXT.mode))
     except BaseException as e:  # noqa: BLE001
@@ -201,11 +265,15 @@ def _worker_main(
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             break  # the parent went away: exit rather than linger
-        task = pickle.loads(msg)
-        if task is None:
+        envelope = pickle.loads(msg)  # (task id, pickled task): always loads, it holds only an int and bytes
+        if envelope is None:
             break
-        task_id, fn, args, kwargs = task
+        task_id, payload = envelope
         try:
+            try:
+                fn, args, kwargs = pickle.loads(payload)
+            except Exception as e:  # noqa: BLE001 - the task's id is known: answer with an error, do not die
+                raise _TaskUnpicklable(f"the task could not be unpickled on rank {rank}: {type(e).__name__}: {e}") from e
             value = fn(_CONTEXT, *args, **kwargs)
             _send(conn, ("ok", task_id, value))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
@@ -219,19 +287,16 @@ def _worker_main(
 # ------------------------------------------------------------------------------------------------
 # The caller side
 # ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def choose_backend(world_size: int, backend: str = "auto", ranks_per_gpu: int = 1) -> tuple[str, list[int | None]]:
     """Pick the backend and each rank's device index.
 
     ``auto``: NCCL with one GPU per rank when CUDA has at least ``world_size / ranks_per_gpu``
     GPUs, else gloo on CPU. ``ranks_per_gpu > 1`` shares GPUs between ranks (needs NCCL >= 2.30
-    with ``NCCL_MULTI_RANK_GPU_ENABLE=1``).
+    with ``NCCL_MULTI_RANK_GPU_ENABLE=1``): then the ranks' control group is gloo by itself, since
+    NCCL's process group refuses two ranks on one device, and the devices are still GPUs.
     """
+    if not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1:
+        raise ClusterError(f"ranks_per_gpu must be an integer >= 1, got {ranks_per_gpu!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         backend = "nccl" if gpus and gpus * ranks_per_gpu >= world_size else "gloo"
@@ -244,7 +309,10 @@ def choose_backend(world_size: int, backend: str = "auto", ranks_per_gpu: int = 
             f"backend 'nccl' with {world_size} ranks needs {ceil_div(world_size, ranks_per_gpu)} GPUs at "
             f"{ranks_per_gpu} rank(s) per GPU; this machine has {gpus}. Use backend='gloo' or fewer ranks."
         )
-    return backend, [r // ranks_per_gpu for r in range(world_size)]
+    devices: list[int | None] = [r // ranks_per_gpu for r in range(world_size)]
+    if len(set(devices)) < world_size:
+        return "gloo", devices  # several ranks on one GPU: gloo controls them (module docstring)
+    return backend, devices
 
 
 _LIVE: weakref.WeakSet[RankCluster] = weakref.WeakSet()
@@ -283,7 +351,10 @@ class RankCluster:
             raise ClusterError(f"world_size must be an integer >= 1, got {world_size!r}")
         self.world_size = world_size
         self.backend, self.device_indices = choose_backend(world_size, backend, ranks_per_gpu)
-        self.shared_gpu = ranks_per_gpu > 1
+        used = [d for d in self.device_indices if d is not None]
+        #: Ranks on GPUs (possibly sharing them); False for CPU processes.
+        self.on_gpus = bool(used)
+        self.shared_gpu = len(set(used)) < len(used)
         self.task_timeout = task_timeout
         self.collective_timeout = collective_timeout
         self.start_timeout = start_timeout
@@ -294,6 +365,7 @@ class RankCluster:
         self.mode = ""
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
+        self._store: Any = None  # the rendezvous TCPStore, hosted here
         self._next_task = 0
         #: Number of times the workers were (re)started; a notebook can show it.
         self.starts = 0
@@ -304,8 +376,18 @@ class RankCluster:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     @property
+    def pids(self) -> list[int]:
+        """Process ids of the rank processes, in rank order (empty when stopped)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def rendezvous_port(self) -> int | None:
+        """The port of the store the ranks met at (held by this process while the cluster runs)."""
+        return None if self._store is None else self._store.port
+
+    @property
     def emulation(self) -> str:
-        if self.backend == "gloo":
+        if not self.on_gpus:
             return CPU_EMULATION_NOTE
         return SHARED_GPU_NOTE if self.shared_gpu else ""
 
@@ -314,14 +396,20 @@ class RankCluster:
         if self.running:
             return self
         self.close()
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # [Note: the rendezvous port]
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.start_timeout),
+                                    wait_for_workers=False)
+        # [Note: parent-death signal]: armed only when this is the main thread.
+        parent_pid = os.getpid() if threading.current_thread() is threading.main_thread() else None
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(
                 target=_worker_main,
                 args=(
-                    rank, self.world_size, init_method, self.backend, self.device_indices[rank],
+                    rank, self.world_size, self._store.port, parent_pid, self.backend, self.device_indices[rank],
                     self.shared_gpu, self.collective_timeout, self.threads_per_rank, self.env, child,
                 ),
                 name=f"wsharding-rank{rank}",
@@ -361,6 +449,7 @@ class RankCluster:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        self._store = None
         _LIVE.discard(self)
 
     def __enter__(self) -> RankCluster:
@@ -388,9 +477,14 @@ class RankCluster:
         *,
         per_rank_args: Sequence[Sequence[Any]] | None = None,
         timeout: float | None = None,
+        grace: float | None = None,
     ) -> list[Any]:
         """Like :meth:`run`, with an explicit timeout and optional different arguments per rank
-        (``per_rank_args[r]`` is appended to ``args`` on rank ``r``)."""
+        (``per_rank_args[r]`` is appended to ``args`` on rank ``r``).
+
+        ``grace``: once a rank raised or died, how long the other ranks get to answer, so that their
+        own errors (a collective that timed out, a peer that closed) are reported too. Default: 3 s
+        after an error; after a death none -- the others are stopped at once."""
         if getattr(fn, "__module__", None) in ("__main__", "__mp_main__") or "<lambda>" in getattr(fn, "__qualname__", ""):
             raise ClusterError(
                 f"task {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
@@ -405,24 +499,31 @@ class RankCluster:
         for rank, conn in enumerate(self._conns):
             rank_args = tuple(args) + (tuple(per_rank_args[rank]) if per_rank_args is not None else ())
             try:
-                payload = pickle.dumps((task_id, fn, rank_args, kwargs or {}))
+                # Two layers: the envelope always unpickles on the rank, so a task that cannot be
+                # rebuilt there is answered as an error of this task id instead of killing the rank.
+                payload = pickle.dumps((task_id, pickle.dumps((fn, rank_args, kwargs or {}))))
             except Exception as e:  # noqa: BLE001
                 raise ClusterError(f"arguments of {fn.__qualname__} cannot be sent to the ranks: {e}") from e
             conn.send_bytes(payload)
-        return self._collect(task_id, self.task_timeout if timeout is None else timeout, fn.__qualname__)
+        return self._collect(task_id, self.task_timeout if timeout is None else timeout, fn.__qualname__, grace)
 
-    def _collect(self, task_id: int | None, timeout: float, what: str) -> list[Any]:
+    def _collect(self, task_id: int | None, timeout: float, what: str, grace: float | None = None) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
+        dead: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        grace_end: float | None = None  # set when the first rank fails
         by_conn = {c: r for r, c in enumerate(self._conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
         try:
-            while len(results) + len(errors) < self.world_size:
-                pending_conns = [c for c, r in by_conn.items() if r not in results and r not in errors]
+            while len(results) + len(errors) + len(dead) < self.world_size:
+                done = results.keys() | errors.keys() | dead.keys()
+                pending_conns = [c for c, r in by_conn.items() if r not in done]
+                if (errors or dead) and grace_end is None:
+                    grace_end = time.monotonic() + (3.0 if grace is None else grace)
                 remaining = deadline - time.monotonic()
-                if errors:  # once one rank failed, give the others a short grace period
-                    remaining = min(remaining, 3.0)
+                if grace_end is not None:  # once one rank failed, the others get the grace period
+                    remaining = min(remaining, grace_end - time.monotonic())
                 if remaining <= 0:
                     break
                 ready = wait(pending_conns + list(by_sentinel), timeout=remaining)
@@ -449,14 +550,23 @@ class RankCluster:
                         how = f"exit code {code}"
                         if code is not None and code < 0:
                             how += f", killed by {signal.Signals(-code).name}"
-                        self._kill()
-                        raise WorkerDied(
-                            f"rank {rank} died ({how}) during {what}; all ranks were stopped "
-                            "and the cluster will restart on the next run"
-                        )
+                        dead[rank] = how
+                        del by_sentinel[obj]
+                        if grace is None:
+                            break  # no grace after a death: stop the others now
+                if dead and grace is None:
+                    break
         except KeyboardInterrupt:
             self._kill()
             raise
+        if dead:
+            rank = min(dead)
+            self._kill()
+            text = (f"rank {rank} died ({dead[rank]}) during {what}; all ranks were stopped "
+                    "and the cluster will restart on the next run")
+            text += "".join(f"\n(rank {r} also died: {dead[r]})" for r in sorted(dead) if r != rank)
+            text += "".join(f"\n(rank {r} raised {errors[r][0]}: {errors[r][1]})" for r in sorted(errors))
+            raise WorkerDied(text, rank, {r: (e[0], e[1]) for r, e in errors.items()})
         if errors:
             rank = min(errors)
             exc_type, message, tb = errors[rank]
@@ -468,7 +578,7 @@ class RankCluster:
                 # Ranks stuck in a collective that the failing rank never joined: restart.
                 others += f"\n(ranks {missing} did not finish; all ranks were stopped and will restart)"
                 self._kill()
-            raise RemoteError(rank, exc_type, message, tb, others)
+            raise RemoteError(rank, exc_type, message, tb, others, {r: (e[0], e[1]) for r, e in errors.items()})
         if len(results) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in results]
             self._kill()

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("wsharding.lab.plan", "the memory and traffic bill of weight sharding for a preset or model file"),
     "info": ("wsharding.lab.info", "torch, CUDA, GPUs, the NCCL library and what it supports"),
     "bench": ("wsharding.lab.bench", "measured benchmarks (ratios measured side by side in one run)"),
+    "soak": ("wsharding.lab.soak", "1000 steps checked bit for bit with no growth, and three fault runs that must not hang"),
 }
 
 

@@ -11,6 +11,11 @@ table and can write a JSON report and figures:
 * the exposed part of the gathers, from the planner's trace.
 
 Default: all GPUs with NCCL, else 4 CPU rank processes with gloo (emulated GPUs: every line says so).
+
+Figures go to ``./wsharding-out/`` (git-ignored) unless ``--figures DIR`` says otherwise; the figures
+committed in the repository's ``figures/`` are only rewritten by asking for it: ``--figures figures``.
+Before any rank starts, the memory the preset needs is compared with what the machine has
+(:mod:`wsharding.lab.memory`); a run that does not fit is refused with what to pass instead.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RankContext
+from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
+from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.lab.tasks.model import ours_supported, shard_comm_for, tokens_for
 from wsharding.models import PRESETS, decoder_config
@@ -32,6 +39,9 @@ from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharde
 from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import aligned_forward
 from wsharding.units import ceil_div
+
+#: Where the demo writes its figures by default: untracked, so a run never dirties the checkout.
+DEFAULT_OUT = "wsharding-out"
 
 
 def default_counts(world: int, steps: int) -> list[list[int]]:
@@ -250,7 +260,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
     p.add_argument("--report", default=None, help="write the JSON report to this path")
-    p.add_argument("--figures", default="figures", help="folder for the figures ('' for none)")
+    p.add_argument("--figures", default=DEFAULT_OUT,
+                   help=f"folder for the figures (default ./{DEFAULT_OUT}/, git-ignored; '' for none; "
+                        "'figures' rewrites the committed ones)")
     p.add_argument("--figures-from", default=None, metavar="REPORT",
                    help="only draw the figures of a saved report (e.g. one from a GPU machine without plotly)")
     p.add_argument("--prefix", default="", help="prefix of the figure file names")
@@ -261,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
         with open(args.figures_from) as f:
             report = json.load(f)
         print(format_table(report))
-        for path in write_figures(report, args.figures or "figures", args.prefix):
+        for path in write_figures(report, args.figures or DEFAULT_OUT, args.prefix):
             print(f"  figure: {os.path.relpath(path)}")
         return 0
     gpus = gpu_count()
@@ -272,8 +284,18 @@ def main(args: argparse.Namespace) -> int:
     preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny-deep")
     counts = default_counts(n, args.steps)
     ranks_per_gpu = ceil_div(n, gpus) if backend == "nccl" and gpus else 1
+    devices = choose_backend(n, backend, ranks_per_gpu)[1]
+    try:
+        check_demo_fits(preset, n, devices)
+    except MemoryCheckError as e:
+        print(f"wsharding demo: {e}", file=sys.stderr)
+        return 2
+    on_gpus = any(d is not None for d in devices)
+    comm = args.comm if args.comm != "auto" else ("nccl" if on_gpus and ours_supported() else "torch")
+    if on_gpus and len(set(devices)) < n and comm == "torch":
+        print(f"wsharding demo: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
+        return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
-        comm = args.comm if args.comm != "auto" else ("nccl" if cluster.backend == "nccl" and ours_supported() else "torch")
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)
     report = summarize(reports, preset, n)
     print(format_table(report))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import CPU_EMULATION_NOTE, RankCluster, RankContext
+from wsharding.cluster import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE, RankCluster, RankContext
 from wsharding.units import MiB, ceil_div
 
 DEFAULT_SIZES_MIB = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -268,6 +268,9 @@ def run_gpu(ranks: int, ranks_per_gpu: int, sizes_mib: list[float], policies: li
             reps: int = 5, torch_baseline: bool = True, overlap_mib: list[float] | None = None,
             ce_check_mib: float = 32, nccl_log: bool = True) -> dict[str, Any]:
     """Run the GPU benchmark on ``ranks`` processes (gloo CPU group, our NCCL on the GPUs)."""
+    if ranks_per_gpu > 1 and torch_baseline:
+        print(f"NOTE: {SHARED_GPU_TORCH_NOTE}.")  # once, here, instead of NCCL's error from every rank
+        torch_baseline = False
     logdir = tempfile.mkdtemp(prefix="wsharding-nccl-log-")
     env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if ranks_per_gpu > 1 else {}
     if nccl_log:

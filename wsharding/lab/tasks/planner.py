@@ -8,7 +8,7 @@ the tests all call them through ``cluster.run``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -130,42 +130,92 @@ def slot_table(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | N
 # ---- the gate experiment -------------------------------------------------------------------------
 class ReadTwiceBlock(nn.Module):
     """Reads its weight, pauses, reads it again: a long compute that keeps using its slot. A gather
-    that lands in the slot during the pause changes the second read, and so the output."""
+    that lands in the slot during the pause changes the second read, and so the output.
 
-    def __init__(self, d: int, seed: int, pause: float) -> None:
+    ``between`` (optional) runs in the pause: the gate experiment uses it to let every gather in
+    flight land there, so that the overwrite is certain rather than a matter of timing."""
+
+    def __init__(self, d: int, seed: int, pause: float, between: Callable[[], None] | None = None) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.fc = nn.Linear(d, d, bias=False)
         with torch.no_grad():
             self.fc.weight.copy_(torch.randn(d, d, generator=g) / d**0.5)
         self.pause = pause
+        self.between = between
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prepare_layer_weight_shard_forward(self)
         h = self.fc(x)
         if self.pause:
             time.sleep(self.pause)
+        if self.between is not None:
+            self.between()
         return torch.tanh(h + self.fc(x))
 
 
-def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.02, n_layers: int = 6, d: int = 32,
+class LandingComm:
+    """A communicator that delegates everything to ``comm`` and remembers the gathers it started, so
+    that :meth:`land_all` can block until every one of them has written its slot (CPU ranks).
+
+    The gate experiment calls it between a layer's two reads: whatever the planner issued into that
+    layer's slot has then certainly landed -- the race made certain, not timed."""
+
+    def __init__(self, comm: Any) -> None:
+        self.inner = comm
+        self.in_flight: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "") -> Any:
+        return LandingGather(self.inner.prepare_gather(full, chunk, what=what), self.in_flight)
+
+    def land_all(self) -> None:
+        """Block until every gather started so far has completed."""
+        while self.in_flight:
+            self.in_flight.pop().wait()
+
+
+class LandingGather:
+    """A prepared gather that puts itself on its :class:`LandingComm`'s in-flight list when started."""
+
+    def __init__(self, inner: Any, in_flight: list[Any]) -> None:
+        self.inner = inner
+        self.in_flight = in_flight
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def start(self, gate: Any = None, marks: tuple | None = None) -> None:
+        self.inner.start(gate, marks)
+        self.in_flight.append(self.inner)
+
+    def wait(self, stream: Any = None) -> None:
+        self.inner.wait(stream)
+
+
+def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layers: int = 6, d: int = 32,
                     ahead: int = 2) -> dict[str, Any]:
     """Dispatch gathers ``ahead`` layers early (the seed dispatches one ahead) so that the gather of
     layer ``i+2`` targets the slot layer ``i`` is reading, with and without the planner's gate.
 
-    With the gate the early gather is held until layer ``i`` is done (trace mark ``held``) and the
-    output equals the unsharded blocks bit for bit; without it the gather overwrites the slot while
-    the layer still reads it. Returns equality, gathers and the step's trace records.
+    Between its two reads each layer waits until every gather in flight has landed (CPU ranks; see
+    :class:`LandingComm`). With the gate the early gather is held until layer ``i`` is done (trace
+    mark ``held``), nothing lands in its slot, and the output equals the unsharded blocks bit for
+    bit; without it the gather has certainly overwritten the slot before the second read. Returns
+    equality, gathers and the step's trace records.
     """
     if ahead < 1:
         raise ValueError(f"ahead: must be >= 1, got {ahead}")
-    blocks = [ReadTwiceBlock(d, seed=10 + i, pause=pause) for i in range(n_layers)]
+    comm = LandingComm(ctx.comm)
+    blocks = [ReadTwiceBlock(d, seed=10 + i, pause=pause, between=comm.land_all) for i in range(n_layers)]
     x = torch.randn(3, d, generator=torch.Generator().manual_seed(ctx.rank))
     with torch.no_grad():
         expected = x
         for b in blocks:  # unsharded reference, before sharding shrinks the weights
             expected = b(expected)
-    ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(n_layers)}, trace=True).setup().finalize()
+    ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(n_layers)}, trace=True).setup().finalize()
     planner = ws.planner
     planner.gate = gate
     with torch.no_grad():

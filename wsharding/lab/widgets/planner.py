@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from wsharding.cluster import RankCluster
+from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
 from wsharding.lab.viz.planner import exposed_us, slot_figure, timeline_figure
 from wsharding.models import PRESETS
@@ -70,6 +71,9 @@ def planner_view(cluster: RankCluster, preset: str = "tiny", *, layers: int | No
         if not 0 <= first <= last < n_layers:
             raise ValueError(f"sharded: layers ({first}, {last}) must satisfy 0 <= first <= last < {n_layers}")
         sharded_layers = list(range(first, last + 1))
+    need = sharded_need_per_rank(preset, cluster.world_size, layers=n_layers, sharded_layers=sharded_layers)
+    check_fits(need, cluster.world_size, what=f"the sharded {preset} ({n_layers} layers) on {cluster.world_size} ranks",
+               instead="Pick a smaller preset or fewer layers.", device_indices=cluster.device_indices)
     results = cluster.run(traced_run, preset, tokens, lookahead, steps, layers=n_layers, sharded_layers=sharded_layers)
     records = [rec for r in results for rec in r["records"]]
     note = " (emulated: CPU ranks)" if results[0]["emulation"] else ""
