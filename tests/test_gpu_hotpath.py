@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from wsharding.cluster import RankCluster
 from wsharding.lab.tasks.hotpath import host_not_held, missing_rank
+from wsharding.lab.tasks.model import multi_rank_per_gpu_supported
 
 pytestmark = pytest.mark.gpu
 
@@ -40,21 +39,12 @@ def test_gpu_forward_returns_while_the_gpu_still_sleeps(comm, lookahead, model):
             assert r["gathers"] > 0
 
 
-def _multi_rank_ok() -> bool:
-    if _gpus() < 1 or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-        return False
-    from wsharding.comm.nccl.library import NcclLibraryError, default_library
-
-    try:
-        return bool(default_library().describe().get("multi_rank_per_gpu"))
-    except NcclLibraryError:
-        return False
 
 
 def test_gpu_missing_rank_mid_forward_is_an_error_within_the_timeout():
     if _gpus() >= 2 and _ours():
         cluster = RankCluster(2, backend="nccl", task_timeout=120)
-    elif _multi_rank_ok():
+    elif multi_rank_per_gpu_supported():
         cluster = RankCluster(2, backend="gloo", task_timeout=120)
     else:
         pytest.skip("needs 2 GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 for 2 ranks on one GPU")

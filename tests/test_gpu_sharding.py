@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from wsharding.cluster import RankCluster
-from wsharding.lab.tasks.model import graph_replay, memory_over_steps, model_equality
+from wsharding.lab.tasks.model import graph_replay, memory_over_steps, model_equality, multi_rank_per_gpu_supported
 
 pytestmark = pytest.mark.gpu
 
@@ -117,22 +117,11 @@ def test_gpu_gate_orders_side_stream_after_compute():
 
 
 # ---- several ranks on one GPU with our NCCL binding (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1) -----
-def _multi_rank_ok() -> bool:
-    import os
-
-    if _gpus() < 1 or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-        return False
-    from wsharding.comm.nccl.library import NcclLibraryError, default_library
-
-    try:
-        return bool(default_library().describe().get("multi_rank_per_gpu"))
-    except NcclLibraryError:
-        return False
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_gpu_shared_ranks_with_our_nccl(ranks):
-    if not _multi_rank_ok():
+    if not multi_rank_per_gpu_supported():
         pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1")
     counts = [[3, 5, 1, 7], [6, 2, 4, 1], [0, 3, 2, 5]]
     # gloo between the rank processes (CPU side); the gathers go through our NCCL communicator, all

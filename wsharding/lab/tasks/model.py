@@ -35,6 +35,21 @@ def ours_supported() -> bool:
         return False
 
 
+def multi_rank_per_gpu_supported() -> bool:
+    """True when several ranks may share this machine's GPU with our NCCL communicator: a GPU, a
+    libnccl >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (see ../GPU.md)."""
+    import os
+
+    if not torch.cuda.is_available() or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        return False
+    from wsharding.comm.nccl.library import NcclLibraryError, default_library
+
+    try:
+        return bool(default_library().describe().get("multi_rank_per_gpu"))
+    except NcclLibraryError:
+        return False
+
+
 def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None = None):
     """The communicator the sharded layers gather with, over this rank's shard group.
 
