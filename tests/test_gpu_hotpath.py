@@ -39,8 +39,6 @@ def test_gpu_forward_returns_while_the_gpu_still_sleeps(comm, lookahead, model):
             assert r["gathers"] > 0
 
 
-
-
 def test_gpu_missing_rank_mid_forward_is_an_error_within_the_timeout():
     if _gpus() >= 2 and _ours():
         cluster = RankCluster(2, backend="nccl", task_timeout=120)
