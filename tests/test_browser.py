@@ -245,7 +245,7 @@ def drive(page, server, panel, kind: str, label: str, value=None) -> None:
         handle.focus()
         handle.press("ArrowRight")
     elif kind == "dropdown":
-        c.locator("select").select_option(label=str(value))
+        c.locator("select").select_option(str(value))
     elif kind == "int":
         box = c.locator("input")
         box.fill(str(value))
@@ -256,16 +256,30 @@ def drive(page, server, panel, kind: str, label: str, value=None) -> None:
     wait_idle(page, server)
 
 
-#: notebook prefix -> the controls driven, in order, in the notebook's panels (kind, label, value).
-#: Each list ends with the control whose effect is checked; notebooks not listed here get the first
-#: slider, checkbox, dropdown or button of each panel that changes it.
-DRIVES: dict[str, list[list[tuple]]] = {
-    "00": [[("slider", "N ranks")]],
-    "01": [[("dropdown", "weights", "k3_moe_fp8_small"), ("button", "gather on ranks")]],
-    "02": [[("button", "run AllGather benchmark")]],
-    "03": [[("checkbox", "lookahead"), ("button", "run on ranks")]],
-    "05": [[("int", "KV heads", 4)]],
+#: notebook prefix -> per panel: the controls driven in order (kind, label[, value]) and a text the
+#: panel must show afterwards. Notebooks not listed (new ones) get the first slider, checkbox or
+#: button of each panel that changes it.
+DRIVES: dict[str, list[tuple[list[tuple], str]]] = {
+    "00": [([("slider", "N ranks")], "N = 5")],
+    "01": [([("dropdown", "weights", "Kimi-K3-like MoE peripherals, block FP8, 1/32 scale (gatherable on CPU ranks)"),
+             ("button", "gather on ranks")], "byte-exact on every rank: yes")],
+    "02": [([("button", "run AllGather benchmark")], "emulated")],
+    "03": [([("checkbox", "lookahead"), ("button", "run on ranks")], "lookahead off")],
+    "05": [([("int", "KV heads", 4)], "K=4")],
 }
+
+
+def drive_any(page, server, panel) -> str:
+    """For a panel no plan names: try its controls (sliders, checkboxes, then buttons) until one
+    changes it; returns what was driven."""
+    before = _fingerprint(panel)
+    for kind, sel in (("slider", ".widget-slider"), ("checkbox", ".widget-checkbox"), ("button", "button.jupyter-button")):
+        for el in panel.locator(sel).all():
+            label = el.inner_text().strip().splitlines()[0] if kind == "button" else el.inner_text().strip().split("\n")[0]
+            drive(page, server, panel, kind, label)
+            if _fingerprint(panel) != before:
+                return f"{kind} {label!r}"
+    raise AssertionError("no slider, checkbox or button of this panel changed it")
 
 
 def _fingerprint(panel) -> str:
@@ -343,14 +357,20 @@ def test_notebook_in_the_browser(nb, browser, lab):
         found = panels(page)
         plan = DRIVES.get(nb.name[:2])
         if plan is not None:
-            assert len(found) >= len(plan), f"{nb.name}: expected {len(plan)} panels, found {len(found)}"
+            assert len(found) == len(plan), f"{nb.name}: expected {len(plan)} panels, found {len(found)}"
         for i, panel in enumerate(found):
-            steps = plan[i] if plan is not None and i < len(plan) else None
             before = _fingerprint(panel)
-            if steps is not None:
+            if plan is not None:
+                steps, expect = plan[i]
                 for step in steps:
                     drive(page, lab, panel, *step)
-            assert _fingerprint(panel) != before, f"{nb.name}: panel {i} did not change after {steps}"
+                what = steps
+                shown = panel.evaluate("(el) => el.textContent").replace("\xa0", " ")  # SVG text included
+                assert expect in shown, f"{nb.name}: panel {i} does not show {expect!r} after {steps}"
+            else:
+                what = drive_any(page, lab, panel)
+            assert _fingerprint(panel) != before, f"{nb.name}: panel {i} did not change after {what}"
+            log(f"{nb.name}: panel {i} changed after {what}")
             panel_screenshot(page, panel, f"{nb.stem}_panel{i}")
         facts = page.evaluate(PAGE_FACTS)
         assert facts["stderr"] == [], f"{nb.name}: error output after driving the panels:\n" + "\n".join(facts["stderr"])

@@ -109,7 +109,7 @@ def add_json_option(p: argparse.ArgumentParser, what: str, *aliases: str) -> Non
     ``aliases`` are older spellings, accepted but not shown in ``--help``.
     """
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help=f"write {what} as JSON to PATH ('--json' alone or '--json -': print it instead)")
+                   help=f"write {what} as JSON to PATH; with no PATH (or -), print the JSON instead of the table")
     for alias in aliases:
         p.add_argument(alias, dest="json", help=argparse.SUPPRESS)
 
