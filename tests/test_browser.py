@@ -73,7 +73,8 @@ def lab(tmp_path_factory):
         "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
         "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
         # every cell in the DOM and laid out, so that sizes and positions can be read
-        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        # (and no empty space after the last cell: whole-notebook screenshots end with it)
+        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none", "scrollPastEnd": False},
     }.items():
         f = settings / f"{plugin}.jupyterlab-settings"
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -326,15 +327,23 @@ def panel_screenshot(page, panel, name: str) -> Path:
 
 
 def screenshot(page, name: str) -> Path:
-    """The whole notebook: JupyterLab scrolls inside its panel, so grow the viewport to its height."""
+    """The whole notebook: JupyterLab scrolls inside its panel, so grow the viewport until the panel
+    holds every cell, and scroll it back to the top."""
     SHOTS.mkdir(parents=True, exist_ok=True)
-    height = page.evaluate("""() => { const n = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-inner')
-        || document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
-        return Math.ceil(n.scrollHeight) + 200; }""")
-    page.set_viewport_size({"width": 1400, "height": min(max(1000, height), 30000)})
+    scroller = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer"
+    for _ in range(3):  # the panel's height follows the viewport: converge on the content's height
+        extra = page.evaluate(f"""() => {{ const s = document.querySelector('{scroller}');
+            return s ? s.scrollHeight - s.clientHeight : 0; }}""")
+        if extra <= 0:
+            break
+        size = page.viewport_size
+        page.set_viewport_size({"width": size["width"], "height": min(size["height"] + extra + 50, 30000)})
+        page.evaluate("() => window.dispatchEvent(new Event('resize'))")  # Lumino lays out on resize
+        time.sleep(1.5)
+    page.evaluate(f"() => {{ const s = document.querySelector('{scroller}'); if (s) s.scrollTop = 0; }}")
     time.sleep(1.0)
     path = SHOTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
+    page.screenshot(path=str(path))
     return path
 
 

@@ -216,3 +216,25 @@ def test_json_alone_prints_json_and_path_writes_it(tmp_path, capsys):
     assert rc == rc2 == 0 and "wrote" in out2 and "replicated" in out2  # the table, then the file
     assert json.loads((tmp_path / "p.json").read_text()) == printed
 
+
+
+def test_readme_names_every_option():
+    """The README's command list matches the program: every option a command shows is in it, and
+    it names no option that does not exist."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    leaves = dict(leaf_parsers(cli.build_parser()))
+    shown = set()
+    for name, p in leaves.items():
+        for a in p._actions:
+            if a.help is argparse.SUPPRESS or a.option_strings == ["-h", "--help"]:
+                continue
+            for o in a.option_strings:
+                shown.add(o)
+                if o != "--verbose":  # said once for all commands
+                    assert o in readme, f"README does not mention {name} {o}"
+        assert name.removeprefix("wsharding ") in readme
+    section = readme[readme.index("## Commands"):readme.index("## Using it in your own model")]
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", section)) - {"--help"}
+    assert named <= shown, f"README names options no command has: {named - shown}"
