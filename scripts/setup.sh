@@ -3,7 +3,10 @@
 #   bash scripts/setup.sh          runtime + notebooks
 #   bash scripts/setup.sh --test   runtime + notebooks + test tools
 # The venv sees the system's packages, so a machine that already has torch (a GPU box with its own
-# CUDA build) keeps it; where there is none, the CPU wheel torch==2.13.0 is installed.
+# CUDA build) keeps it; where there is none, the CPU wheel torch==2.13.0 is installed. Seeing the
+# system's packages can hide a dependency missing from pyproject.toml: scripts/smoke.sh (run by
+# .ci/run) installs the package into an isolated venv to catch that.
+# The browser test also needs Debian's chromium and fonts-noto-cjk (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

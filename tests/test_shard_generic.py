@@ -82,6 +82,31 @@ def test_tp_target_is_refused():
     odd = torch.nn.Module()
     odd.a = torch.nn.Linear(4, 3)
     odd.b = torch.nn.Linear(4, 4)
-    with pytest.warns(UserWarning, match="a.weight has 3 rows, not divisible by the group size 2: left replicated"):
+    with pytest.warns(UserWarning, match=r"layer 0: 1 weight left replicated, rows not divisible by the group size 2: a.weight \(3 rows\)"):
         ws = WeightSharding(FakeComm(), [odd], {0: ["a", "b"]})
     assert [t.name for t in ws.targets[0]] == ["b"] and ws.skipped == ["0:a"]
+
+
+def test_skipped_weights_warn_once_per_layer_on_rank_0():
+    """Non-divisible weights: one warning per layer naming all of them, and only rank 0 says it
+    (every rank skips the same weights); each rank still records what it skipped."""
+    import warnings
+
+    from wsharding.shard import ShardingSkipWarning, WeightSharding
+
+    def comm(rank):
+        return type("FakeComm", (), {"rank": rank, "world_size": 2, "device": torch.device("cpu"), "mode": "cpu-gloo"})()
+
+    def layer():
+        m = torch.nn.Module()
+        m.a, m.b, m.c = torch.nn.Linear(4, 3), torch.nn.Linear(4, 5), torch.nn.Linear(4, 4)
+        return m
+
+    for rank in (0, 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ws = WeightSharding(comm(rank), [layer(), layer()], {0: ["a", "b", "c"], 1: ["a", "b", "c"]})
+        got = [str(w.message) for w in caught if issubclass(w.category, ShardingSkipWarning)]
+        assert got == ([f"layer {i}: 2 weights left replicated, rows not divisible by the group size 2: "
+                        "a.weight (3 rows), b.weight (5 rows)" for i in (0, 1)] if rank == 0 else [])
+        assert ws.skipped == ["0:a", "0:b", "1:a", "1:b"]

@@ -179,11 +179,20 @@ class WeightSharding:
         if self.sharded_range is not None and layer_id not in self.sharded_range:
             return []
         names = getattr(layer, "weight_shard_targets", []) if names is None else names
-        chosen = []
+        chosen, left = [], []
         for n in names:
-            t = self._validate(layer_id, layer, _target_name(layer_id, layer, n))
-            if t is not None:
+            name = _target_name(layer_id, layer, n)
+            t = self._validate(layer_id, layer, name)
+            if isinstance(t, ShardTarget):
                 chosen.append(t)
+            elif t is not None:
+                left.append(f"{name}.weight ({t} rows)")
+        # One warning per layer, on rank 0 only: every rank skips the same weights, and a model of
+        # 60 layers x 4 weights x 8 ranks would otherwise print 1920 lines for one decision.
+        if left and self.comm.rank == 0:
+            warnings.warn(f"layer {layer_id}: {len(left)} weight{'s' * (len(left) > 1)} left replicated, rows not "
+                          f"divisible by the group size {self.comm.world_size}: {', '.join(left)}",
+                          ShardingSkipWarning, stacklevel=3)
         if chosen:
             self.layers[layer_id] = layer
             self.targets[layer_id] = chosen
@@ -202,7 +211,9 @@ class WeightSharding:
     def _decide(self, layer_id: int, name: str, sharded: bool, reason: str) -> None:
         self.decisions.append(ShardDecision(layer_id, name, sharded, reason))
 
-    def _validate(self, layer_id: int, layer: nn.Module, name: str) -> ShardTarget | None:
+    def _validate(self, layer_id: int, layer: nn.Module, name: str) -> ShardTarget | int | None:
+        """The target; or the row count of a weight left replicated because N does not divide its
+        rows (declare warns once for the layer); or None for a weight the Linear contract leaves alone."""
         try:
             module = layer.get_submodule(name)
         except AttributeError:
@@ -240,12 +251,9 @@ class WeightSharding:
             raise ShardingError(f"layer {layer_id}: target {name!r} has no 2-D weight to shard")
         rows = weight.shape[0]
         if rows % self.comm.world_size:
-            msg = (f"layer {layer_id}: {name}.weight has {rows} rows, not divisible by the group size "
-                   f"{self.comm.world_size}: left replicated")
-            warnings.warn(msg, ShardingSkipWarning, stacklevel=4)
             self.skipped.append(f"{layer_id}:{name}")
             self._decide(layer_id, name, False, f"{rows} rows, not divisible by the group size {self.comm.world_size}")
-            return None
+            return rows
         self._decide(layer_id, name, True, why)
         return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, _row_blocks(module, rows), mode)
 

@@ -1,7 +1,9 @@
 """The ``wsharding`` command: weight sharding for LLM inference, measured.
 
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
-``main(args) -> int``; this file only wires them up.
+``main(args) -> int``; this file only wires them up. Bad input is answered in one line before any
+work starts, and errors from the rank processes as one line per distinct error
+(:mod:`wsharding.lab.cliargs`; ``--verbose`` adds the tracebacks).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from wsharding.lab.cliargs import OneLineParser, add_verbose_option, run_command
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,12 +25,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wsharding", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="wsharding", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod = importlib.import_module(module)
         mod.add_arguments(p)
+        if name != "bench":  # bench adds it to each benchmark
+            add_verbose_option(p)
         p.set_defaults(_main=mod.main)
     return parser
 
@@ -34,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args._main(args) or 0)
+        command = args.command + (f" {args.bench}" if getattr(args, "bench", None) else "")
+        return run_command(command, args._main, args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -31,6 +31,15 @@ from typing import Any
 import torch
 
 from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
+from wsharding.lab.cliargs import (
+    MAX_CPU_RANKS,
+    MAX_RANKS_PER_GPU,
+    InputError,
+    add_json_option,
+    check_output_path,
+    emit_json,
+    int_at_least,
+)
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.lab.tasks.model import ours_supported, shard_comm_for, tokens_for
@@ -250,17 +259,22 @@ def write_figures(report: dict[str, Any], out_dir: str | Path, prefix: str = "")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=None, help="number of ranks (default: all GPUs, or 4 CPU ranks)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--ranks", type=int_at_least(1), default=None,
+                   help=f"number of ranks (default: all GPUs, or 4 CPU ranks; at most {MAX_CPU_RANKS} on CPU, "
+                        f"{MAX_RANKS_PER_GPU} per GPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="the ranks' torch.distributed group: nccl (GPUs) or gloo (CPU processes standing in for "
+                        "GPUs, emulated); auto: nccl when there are GPUs")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="model size (default: k3-like on GPUs, tiny-deep on CPU)")
-    p.add_argument("--steps", type=int, default=4, help="checked steps with different token counts")
-    p.add_argument("--timed-steps", type=int, default=5, help="steps per timed variant")
+    p.add_argument("--steps", type=int_at_least(1), default=4,
+                   help="checked steps with different token counts (default 4)")
+    p.add_argument("--timed-steps", type=int_at_least(1), default=5, help="steps per timed variant (default 5)")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
-    p.add_argument("--report", default=None, help="write the JSON report to this path")
-    p.add_argument("--figures", default=DEFAULT_OUT,
+    add_json_option(p, "the report", "--report")
+    p.add_argument("--figures", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder for the figures (default ./{DEFAULT_OUT}/, git-ignored; '' for none; "
                         "'figures' rewrites the committed ones)")
     p.add_argument("--figures-from", default=None, metavar="REPORT",
@@ -268,19 +282,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default="", help="prefix of the figure file names")
 
 
+REPORT_KEYS = ("mode", "emulation", "world_size", "preset", "communicator", "layers", "sharded_layers",
+               "replicated_bytes_per_rank", "sharded_resident_bytes_per_rank", "formula_bytes_per_rank",
+               "slot_bytes", "outputs_equal", "max_abs_diff", "gathers_per_step", "step_ms",
+               "exposed_gather_fraction", "trace", "trace_no_lookahead")
+
+
+def load_report(path: str) -> dict[str, Any]:
+    """A saved demo report, checked: a missing, unreadable, non-JSON or wrong-shaped file is an
+    :class:`InputError` that says which, before anything is drawn."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"--figures-from {path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"--figures-from {path}: this is a folder, not a report file") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"--figures-from {path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                         "pass a file written by 'wsharding demo --json PATH'") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--figures-from {path}: cannot read it ({e})") from None
+    if not isinstance(report, dict):
+        raise InputError(f"--figures-from {path}: holds a JSON {type(report).__name__}, not a demo report")
+    missing = [k for k in REPORT_KEYS if k not in report]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise InputError(f"--figures-from {path}: not a demo report (missing {', '.join(missing[:4])}{more}); "
+                         "pass a file written by 'wsharding demo --json PATH'")
+    if not isinstance(report["step_ms"], dict) or not isinstance(report["trace"], list):
+        raise InputError(f"--figures-from {path}: step_ms must be an object and trace a list")
+    return report
+
+
+def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
+    """Refuse what cannot run, before any rank starts; return (backend, ranks)."""
+    backend = args.backend if args.backend != "auto" else ("nccl" if gpus else "gloo")
+    if backend == "nccl" and not gpus:
+        raise InputError("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo "
+                         "(CPU processes standing in for GPUs, emulated) or leave --backend auto")
+    if args.comm == "nccl" and not gpus:
+        raise InputError("--comm nccl (our NCCL binding: symmetric windows, copy engine) needs CUDA GPUs and "
+                         "this machine has none; use --comm torch or leave --comm auto")
+    if args.comm == "nccl" and not ours_supported():
+        raise InputError("--comm nccl needs libnccl >= 2.28.3 (symmetric windows, copy engine); "
+                         "'wsharding info' shows the library found; use --comm torch")
+    n = args.ranks or (gpus if backend == "nccl" else 4)
+    if backend == "gloo" and n > MAX_CPU_RANKS:
+        raise InputError(f"--ranks {n}: at most {MAX_CPU_RANKS} CPU rank processes (each is a Python process "
+                         "with torch); the code path is the same from 2 ranks on")
+    if backend == "nccl" and ceil_div(n, gpus) > MAX_RANKS_PER_GPU:
+        raise InputError(f"--ranks {n} on {gpus} GPU(s) would put {ceil_div(n, gpus)} ranks on one GPU; "
+                         f"at most {MAX_RANKS_PER_GPU} per GPU")
+    if args.json not in (None, "-"):
+        check_output_path(args.json, "--json")
+    if args.figures:
+        check_output_path(args.figures, "--figures", directory=True)
+    return backend, n
+
+
 def main(args: argparse.Namespace) -> int:
     if args.figures_from:
-        with open(args.figures_from) as f:
-            report = json.load(f)
+        if args.figures:
+            check_output_path(args.figures, "--figures", directory=True)
+        report = load_report(args.figures_from)
         print(format_table(report))
         for path in write_figures(report, args.figures or DEFAULT_OUT, args.prefix):
             print(f"  figure: {os.path.relpath(path)}")
         return 0
     gpus = gpu_count()
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if gpus else "gloo"
-    n = args.ranks or (gpus if backend == "nccl" else 4)
+    backend, n = check_arguments(args, gpus)
     preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny-deep")
     counts = default_counts(n, args.steps)
     ranks_per_gpu = ceil_div(n, gpus) if backend == "nccl" and gpus else 1
@@ -298,14 +369,14 @@ def main(args: argparse.Namespace) -> int:
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)
     report = summarize(reports, preset, n)
-    print(format_table(report))
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.report, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"  report: {args.report}")
+    if args.json != "-":
+        print(format_table(report))
+    written = emit_json(report, args.json)
+    if written:
+        print(f"  report: {written}")
     if args.figures:
         for path in write_figures(report, args.figures, args.prefix):
-            print(f"  figure: {os.path.relpath(path)}")
+            # with the JSON on stdout, the notes go to stderr so that stdout stays one JSON object
+            print(f"  figure: {os.path.relpath(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
     ok = report["outputs_equal"] and report["max_abs_diff"] == 0.0
     return 0 if ok else 1

@@ -1,19 +1,25 @@
-"""``wsharding info [--json]``: what this machine offers weight sharding.
+"""``wsharding info [--json [PATH]]``: what this machine offers weight sharding.
 
 torch and CUDA versions, the GPUs, the NCCL library our backend would load (path, where it was
-found, version) and what that version supports (symmetric windows, the copy-engine AllGather,
-several ranks on one GPU), and which backend ``RankCluster(backend="auto")`` would choose.
+found, version), what of symmetric windows, the copy-engine AllGather and several ranks on one GPU
+this machine can use (``supports``: one boolean per feature -- the library offers it *and* there
+are CUDA GPUs; ``library_offers`` lists what the library version alone offers, and ``why`` says
+what is missing), and which backend ``RankCluster(backend="auto")`` would choose.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 from typing import Any
 
 import torch
+
+from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
+
+#: The features a libnccl version offers (keys of NcclLibrary.describe()).
+FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu")
 
 
 def _nccl_info() -> dict[str, Any]:
@@ -24,7 +30,8 @@ def _nccl_info() -> dict[str, Any]:
         lib = load_library(choice.path, choice.source)
     except NcclLibraryError as e:
         return {"error": str(e), "env_var": ENV_VAR}
-    info = lib.describe()
+    info = {k: v for k, v in lib.describe().items() if k not in FEATURES}
+    info["features"] = {k: bool(lib.describe()[k]) for k in FEATURES}
     info["env_var"] = ENV_VAR
     info["env_value"] = os.environ.get(ENV_VAR)
     return info
@@ -53,12 +60,18 @@ def collect_info() -> dict[str, Any]:
     nccl = _nccl_info()
     n = len(gpus)
     auto_backend, _ = choose_backend(max(n, 1) if n else 4, "auto")
-    ours = bool(n) and bool(nccl.get("copy_engine_allgather"))
-    supports = {
-        "symmetric_windows": bool(nccl.get("symmetric_windows")),
-        "copy_engine_allgather": ours,
-        "multi_rank_per_gpu": bool(nccl.get("multi_rank_per_gpu")),
-    }
+    # One boolean per feature, in one place: usable here = the library offers it and there are GPUs.
+    # (A library flag "true" beside a machine flag "false" under the same name reads as a contradiction.)
+    offered = nccl.pop("features", dict.fromkeys(FEATURES, False))
+    supports = {k: bool(n) and v for k, v in offered.items()}
+    ours = supports["copy_engine_allgather"]
+    if "error" in nccl:
+        why = "no usable NCCL library (nccl.error says why)"
+    elif not n:
+        why = "no CUDA GPU on this machine (the library offers: " + (", ".join(k for k, v in offered.items() if v) or "none") + ")"
+    else:
+        missing = [k for k, v in offered.items() if not v]
+        why = f"NCCL {nccl['version']} is too old for: {', '.join(missing)}" if missing else ""
     if n:
         gather = ("our NCCL communicator (wsharding.comm.nccl): symmetric windows, CTA policy 2 (copy engine)"
                   if ours else "torch.distributed NCCL (TorchDistComm): the loaded NCCL is too old for windows")
@@ -73,6 +86,8 @@ def collect_info() -> dict[str, Any]:
         "torch_nccl": _torch_nccl(),
         "nccl": nccl,
         "supports": supports,
+        "library_offers": [k for k, v in offered.items() if v],
+        "why": why,
         "auto": {"cluster_backend": auto_backend, "gather_backend": gather},
         "env": {k: os.environ[k] for k in ("NCCL_CTA_POLICY", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_CUMEM_ENABLE")
                 if k in os.environ},
@@ -94,7 +109,8 @@ def format_info(info: dict[str, Any]) -> str:
     else:
         lines.append(f"NCCL library: {n['version']} at {n['path']} (found via {n['source']})")
     s = info["supports"]
-    lines.append("supports: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in s.items()))
+    lines.append("supports: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in s.items())
+                 + (f" -- {info['why']}" if info["why"] else ""))
     lines.append(f"auto: cluster backend {info['auto']['cluster_backend']}; gathers by {info['auto']['gather_backend']}")
     for k, v in info["env"].items():
         lines.append(f"env {k}={v}")
@@ -102,10 +118,15 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_json_option(p, "the facts")
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_path(args.json or "", "--json")
     info = collect_info()
-    print(json.dumps(info, indent=1) if args.json else format_info(info))
+    if args.json != "-":
+        print(format_info(info))
+    written = emit_json(info, args.json)
+    if written:
+        print(f"wrote {written}")
     return 0 if "error" not in info["nccl"] else 1

@@ -1,17 +1,17 @@
 """``wsharding plan``: the memory and traffic bill of weight sharding, before any GPU runs.
 
-    wsharding plan --preset kimi-k3-b200-fp8 [--ranks N] [--bandwidth GBps] [--tokens T] [--json]
+    wsharding plan --preset kimi-k3-b200-fp8 [--ranks N] [--bandwidth GBps] [--tokens T] [--json [PATH]]
     wsharding plan --model my_model.yaml --device h200 --ranks 4
     wsharding plan --list
 
 A readable table by default (GiB = 2**30 B and GB = 10**9 B are both named); ``--json`` prints one
-object whose byte counts are integers (see :meth:`wsharding.costmodel.Plan.to_dict`).
+object whose byte counts are integers instead (see :meth:`wsharding.costmodel.Plan.to_dict`), and
+``--json PATH`` writes it to PATH beside the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from wsharding.costmodel import (
@@ -24,6 +24,7 @@ from wsharding.costmodel import (
     load_model_file,
     plan_table,
 )
+from wsharding.lab.cliargs import InputError, OneLineParser, add_json_option, check_output_path, emit_json
 from wsharding.presets import list_presets, load_preset
 
 
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, help="tokens per request, to count extra concurrent requests")
     p.add_argument("--kv-pool-gib", type=float, default=None,
                    help="KV-cache pool per GPU with replicated weights, GiB (default: the preset's assumption)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_json_option(p, "the plan")
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -78,15 +79,20 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name:<32} {load_preset(name).description}")
         return 0
     try:
+        check_output_path(args.json or "", "--json")
         plan = plan_from_args(args)
-    except CostModelError as e:
+    except (CostModelError, InputError) as e:
         print(f"wsharding plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan_table(plan))
+    if args.json != "-":
+        print(plan_table(plan))
+    written = emit_json(plan.to_dict(), args.json)
+    if written:
+        print(f"wrote {written}")
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m wsharding.lab.plan", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m wsharding.lab.plan", description=__doc__.splitlines()[0])
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

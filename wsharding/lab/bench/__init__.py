@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from wsharding.lab.cliargs import add_verbose_option
+
 #: benchmark name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
     "allgather": (
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod = importlib.import_module(module)
         mod.add_arguments(p)
+        add_verbose_option(p)
         p.set_defaults(_bench_main=mod.main)
 
 

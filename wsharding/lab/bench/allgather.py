@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import statistics
@@ -28,10 +27,34 @@ from typing import Any
 import torch
 
 from wsharding.cluster import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE, RankCluster, RankContext
+from wsharding.lab.cliargs import (
+    MAX_CPU_RANKS,
+    MAX_RANKS_PER_GPU,
+    InputError,
+    add_json_option,
+    check_output_path,
+    emit_json,
+    int_at_least,
+    number_list,
+)
 from wsharding.units import MiB, ceil_div
 
 DEFAULT_SIZES_MIB = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CPU_SIZES_MIB = [0.25, 1, 4]
+#: Gathers per timed repetition on CPU processes (gloo over loopback is slow; the spread shows noise).
+CPU_ITERS = 5
+SIZES = number_list(float, 0, "MiB", "1,16,64")
+
+
+def _policy_list(text: str) -> list[int]:
+    policies = number_list(int, 0, "CTA policy", "2,0")(text)
+    bad = [p for p in policies if p not in (0, 2)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"CTA policy {bad[0]} is not measured here: use 2 (copy engine) and/or 0 (SM)")
+    return policies
+
+
+POLICIES = _policy_list
 GPU_NEEDS_CUDA = (
     "the GPU path of this benchmark (our NCCL communicator: symmetric windows, copy-engine AllGather) needs "
     "CUDA, and this machine has none"
@@ -214,8 +237,9 @@ def _overlap(impl, policy, size, full, chunk, gather, stream, gemm, dev) -> dict
             "both_ms": together, "exposed_ms": exposed, "exposed_fraction": exposed / alone_g if alone_g else None}
 
 
-def cpu_bench_rank(ctx: RankContext, sizes_mib: list[float], iters: int) -> dict[str, Any]:
-    """The CPU variant: torch.distributed gloo between CPU processes (emulated, not NCCL)."""
+def cpu_bench_rank(ctx: RankContext, sizes_mib: list[float], iters: int, reps: int = 3) -> dict[str, Any]:
+    """The CPU variant: torch.distributed gloo between CPU processes (emulated, not NCCL). Each size
+    is timed ``reps`` times (``iters`` gathers each): CPU times are noisy, and the spread shows it."""
     comm = ctx.comm
     rows = []
     for salt, m in enumerate(sizes_mib):
@@ -227,13 +251,16 @@ def cpu_bench_rank(ctx: RankContext, sizes_mib: list[float], iters: int) -> dict
         chunk.copy_(pattern(ctx.rank, chunk_n, salt, torch.device("cpu")))
         comm.all_gather_into(full, chunk)
         bad = int((full != expected_full(ctx.world_size, chunk_n, salt, torch.device("cpu"))).sum())
-        comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            comm.all_gather_into(full, chunk)
-        ms = (time.perf_counter() - t0) * 1e3 / iters
-        rows.append({"impl": "torch.distributed gloo (CPU)", "policy": None, "size_bytes": size, "time_ms": ms,
-                     "mismatched_bytes": bad, "mode": ctx.mode})
+        samples = []
+        for _ in range(reps):
+            comm.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                comm.all_gather_into(full, chunk)
+            samples.append((time.perf_counter() - t0) * 1e3 / iters)
+        rows.append({"impl": "torch.distributed gloo (CPU)", "policy": None, "size_bytes": size,
+                     "time_ms": statistics.median(samples), "time_min_ms": min(samples), "time_max_ms": max(samples),
+                     "reps": reps, "mismatched_bytes": bad, "mode": ctx.mode})
     return {"rank": ctx.rank, "rows": rows, "mode": ctx.mode, "emulation": ctx.emulation}
 
 
@@ -242,13 +269,14 @@ def cpu_bench_rank(ctx: RankContext, sizes_mib: list[float], iters: int) -> dict
 # ------------------------------------------------------------------------------------------------
 def merge(per_rank: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
     """One row per (impl, size): the slowest rank's time (a collective is as slow as its last
-    rank), bandwidths from it, mismatches summed over ranks."""
+    rank) with that rank's spread when it has one, bandwidths from it, mismatches summed over ranks."""
     merged: dict[tuple, dict[str, Any]] = {}
     for r in per_rank:
         for row in r["rows"]:
             key = (row["impl"], row["size_bytes"])
             m = merged.setdefault(key, dict(row, mismatched_bytes=0, time_ms=0.0))
-            m["time_ms"] = max(m["time_ms"], row["time_ms"])
+            if row["time_ms"] >= m["time_ms"]:
+                m.update({k: row[k] for k in ("time_ms", "time_min_ms", "time_max_ms") if k in row})
             m["mismatched_bytes"] += row["mismatched_bytes"]
     for m in merged.values():
         t = m["time_ms"] * 1e-3
@@ -295,12 +323,13 @@ def run_gpu(ranks: int, ranks_per_gpu: int, sizes_mib: list[float], policies: li
     }
 
 
-def run_cpu(ranks: int, sizes_mib: list[float], iters: int = 5, cluster: RankCluster | None = None) -> dict[str, Any]:
-    """The gloo variant on CPU processes; every output says it is emulated."""
+def run_cpu(ranks: int, sizes_mib: list[float], iters: int = 5, cluster: RankCluster | None = None,
+            reps: int = 3) -> dict[str, Any]:
+    """The gloo variant on CPU processes, ``reps`` timings per size; every output says it is emulated."""
     own = cluster is None
     cluster = cluster or RankCluster(ranks, backend="gloo")
     try:
-        per_rank = cluster.run(cpu_bench_rank, sizes_mib, iters)
+        per_rank = cluster.run(cpu_bench_rank, sizes_mib, iters, reps)
     finally:
         if own:
             cluster.close()
@@ -323,10 +352,20 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"NCCL {result['nccl']['version']} from {result['nccl']['path']} ({result['nccl']['source']})")
     if result.get("copy_ceiling_GBps"):
         lines.append(f"device-to-device copy ceiling: {result['copy_ceiling_GBps']:.0f} GB/s (read + write)")
-    lines.append(f"{'impl':<28} {'MiB':>8} {'ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} {'bad bytes':>10}")
+    spread = any("time_min_ms" in r for r in result["rows"])
+    ms_head, w = ("ms: median (min-max)", 24) if spread else ("ms", 9)
+    lines.append(f"{'impl':<28} {'MiB':>8} {ms_head:>{w}} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+                 f"{'bad bytes':>10}")
     for r in result["rows"]:
-        lines.append(f"{r['impl']:<28} {r['size_bytes'] / MiB:>8.2f} {r['time_ms']:>9.3f} {r['algbw_GBps']:>11.1f} "
+        ms = f"{r['time_ms']:.3f}"
+        if "time_min_ms" in r:
+            ms += f" ({r['time_min_ms']:.3f}-{r['time_max_ms']:.3f})"
+        lines.append(f"{r['impl']:<28} {r['size_bytes'] / MiB:>8.2f} {ms:>{w}} {r['algbw_GBps']:>11.1f} "
                      f"{r['busbw_GBps']:>11.1f} {r['mismatched_bytes']:>10}")
+    if spread:
+        reps = max(r.get("reps", 1) for r in result["rows"])
+        lines.append(f"(each size timed {reps} times on every rank; the slowest rank's median and its min-max: "
+                     "on CPU processes the spread is noise, not a property of the gather)")
     for rank, chk in sorted((result.get("ce_check") or {}).items())[:1]:
         for pol, c in chk.items():
             lines.append(f"rank {rank} policy {pol}: copy_engine={c['copy_engine']} nccl_kernels={c['nccl_kernels']} "
@@ -342,38 +381,53 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=None, help="ranks (default: number of GPUs; 2 on CPU)")
-    p.add_argument("--ranks-per-gpu", type=int, default=None,
+    p.add_argument("--ranks", type=int_at_least(1), default=None,
+                   help="ranks (default: the number of GPUs; 2 on CPU)")
+    p.add_argument("--ranks-per-gpu", type=int_at_least(1), default=None,
                    help="ranks sharing one GPU (NCCL >= 2.30; default: as many as needed to fit the GPUs)")
-    p.add_argument("--sizes", default=None, help="per-layer sizes in MiB, comma separated (default 1..512 on GPU)")
-    p.add_argument("--policies", default="2,0", help="CTA policies of our communicator to measure (default 2,0)")
+    p.add_argument("--sizes", type=SIZES, default=None, metavar="MiB,...",
+                   help="per-layer sizes in MiB, comma separated (default "
+                        f"{','.join(f'{s:g}' for s in DEFAULT_SIZES_MIB)} on GPU, "
+                        f"{','.join(f'{s:g}' for s in CPU_SIZES_MIB)} on CPU)")
+    p.add_argument("--policies", type=POLICIES, default=[2, 0], metavar="P,...",
+                   help="CTA policies of our communicator to measure: 2 (copy engine), 0 (SM kernels) (default 2,0)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed NCCL baseline")
-    p.add_argument("--overlap", default="", help="sizes in MiB to also time beside an 8192^3 bf16 GEMM")
-    p.add_argument("--iters", type=int, default=20, help="back-to-back gathers per timed repetition")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--overlap", type=SIZES, default=[], metavar="MiB,...",
+                   help="sizes in MiB to also time beside an 8192^3 bf16 GEMM (GPU only; default none)")
+    p.add_argument("--iters", type=int_at_least(1), default=None,
+                   help=f"back-to-back gathers per timed repetition (default 20 on GPU, {CPU_ITERS} on CPU)")
+    p.add_argument("--reps", type=int_at_least(1), default=None,
+                   help="timed repetitions; the median is reported, on CPU with its min-max (default 5 on GPU, 3 on CPU)")
     p.add_argument("--cpu", action="store_true", help="run the gloo variant on CPU processes even with a GPU")
-    p.add_argument("--json", default=None, help="write the result here (JSON)")
+    add_json_option(p, "the result")
 
 
 def main(args: argparse.Namespace) -> int:
-    sizes = [float(s) for s in args.sizes.split(",")] if args.sizes else None
+    check_output_path(args.json or "", "--json")
     if args.cpu or not torch.cuda.is_available():
+        if args.ranks and args.ranks > MAX_CPU_RANKS:
+            raise InputError(f"--ranks {args.ranks}: at most {MAX_CPU_RANKS} CPU rank processes")
         if not args.cpu:
             print(f"NOTE: {GPU_NEEDS_CUDA}. Running the CPU gloo variant instead (emulated: CPU processes, "
-                  "torch.distributed gloo, no NCCL, no copy engine) -- these are not GPU numbers.")
-        result = run_cpu(args.ranks or 2, sizes or CPU_SIZES_MIB, iters=max(1, min(args.iters, 5)))
+                  "torch.distributed gloo, no NCCL, no copy engine) -- these are not GPU numbers.",
+                  file=sys.stderr if args.json == "-" else sys.stdout)
+        result = run_cpu(args.ranks or 2, args.sizes or CPU_SIZES_MIB, iters=args.iters or CPU_ITERS,
+                         reps=args.reps or 3)
     else:
         gpus = torch.cuda.device_count()
         ranks = args.ranks or gpus
         rpg = args.ranks_per_gpu or ceil_div(ranks, gpus)
-        overlap = [float(s) for s in args.overlap.split(",")] if args.overlap else []
-        result = run_gpu(ranks, rpg, sizes or DEFAULT_SIZES_MIB, [int(p) for p in args.policies.split(",")],
-                         iters=args.iters, reps=args.reps, torch_baseline=not args.no_torch, overlap_mib=overlap)
-    print(format_table(result))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        if rpg * gpus < ranks:
+            raise InputError(f"--ranks {ranks} with --ranks-per-gpu {rpg} needs {ceil_div(ranks, rpg)} GPUs; "
+                             f"this machine has {gpus}")
+        if rpg > MAX_RANKS_PER_GPU:
+            raise InputError(f"--ranks {ranks} would put {rpg} ranks on one GPU; at most {MAX_RANKS_PER_GPU}")
+        result = run_gpu(ranks, rpg, args.sizes or DEFAULT_SIZES_MIB, args.policies, iters=args.iters or 20,
+                         reps=args.reps or 5, torch_baseline=not args.no_torch, overlap_mib=args.overlap)
+    if args.json != "-":
+        print(format_table(result))
+    written = emit_json(result, args.json)
+    if written:
+        print(f"wrote {written}")
     bad = sum(r["mismatched_bytes"] for r in result["rows"])
     return 1 if bad else 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from wsharding.cluster import RankCluster
+from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least
 from wsharding.lab.tasks.draft import draft_exposed
 from wsharding.lab.tasks.model import ours_supported
 from wsharding.models import PRESETS
@@ -56,17 +57,22 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
+    p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="target model (the draft has its dimensions, 2 layers); default k3-like on GPUs, tiny on CPU")
-    p.add_argument("--tokens", type=int, default=8, help="tokens per rank per step")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per mode")
-    p.add_argument("--commit-ms", type=float, default=4.0, help="length of the region between the models (ms)")
-    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"])
-    p.add_argument("--out", default="figures/bench_draft", help="path prefix for .json and the figure ('' for none)")
+    p.add_argument("--tokens", type=int_at_least(1), default=8, help="tokens per rank per step (default 8)")
+    p.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per mode (default 20)")
+    p.add_argument("--commit-ms", type=checked_number(float, 0), default=4.0,
+                   help="length of the region between the models in ms (default 4, the seed's commit step)")
+    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
+                   help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
+    p.add_argument("--json", default="figures/bench_draft", metavar="PREFIX",
+                   help="path prefix for .json and the figure ('' for none; default figures/bench_draft)")
+    p.add_argument("--out", dest="json", help=argparse.SUPPRESS)  # the old name
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
     backend = "nccl" if gpus else "gloo"
     n = args.ranks or (gpus if gpus else 2)
@@ -80,8 +86,8 @@ def main(args: argparse.Namespace) -> int:
                               comm=comm)
     report = summarize(results)
     print(format_table(report))
-    if args.out:
-        out = Path(args.out)
+    if args.json:
+        out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(report, indent=1))
         print(f"  wrote {out.with_suffix('.json')}")

@@ -35,6 +35,7 @@ import torch
 
 from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
+from wsharding.lab.cliargs import checked_text, int_at_least, number_list
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
@@ -310,15 +311,15 @@ def saved_reports(folder: str | Path = "figures/device", pattern: str = "bench_s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
+    p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
     p.add_argument("--model", default=None, choices=MODELS,
                    help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
     p.add_argument("--comm", default="auto", choices=("auto", "torch", "nccl"),
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
-    p.add_argument("--tokens", default=None,
+    p.add_argument("--tokens", default=None, type=checked_text(number_list(int, 1, "tokens", "1,16,256")),
                    help="comma-separated tokens per rank (default 1,16,256,2048,8192 on GPUs, 1,16,256 on CPU)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 20 GPU, 5 CPU)")
-    p.add_argument("--repeats", type=int, default=None, help="measurements per value (default 1 GPU, 3 CPU)")
+    p.add_argument("--steps", type=int_at_least(1), default=None, help="timed steps per measurement (default 20 GPU, 5 CPU)")
+    p.add_argument("--repeats", type=int_at_least(1), default=None, help="measurements per value (default 1 GPU, 3 CPU)")
     p.add_argument("--graph", action="store_true", help="also capture and replay the layer loop in a CUDA graph")
     p.add_argument("--no-fsdp", action="store_true", help="leave FSDP2 out")
     p.add_argument("--json", default="wsharding-out/bench_step", help="path prefix for .json and the figure ('' for none)")

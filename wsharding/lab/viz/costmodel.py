@@ -4,6 +4,7 @@ AllGather of layer l+1 hides behind the compute of layer l. Every figure is buil
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -82,8 +83,11 @@ def overlap_figure(plan: Plan, tokens: Sequence[int] | None = None) -> go.Figure
                     name=f"compute layer {prev.index} (sharded GEMMs)", line_color=COLORS["compute"])
     be = breakeven(pair.gather_seconds, prev.compute_seconds_per_token)
     if be > 0:
-        fig.add_vline(x=be, line_dash="dash", line_color="gray",
-                      annotation_text=f"break-even {be} tokens", annotation_position="top left")
+        fig.add_vline(x=be, line_dash="dash", line_color="gray")
+        # Not add_vline's annotation_text: plotly places it at x = be in axis units, and on a log axis
+        # that is 10**be -- far outside the figure. An annotation on a log axis takes log10(x).
+        fig.add_annotation(x=math.log10(be), xref="x", y=1, yref="y domain", text=f"break-even {be} tokens",
+                           showarrow=False, xanchor="right", yanchor="top", xshift=-4)
     d = plan.deployment
     if d.tokens > 0:
         fig.add_scatter(x=[d.tokens], y=[prev.compute_seconds * 1e6], mode="markers", marker_size=10,

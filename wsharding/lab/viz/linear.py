@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -50,9 +52,52 @@ def rank_coords_figure(tp_size: int, attn_cp_size: int = 1, attn_dp_size: int = 
     return fig
 
 
+#: Pixels of a one-line table row and header, and of a title plus margins: a table figure is given
+#: the height of all its rows, so none hides behind a scrollbar.
+ROW_PX, HEAD_PX, FRAME_PX = 24, 30, 90
+
+
+def table_height(rows: int, title: bool = True) -> int:
+    """Height in pixels that shows a one-line-per-row plotly table of ``rows`` rows in full."""
+    return HEAD_PX + ROW_PX * rows + (FRAME_PX if title else FRAME_PX - 40)
+
+
 def shapes_table(plan: dict[str, Any]) -> go.Figure:
-    """The per-rank shape table of :func:`wsharding.linear.plan.layer_plan` as a plotly table."""
+    """The per-rank shape table of :func:`wsharding.linear.plan.layer_plan` as a plotly table (tall
+    enough for every row)."""
     rows = plan["shapes"]
     cols = ["rank", "dp", "linear", "group", "group_rank", "weight", "reduce"]
     values = [[str(r[c]) for r in rows] for c in cols]
-    return go.Figure(go.Table(header={"values": cols}, cells={"values": values}))
+    fig = go.Figure(go.Table(header={"values": cols, "height": HEAD_PX - 2}, cells={"values": values, "height": ROW_PX - 2}))
+    fig.update_layout(height=table_height(len(rows), title=False), margin={"l": 10, "r": 10, "t": 10, "b": 10})
+    return fig
+
+
+def findings_table(caught: Sequence[tuple[str, str, int]],
+                   title: str = "each deliberately broken layer is caught by its check") -> go.Figure:
+    """One row per deliberately broken rule (notebook 05 §5): the rule, the linear the finding
+    names, and how many findings :func:`wsharding.linear.contract.check_contract` returned."""
+    cols = ["broken rule", "linear named", "findings"]
+    values = [[str(c[i]) for c in caught] for i in range(len(cols))]
+    fig = go.Figure(go.Table(header={"values": cols, "height": HEAD_PX - 2}, cells={"values": values, "height": ROW_PX - 2}))
+    fig.update_layout(title=title, height=table_height(len(caught)), margin={"l": 10, "r": 10, "t": 50, "b": 10})
+    return fig
+
+
+def row_error_figure(errors: Mapping[str, float], tolerance: float, title: str, note: str = "") -> go.Figure:
+    """Max |split - reference| of each row-parallel case on a log axis, with the fp32 reduction
+    tolerance as a dotted line. ``note`` (e.g. the emulation label) goes in a subtitle.
+
+    Zero errors are drawn at 1e-9 (a log axis has no 0). The tolerance's label is an annotation at
+    log10(tolerance): ``add_hline``'s own label would be placed at 10**tolerance on a log axis, and
+    stretch the axis up to it (flattening the bars).
+    """
+    names = list(errors)
+    fig = go.Figure(go.Bar(x=names, y=[max(v, 1e-9) for v in errors.values()],
+                           customdata=list(errors.values()), hovertemplate="%{x}: %{customdata:.3g}<extra></extra>"))
+    fig.add_hline(y=tolerance, line_dash="dot")
+    fig.add_annotation(x=1, xref="x domain", y=math.log10(tolerance), yref="y", showarrow=False, xanchor="right",
+                       yanchor="bottom", text=f"fp32 reduction tolerance {tolerance:g}")
+    fig.update_layout(title=title + (f"<br><sup>{note}</sup>" if note else ""), yaxis_type="log",
+                      yaxis_title="max abs error", height=400)
+    return fig

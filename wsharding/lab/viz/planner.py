@@ -233,10 +233,14 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
                         offsetgroup="sharded",
                         marker={"symbol": "diamond", "size": 12, "color": "black"}, customdata=list(measured),
                         text=["= formula" if m == formula else f"≠ formula ({m - formula:+d} B)" for m in measured],
-                        textposition="top center", hovertemplate="%{x}: measured %{customdata} B<extra></extra>")
+                        textposition="top center", cliponaxis=False,
+                        hovertemplate="%{x}: measured %{customdata} B<extra></extra>")
     saved = rep - formula
+    # headroom above the tallest bar, so that the "= formula" labels above it stay inside the plot
+    top = max([rep, formula, *(measured or [])]) / scale * 1.18
     fig.update_layout(
         barmode="group", scattermode="group", height=420, yaxis_title=f"{unit} per rank", legend_title="",
+        yaxis_range=[0, top],
         title=f"{title}<br><sup>R = {rep} B → formula {formula} B (chunks {chunks} B + 2 × {slot} B slots); "
         f"{'saves' if saved >= 0 else 'costs'} {abs(saved)} B per rank</sup>",
     )
@@ -248,8 +252,11 @@ def step_time_figure(step_ms: Mapping[str, float], title: str = "Step time", not
     """Mean step time of each variant (``{"replicated": ms, "sharded": ms, ...}``) as bars."""
     names = list(step_ms)
     fig = go.Figure(go.Bar(x=names, y=[step_ms[k] for k in names], text=[f"{step_ms[k]:.2f} ms" for k in names],
-                           textposition="outside", marker_color=["#9d9d9d", "#4c78a8", "#d62728"][: len(names)]))
-    fig.update_layout(title=title + (f"<br><sup>{note}</sup>" if note else ""), yaxis_title="ms per step", height=360)
+                           textposition="outside", cliponaxis=False,
+                           marker_color=["#9d9d9d", "#4c78a8", "#d62728"][: len(names)]))
+    top = max(step_ms.values(), default=0) * 1.18 or 1  # room for the labels above the bars
+    fig.update_layout(title=title + (f"<br><sup>{note}</sup>" if note else ""), yaxis_title="ms per step", height=360,
+                      yaxis_range=[0, top])
     return fig
 
 

@@ -55,16 +55,17 @@ def run_allgather_panel(ranks: int, sizes_mib: list[float], cluster: RankCluster
 
 def build_allgather_panel(cluster: RankCluster | None = None) -> W.VBox:
     """The panel widget. ``panel.run_button.click()`` runs; ``panel.result`` / ``panel.figure``
-    hold the last run."""
+    hold the last run, ``panel.text`` its table as plain text (``panel.status`` shows it as HTML)."""
     ranks = W.IntSlider(value=cluster.world_size if cluster else 2, min=2, max=8, description="ranks")
     sizes = W.Text(value="0.25, 1, 4" if not torch.cuda.is_available() else "1, 16, 64, 256",
                    description="sizes MiB")
-    button = W.Button(description="run AllGather benchmark", button_style="primary")
+    button = W.Button(description="run AllGather benchmark", button_style="primary",
+                      layout=W.Layout(width="auto"))  # the default width cuts the label
     status = W.HTML()
     out = W.Output()
     panel = W.VBox([W.HBox([ranks, sizes, button]), status, out])
     panel.ranks, panel.sizes, panel.run_button, panel.status = ranks, sizes, button, status
-    panel.result, panel.figure = None, None
+    panel.result, panel.figure, panel.text = None, None, ""
 
     def on_click(_b: Any) -> None:
         try:
@@ -72,8 +73,8 @@ def build_allgather_panel(cluster: RankCluster | None = None) -> W.VBox:
         except ValueError as e:
             status.value = f"<b style='color:#c00'>{e}</b>"
             return
-        panel.result, panel.figure = result, fig
-        status.value = "<pre>" + html.escape(format_table(result)) + "</pre>"
+        panel.result, panel.figure, panel.text = result, fig, format_table(result)
+        status.value = "<pre>" + html.escape(panel.text) + "</pre>"
         out.clear_output()
         with out:
             fig.show()

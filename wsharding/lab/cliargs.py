@@ -1,0 +1,238 @@
+"""Argument checks shared by the subcommands: bad input is answered in one line, before any work.
+
+Every subcommand follows what ``wsharding plan`` does: a value that cannot work (``--ranks 0``, a
+size that is not a number, a JSON path under a file) is refused while parsing or right after, with
+one line naming the option, the value and what to pass instead -- never after minutes of work,
+never as a traceback, never by silently running the default instead.
+
+Errors raised on the ranks come back from :class:`~wsharding.cluster.RankCluster` as one
+:class:`~wsharding.cluster.RemoteError`; :func:`error_lines` turns it into one line per distinct
+error (``--verbose`` adds the remote tracebacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: CPU rank processes are full Python processes with torch (a few hundred MB each); past this many
+#: the machine swaps or the gloo rendezvous times out -- and the code path is the same from 2 ranks.
+MAX_CPU_RANKS = 16
+#: Several ranks may share one GPU (NCCL >= 2.30); a shard group is at most one node of 8 GPUs.
+MAX_RANKS_PER_GPU = 8
+
+
+class InputError(ValueError):
+    """Bad command-line input, found before any work started."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (argparse's default adds the whole usage)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_verbose_option(p: argparse.ArgumentParser) -> None:
+    """``--verbose``: errors from the ranks come with their remote tracebacks."""
+    p.add_argument("--verbose", action="store_true",
+                   help="on an error, also print the tracebacks (remote ones from the ranks included)")
+
+
+# ---- argparse types: the message names the value and says what is expected ------------------------
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def checked_number(kind: type, low: float) -> Callable[[str], float]:
+    """An argparse ``type`` for one number of ``kind`` that is at least ``low``."""
+
+    def parse(text: str) -> float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+        return v
+
+    parse.__name__ = f"number >= {low:g}"
+    return parse
+
+
+def number_list(kind: type, low: float, unit: str, example: str) -> Callable[[str], list]:
+    """An argparse ``type`` for a comma-separated list of ``kind`` values, each > ``low``
+    (``kind`` int: >= ``low``)."""
+
+    def parse(text: str) -> list:
+        out = []
+        for part in text.replace(";", ",").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                v = kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{part!r} is not a {'whole ' if kind is int else ''}number of {unit} (example: {example})"
+                ) from None
+            if v < low or (kind is float and v <= low):
+                bound = f"at least {low}" if kind is int else f"more than {low:g}"
+                raise argparse.ArgumentTypeError(f"{part!r}: every value must be {bound} {unit}")
+            out.append(v)
+        if not out:
+            raise argparse.ArgumentTypeError(f"give at least one value in {unit} (example: {example})")
+        return out
+
+    parse.__name__ = f"comma-separated {unit}"
+    return parse
+
+
+def checked_text(parse: Callable[[str], Any]) -> Callable[[str], str]:
+    """An argparse ``type`` that refuses what ``parse`` refuses and keeps the text as it was (for a
+    command that parses the text itself)."""
+
+    def check(text: str) -> str:
+        parse(text)
+        return text
+
+    check.__name__ = parse.__name__
+    return check
+
+
+# ---- the JSON result: one option name for every command ------------------------------------------
+def add_json_option(p: argparse.ArgumentParser, what: str, *aliases: str) -> None:
+    """``--json [PATH]``: write ``what`` as JSON to PATH, or print it (no PATH, or ``-``).
+
+    ``aliases`` are older spellings, accepted but not shown in ``--help``.
+    """
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help=f"write {what} as JSON to PATH; with no PATH (or -), print the JSON instead of the table")
+    for alias in aliases:
+        p.add_argument(alias, dest="json", help=argparse.SUPPRESS)
+
+
+def check_output_path(path: str | os.PathLike, option: str, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output path that cannot be written: a parent that is a file, a
+    folder without write permission, a file where a folder is wanted or the other way round."""
+    if str(path) in ("", "-"):
+        return
+    p = Path(path).expanduser().absolute()
+    if p.exists() and p.is_dir() != directory:
+        want = "a folder" if directory else "a file"
+        raise InputError(f"{option} {path}: this path exists and is not {want}")
+    parent = p if directory else p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{option} {path}: {parent} is a file, so nothing can be written below it; "
+                         "choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{option} {path}: no permission to write in {parent}")
+
+
+def emit_json(obj: Any, path: str | None) -> str | None:
+    """Print ``obj`` as JSON (``path`` ``-``) or write it to ``path`` (folders created). Returns
+    the path written, or None."""
+    if path is None:
+        return None
+    text = json.dumps(obj, indent=1)
+    if path == "-":
+        print(text)
+        return None
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    return str(out)
+
+
+# ---- errors from the ranks -----------------------------------------------------------------------
+_ALSO = re.compile(r"^\(rank (\d+) also raised ([\w.]+): (.*)\)$")
+_MISSING = re.compile(r"^\(ranks (\[[\d, ]*\]) did not finish")
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def error_lines(exc: BaseException, verbose: bool = False) -> list[str]:
+    """One line per distinct error, naming the ranks that raised it (a RemoteError carries every
+    failing rank); other exceptions give their one-line message. ``verbose`` appends the remote
+    traceback of the first failing rank."""
+    from wsharding.cluster import RemoteError
+
+    if not isinstance(exc, RemoteError):
+        return [f"{type(exc).__name__}: {_one_line(str(exc))}"]
+    seen: dict[tuple[str, str], list[int]] = {(exc.exc_type, _one_line(exc.remote_message)): [exc.rank]}
+    tail = []
+    text = str(exc)
+    for line in text.splitlines():
+        m = _ALSO.match(line.strip())
+        if m:
+            seen.setdefault((m.group(2), _one_line(m.group(3))), []).append(int(m.group(1)))
+        elif _MISSING.match(line.strip()):
+            tail.append(line.strip().strip("()"))
+    out = []
+    for (etype, msg), ranks in seen.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
+        out.append(f"{who}: {etype}: {msg}")
+    out += tail
+    if verbose:
+        out.append(f"--- remote traceback (rank {exc.rank}) ---")
+        out += exc.remote_traceback.rstrip().splitlines()
+    else:
+        out.append("(--verbose shows the remote traceback)")
+    return out
+
+
+def explained_errors() -> tuple[type[BaseException], ...]:
+    """The exception types :func:`run_command` prints as lines (imported late: torch is slow)."""
+    from wsharding.cluster import ClusterError
+    from wsharding.comm.base import CommError
+    from wsharding.comm.nccl.library import NcclLibraryError
+    from wsharding.costmodel import CostModelError
+
+    return (InputError, ClusterError, CommError, NcclLibraryError, CostModelError)
+
+
+def run_command(command: str, main: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """Run a subcommand's ``main``; an explained error becomes :func:`fail`'s lines, anything else
+    keeps its traceback (that is a bug to report)."""
+    verbose = bool(getattr(args, "verbose", False))
+    try:
+        return int(main(args) or 0)
+    except explained_errors() as e:
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        return fail(command, e, verbose)
+
+
+def fail(command: str, exc: BaseException, verbose: bool = False) -> int:
+    """Print ``exc`` as ``wsharding COMMAND: error: ...`` lines on stderr; return exit status 2 for
+    bad input, 1 for a failure while working."""
+    lines = [_one_line(str(exc))] if isinstance(exc, InputError) else error_lines(exc, verbose)
+    print(f"wsharding {command}: error: {lines[0]}", file=sys.stderr)
+    for line in lines[1:]:
+        print(f"  {line}", file=sys.stderr)
+    return 2 if isinstance(exc, InputError) else 1
