@@ -212,10 +212,10 @@ def _ranks_negative(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 
 
 def _report_path(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.lab.soak import check_report_path
+    from wsharding.lab.cliargs import check_output_path
 
     (tmp / "results").write_text("a file, not a folder")
-    return check_report_path(str(tmp / "results" / "soak.json"), "--report")
+    return check_output_path(str(tmp / "results" / "soak.json"), "--json")
 
 
 CASES: dict[str, Case] = {
@@ -288,8 +288,8 @@ CASES: dict[str, Case] = {
         "asked for a negative number of ranks per GPU", "wsharding.cluster:ClusterError",
         ("ranks_per_gpu", "got -1"), "ask for 1 rank per GPU or more", _ranks_negative),
     "report path": Case(
-        "asked for a report under a path that is a file", "wsharding.lab.soak:ReportPathError",
-        ("--report", "results", "is a file"), "choose another path; this is checked before any work starts",
+        "asked for a report under a path that is a file", "wsharding.lab.cliargs:InputError",
+        ("--json", "results", "is a file"), "choose another path; this is checked before any work starts",
         _report_path),
 }
 

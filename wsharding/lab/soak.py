@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import signal
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, RankContext, RemoteError, TaskTimeout, WorkerDied
+from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import build_pair, decoder_config
 from wsharding.shard import aligned_forward
@@ -281,25 +281,6 @@ def format_report(results: list[dict[str, Any]], faults: list[dict[str, Any]]) -
     return "\n".join(lines)
 
 
-class ReportPathError(ValueError):
-    """A report path that cannot be written (refused before any work)."""
-
-
-def check_report_path(path: str, option: str) -> None:
-    """Refuse, before the work, a report path under a file or in a folder we may not write."""
-    p = Path(path).expanduser().absolute()
-    if p.is_dir():
-        raise ReportPathError(f"{option} {path}: this is a folder; give a file name")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ReportPathError(f"{option} {path}: {parent} is a file, so nothing can be written below it; "
-                              "choose another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ReportPathError(f"{option} {path}: no permission to write in {parent}")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=3, help="rank processes (default 3)")
     p.add_argument("--steps", type=int, default=1000, help="soak steps (default 1000)")
@@ -308,22 +289,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comm", default="torch", choices=["torch", "nccl"],
                    help="gather with torch.distributed (default) or our NCCL communicator (GPUs)")
     p.add_argument("--no-faults", action="store_true", help="skip the three fault runs")
-    p.add_argument("--report", default=None, help="write the JSON report to this path")
+    add_json_option(p, "the report", "--report")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.report:
-        try:
-            check_report_path(args.report, "--report")
-        except ReportPathError as e:
-            print(f"wsharding soak: {e}", file=sys.stderr)
-            return 2
+    check_output_path(args.json or "", "--json")
     results = run_soak(args.ranks, args.steps, preset=args.preset, backend=args.backend, comm=args.comm)
     faults = [] if args.no_faults else [run_fault(f, args.ranks, preset=args.preset, backend=args.backend,
                                                   comm=args.comm) for f in FAULTS]
-    print(format_report(results, faults))
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps({"soak": results, "faults": faults}, indent=1))
-        print(f"  report: {args.report}", file=sys.stdout)
+    if args.json != "-":
+        print(format_report(results, faults))
+    written = emit_json({"soak": results, "faults": faults}, args.json)
+    if written:
+        print(f"  report: {written}")
     return 0 if not soak_ok(results) and not any(fault_ok(f) for f in faults) else 1
