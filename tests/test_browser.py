@@ -89,7 +89,9 @@ def lab(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip", "127.0.0.1", "--port", str(port),
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}", "--LabApp.expose_app_in_browser=True",
-         f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}"],
+         f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
+         # opening a notebook writes a checkpoint of it: not into the checkout
+         f"--FileCheckpoints.root_dir={tmp / 'checkpoints'}"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"

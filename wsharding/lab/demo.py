@@ -359,12 +359,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_demo_fits(preset, n, devices)
     except MemoryCheckError as e:
-        print(f"wsharding demo: {e}", file=sys.stderr)
+        print(f"wsharding demo: error: {e}", file=sys.stderr)
         return 2
     on_gpus = any(d is not None for d in devices)
     comm = args.comm if args.comm != "auto" else ("nccl" if on_gpus and ours_supported() else "torch")
     if on_gpus and len(set(devices)) < n and comm == "torch":
-        print(f"wsharding demo: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
+        print(f"wsharding demo: error: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
         return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)
