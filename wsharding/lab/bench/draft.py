@@ -15,11 +15,10 @@ slowest rank. On CPU ranks the same calls run on gloo (emulated; no streams, so 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 from wsharding.cluster import RankCluster
+from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least
 from wsharding.lab.tasks.draft import draft_exposed
 from wsharding.lab.tasks.model import ours_supported
@@ -71,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", dest="json", help=argparse.SUPPRESS)  # the old name
 
 
+def _figure(report: dict[str, Any]) -> Any:
+    from wsharding.lab.viz.draft import draft_exposed_figure  # plotly: absent on the GPU machine
+
+    return draft_exposed_figure(report)
+
+
 def main(args: argparse.Namespace) -> int:
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
@@ -87,16 +92,5 @@ def main(args: argparse.Namespace) -> int:
     report = summarize(results)
     print(format_table(report))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        print(f"  wrote {out.with_suffix('.json')}")
-        try:
-            from wsharding.lab.viz.draft import draft_exposed_figure
-            from wsharding.lab.viz.export import save_figure
-        except ImportError as e:  # the GPU machine has no plotly: the JSON is drawn elsewhere
-            print(f"  no figure ({e}); draw it from the JSON with wsharding.lab.viz.draft")
-        else:
-            for path in save_figure(draft_exposed_figure(report), out):
-                print(f"  wrote {path}")
+        save_report(report, args.json, _figure)
     return 0

@@ -35,6 +35,7 @@ import torch
 
 from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
+from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import checked_text, int_at_least, number_list
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
@@ -325,6 +326,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="wsharding-out/bench_step", help="path prefix for .json and the figure ('' for none)")
 
 
+def _figure(report: dict[str, Any]) -> Any:
+    from wsharding.lab.viz.bench import step_figure  # plotly: absent on the GPU machine
+
+    return step_figure(report)
+
+
 def main(args: argparse.Namespace) -> int:
     gpus = gpu_count()
     backend = "nccl" if gpus else "gloo"
@@ -343,16 +350,5 @@ def main(args: argparse.Namespace) -> int:
     report = summarize(results, model, args.comm)
     print(format_table(report))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        print(f"  wrote {out.with_suffix('.json')}")
-        try:
-            from wsharding.lab.viz.bench import step_figure
-            from wsharding.lab.viz.export import save_figure
-        except ImportError as e:  # the GPU machine has no plotly: the JSON is the result there
-            print(f"  (no figure: {e})")
-        else:
-            for path in save_figure(step_figure(report), out):
-                print(f"  wrote {path}")
+        save_report(report, args.json, _figure)
     return 0
