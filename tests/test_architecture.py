@@ -18,6 +18,7 @@ PKG = Path(__file__).resolve().parent.parent / "wsharding"
 FLOORS: dict[str, int] = {
     "wsharding.units": 0,
     "wsharding.runtime": 0,
+    "wsharding.cuda_graph": 0,
     "wsharding.memory": 0,
     "wsharding.layout": 1,
     "wsharding.trace": 1,

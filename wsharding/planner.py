@@ -35,6 +35,16 @@ sizes, windows, events and streams converted once), its slot, its gate layer and
 layer the planner then does dict lookups and the few stream/event calls the data path needs; the
 compute stream is looked up once per step; nothing waits for the GPU; errors the GPU side finds are
 raised at the next call by the communicator (its watchdog), not polled for here.
+
+[Note: backpressure]
+The host never waits for the GPU inside a step, but across steps it must not run ahead forever: when
+a peer goes missing, the copy-engine gather waits on the GPU for a flag the peer never writes, and
+``ncclCommAbort`` does not release that wait (NCCL 2.28). A host that keeps issuing steps then fills
+CUDA's launch queue and blocks inside a kernel launch, where no error can reach it -- a hang. So at
+the start of step s the planner checks that the GPU has started step s-2 (an event recorded at every
+step's fork, two in turn; one query, under a microsecond, when it has). When it has not, it polls
+that event and the communicator's watchdog: the GPU catching up ends the wait, a watchdog error
+raises it. Two steps of queued work are more than the GPU needs to stay busy.
 """
 
 from __future__ import annotations
@@ -101,6 +111,10 @@ class WeightShardPlanner:
 
             self._cu = driver()
             self._fork = torch.cuda.Event()
+            #: Fork events of the last two steps, in turn ([Note: backpressure]).
+            self._step_forks = (torch.cuda.Event(), torch.cuda.Event())
+            for ev in self._step_forks:
+                ev.record()
             self._done = {i: torch.cuda.Event() for i in self._gating}
             for ev in self._done.values():
                 ev.record()  # torch creates the CUDA event at its first record: the handle must exist
@@ -155,6 +169,8 @@ class WeightShardPlanner:
         self._end_layer = end_layer
         self.comm.raise_if_failed(f"step {self.step + 1}")
         if self.cuda:
+            if not torch.cuda.is_current_stream_capturing():
+                self._backpressure()
             # Fork: the side streams must not overwrite a slot that the previous step's last layers
             # may still be reading on the compute stream (and under capture, they join the capture here).
             self._fork.record(self._compute)
@@ -165,6 +181,19 @@ class WeightShardPlanner:
             first = next((i for i in self.sharded_ids if i >= start_layer), None)
             if first is not None and (end_layer is None or first < end_layer):
                 self._dispatch(first)
+
+    def _backpressure(self) -> None:
+        """[Note: backpressure]: wait (polling the watchdog) until the GPU has started step - 2."""
+        ev = self._step_forks[self.step % 2]
+        while True:
+            try:
+                if ev.query():
+                    break
+            except RuntimeError:
+                break  # last recorded inside a CUDA-graph capture: it tells nothing about eager steps
+            self.comm.raise_if_failed(f"step {self.step}: waiting for the GPU to reach step {self.step - 2}")
+            time.sleep(2e-4)
+        self._cu.event_record(ev.cuda_event, self._compute_handle)
 
     def maybe_dispatch(self, layer: int) -> None:
         """With lookahead, issue the gather of ``layer`` now (held back until its gate is done)."""

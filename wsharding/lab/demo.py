@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
+from wsharding.cuda_graph import capture_graph
+from wsharding.lab.bench.step import link_floor
 from wsharding.lab.cliargs import (
     MAX_CPU_RANKS,
     MAX_RANKS_PER_GPU,
@@ -78,12 +80,47 @@ def _time_steps(fn, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def graph_unsupported(comm: Any) -> str | None:
+    """Why a decode step of this communicator cannot be captured in a CUDA graph here, or None."""
+    if comm.device.type != "cuda":
+        return "CUDA graphs need GPUs (these are CPU ranks)"
+    if comm.world_size > 1 and getattr(comm, "mode", "") != "gpu-nccl":
+        return ("several ranks share one GPU: capturing their gathers hung in a probe (GPU.md)"
+                if getattr(comm, "shared_gpu", False) else "capturing gathers needs our NCCL communicator (--comm nccl)")
+    return None
+
+
+def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, comm: Any, *, tokens: int = 1,
+                       steps: int = 20) -> dict[str, Any]:
+    """Decode at ``tokens`` per rank, eager and replayed from a CUDA graph, replicated and sharded,
+    measured one after the other in the same run (ms per step); and whether the two graphs'
+    outputs are bitwise equal; and the link floor of the sharded step (``bench step``'s)."""
+    dev = comm.device
+    x = torch.arange(tokens, device=dev)
+    runs: dict[str, Any] = {"eager_replicated": lambda: replicated(x), "eager_sharded": lambda: sharded(x)}
+    g_rep, out_rep = capture_graph(runs["eager_replicated"], dev)
+    g_sh, out_sh = capture_graph(runs["eager_sharded"], dev)
+    runs["graph_replicated"], runs["graph_sharded"] = g_rep.replay, g_sh.replay
+    times: dict[str, Any] = {"tokens": tokens}
+    for name, fn in runs.items():
+        fn()  # warm-up of this variant
+        comm.barrier()
+        times[name] = _time_steps(lambda _s, fn=fn: fn(), steps, dev)
+    g_rep.replay()
+    g_sh.replay()
+    times["graph_equal"] = bool(torch.equal(out_rep, out_sh))
+    times["bus_bandwidth_Bps"], times["floor_ms"] = link_floor(sharded.weight_sharding, comm)
+    return times
+
+
 def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
-              group_size: int | None = None, comm: str = "torch", kv_context: int | None = None) -> dict[str, Any]:
+              group_size: int | None = None, comm: str = "torch", kv_context: int | None = None,
+              graph: bool = False) -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
     variants side by side, trace one lookahead step and one step without lookahead. Also what the
     saving buys: KV-cache tokens and sequences of ``kv_context`` tokens (default 4096 on GPUs, 256 on
-    CPU ranks) replicated vs sharded, from the memory free after finalize."""
+    CPU ranks) replicated vs sharded, from the memory free after finalize. ``graph``: also one-token
+    decode eager vs replayed from a CUDA graph (:func:`decode_graph_times`), where it can run."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
     replicated, sharded, load = build_pair_measured(cfg, comm)
@@ -135,6 +172,8 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
             traces["lookahead" if lookahead else "no_lookahead"] = planner.finish_step()
         planner.trace_enabled = False
         planner.lookahead = True
+        why_not = graph_unsupported(comm) if graph else None
+        graphs = decode_graph_times(replicated, sharded, comm, steps=max(20, timed_steps)) if graph and not why_not else None
 
     tr = traces["lookahead"]
     gather_us = tr.gather_us()
@@ -160,6 +199,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "tokens": [counts[s][ctx.rank % len(counts[0])] for s in range(len(counts))],
         "kv_cache": kv_cache,
         "load": load,
+        "graph": graphs if graphs is not None else ({"error": why_not} if graph else None),
     }
 
 
@@ -195,7 +235,22 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "kv_cache_tokens_per_rank": [(r["kv_cache"]["replicated"]["tokens"], r["kv_cache"]["sharded"]["tokens"])
                                      for r in reports if r.get("kv_cache")],
         "load_peak_per_rank": [r["load"] for r in reports],
+        "graph": graph_summary([r.get("graph") for r in reports]),
     }
+
+
+def graph_summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Rank-mean decode times of :func:`decode_graph_times` (or the reason it did not run)."""
+    if not per_rank or per_rank[0] is None:
+        return None
+    if "error" in per_rank[0]:
+        return {"error": per_rank[0]["error"]}
+    keys = ("eager_replicated", "eager_sharded", "graph_replicated", "graph_sharded")
+    out: dict[str, Any] = {k: sum(r[k] for r in per_rank) / len(per_rank) for k in keys}
+    out["tokens"] = per_rank[0]["tokens"]
+    out["floor_ms"] = max(r["floor_ms"] for r in per_rank)
+    out["graph_equal"] = all(r["graph_equal"] for r in per_rank)
+    return out
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -229,6 +284,18 @@ def format_table(report: dict[str, Any]) -> str:
             f"    tokens replicated {rep['tokens']:,} | sharded {sh['tokens']:,} ({sh['tokens'] - rep['tokens']:+,}); "
             f"sequences of {kv['context']} tokens {rep['sequences']:,} | {sh['sequences']:,}",
         ]
+    g = report.get("graph")
+    if g and "error" in g:
+        lines.append(f"  CUDA graph: not measured ({g['error']})")
+    elif g:
+        lines.append(f"  decode, {g['tokens']} token/rank: eager replicated {g['eager_replicated']:.3f} ms | sharded "
+                     f"{g['eager_sharded']:.3f} ms ({g['eager_sharded'] / g['eager_replicated']:.2f}x); CUDA graph "
+                     f"replicated {g['graph_replicated']:.3f} ms | sharded {g['graph_sharded']:.3f} ms "
+                     f"({g['graph_sharded'] / g['graph_replicated']:.2f}x), graph outputs equal: "
+                     f"{'yes' if g['graph_equal'] else 'NO'}")
+        if g["floor_ms"]:
+            lines.append(f"    link floor of the sharded step {g['floor_ms']:.3f} ms (every layer's gather crosses the "
+                         f"link): CUDA graph sharded / floor {g['graph_sharded'] / g['floor_ms']:.2f}x")
     if report.get("load_peak_per_rank"):  # finalize peak (device: CUDA allocator; CPU ranks: resident set)
         peak = max(r["device_peak_bytes"] for r in report["load_peak_per_rank"])
         lines.append(f"  finalize peak per rank (max, measured) {mib(peak)}  bound R/N + slots + one weight "
@@ -269,7 +336,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model size (default: k3-like on GPUs, tiny-deep on CPU)")
     p.add_argument("--steps", type=int_at_least(1), default=4,
                    help="checked steps with different token counts (default 4)")
-    p.add_argument("--timed-steps", type=int_at_least(1), default=5, help="steps per timed variant (default 5)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time one-token decode replayed from a CUDA graph, beside eager (GPUs, --comm nccl)")
+    p.add_argument("--timed-steps", type=int_at_least(1), default=None,
+                   help="steps per timed variant (default 20 on GPUs, 5 on CPU ranks)")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
@@ -367,7 +437,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"wsharding demo: error: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
         return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
-        reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps, comm=comm)
+        reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),
+                              comm=comm, graph=args.graph)
     report = summarize(reports, preset, n)
     if args.json != "-":
         print(format_table(report))
@@ -379,4 +450,5 @@ def main(args: argparse.Namespace) -> int:
             # with the JSON on stdout, the notes go to stderr so that stdout stays one JSON object
             print(f"  figure: {os.path.relpath(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
     ok = report["outputs_equal"] and report["max_abs_diff"] == 0.0
+    ok = ok and (report.get("graph") or {}).get("graph_equal", True)
     return 0 if ok else 1

@@ -2,8 +2,9 @@
 
 What it adds to :class:`~wsharding.comm.torch_backend.TorchDistComm`: buffers from ``ncclMemAlloc``
 registered as symmetric windows, CTA policy "zero" so that the AllGather runs on the copy engines
-(no SMs taken from the GEMMs it overlaps), and a non-blocking communicator polled with a timeout,
-so that a missing rank ends in an error and ``ncclCommAbort`` instead of a hang.
+(no SMs taken from the GEMMs it overlaps), and a watchdog thread that turns a missing rank into an
+error and ``ncclCommAbort`` instead of a hang ([Note: blocking communicator] says why the
+communicator itself is a blocking one).
 
 Life cycle (every step collective over the group unless marked local)::
 
@@ -114,6 +115,18 @@ def _close_all() -> None:
             pass
 
 
+# [Note: blocking communicator]
+# NCCL runs every collective of a *non-blocking* communicator through a group job on a thread it
+# creates for that call (group.cc: a std::thread per ncclGroupEnd, joined when the async state is
+# polled). On two H200s that cost the host ~150 us per ncclAllGather -- more than the planner's whole
+# per-layer budget -- while a blocking communicator launches in the calling thread. So the default is
+# blocking (``blocking=True``). What non-blocking bought was a timeout on host-side collective steps
+# (init, window registration); here each of them is preceded by an exchange over the gloo group, whose
+# own timeout fails if a rank never arrives, and a rank that dies after it is a dead worker process,
+# which the cluster (or torchrun) reports and cleans up. Gathers in flight stay watched by the
+# watchdog thread in both modes. ``blocking=False`` keeps the old behaviour, for comparison
+# (``.device/probe``-style measurements and the tests of the polling path).
+
 # [Note: shard groups]
 # The first seed shards within intra-node groups of 8 ranks, (rank // 8) * 8, and runs DP across them.
 # Each group is its own NCCL communicator: rank 0 *of the group* makes an ncclUniqueId and shares it
@@ -181,6 +194,8 @@ class NcclCommunicator:
         device: this rank's CUDA device (default: the current one).
         cta_policy: 2 (zero: copy engine, the default) or 0 (SM kernels, for comparison).
         timeout_s: how long any operation may stay in progress before the communicator is aborted.
+        blocking: a blocking NCCL communicator (default; [Note: blocking communicator]) or a
+            non-blocking one polled with the timeout.
         library: a loaded :class:`NcclLibrary` (default: discovery order of ``library.py``).
     """
 
@@ -195,6 +210,7 @@ class NcclCommunicator:
         device: torch.device | str | int | None = None,
         cta_policy: int = CTA_POLICY_ZERO,
         timeout_s: float = 60.0,
+        blocking: bool = True,
         library: NcclLibrary | None = None,
         name: str = "wsharding",
     ) -> None:
@@ -211,6 +227,7 @@ class NcclCommunicator:
         if cta_policy not in CTA_POLICY_NAMES:
             raise CommError(f"cta_policy must be one of {sorted(CTA_POLICY_NAMES)}, got {cta_policy!r}")
         self.cta_policy = cta_policy
+        self.blocking = bool(blocking)
         # Checks that need no GPU come first, so CPU machines get the real reason.
         self.library = library or default_library()
         self.library.require(MIN_SYMMETRIC, "symmetric windows and the copy-engine AllGather")
@@ -269,7 +286,7 @@ class NcclCommunicator:
         #: Global ranks of this communicator's shard group, in group order ([Note: shard groups]).
         self.group_ranks = group_members(cpu_group, self.world_size)
         raw = share_unique_id(self.nccl, self.rank, self.exchange)
-        self._config = make_config(blocking=False, cta_policy=cta_policy, comm_name=name.encode())
+        self._config = make_config(blocking=self.blocking, cta_policy=cta_policy, comm_name=name.encode())
         comm = ctypes.c_void_p()
         _LIVE.add(self)
         try:
@@ -566,7 +583,7 @@ class NcclCommunicator:
     def describe(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
-            "emulation": self.emulation, "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
+            "blocking": self.blocking, "emulation": self.emulation, "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
             "group_ranks": list(self.group_ranks),
             "cta_policy_name": CTA_POLICY_NAMES[self.cta_policy], "nccl": self.library.describe(),
             "windows": sum(1 for b in self.pool.buffers if b.window is not None),

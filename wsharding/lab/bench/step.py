@@ -35,6 +35,7 @@ import torch
 
 from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
+from wsharding.cuda_graph import capture_graph
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import checked_text, int_at_least, number_list
 from wsharding.lab.tasks.model import shard_comm_for
@@ -114,21 +115,6 @@ def _call(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], Any]:
     return lambda: model(x)
 
 
-def _graphed(fn: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], None]:
-    """Capture ``fn`` (the whole layer loop) in a CUDA graph; return its replay."""
-    s = torch.cuda.Stream(device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):  # warm-up off the capture: cuBLAS handles and workspaces
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(s)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    return graph.replay
-
-
 def bus_bandwidth(ws: WeightSharding, comm: Communicator, iters: int = 10) -> float:
     """Bytes per second of this comm's in-place gather of the largest layer: (N-1)/N * S / t (the
     NCCL tests' bus bandwidth). 0 at world size 1 (no link)."""
@@ -150,6 +136,14 @@ def bus_bandwidth(ws: WeightSharding, comm: Communicator, iters: int = 10) -> fl
         once()
     ms, _ = _timed(once, iters, dev)
     return (n - 1) / n * size / (ms * 1e-3)
+
+
+def link_floor(ws: WeightSharding, comm: Communicator) -> tuple[float, float]:
+    """(bus bandwidth B/s measured now, link floor ms): the floor is the sum over sharded layers of
+    (N-1)/N * S_l / B, the least time a step can take when every layer's gather must cross the link."""
+    bw = bus_bandwidth(ws, comm)
+    n = comm.world_size
+    return bw, (sum((n - 1) / n * ws.layouts[i].total_bytes / bw for i in ws.sharded_layer_ids) * 1e3 if bw else 0.0)
 
 
 def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
@@ -186,9 +180,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     graph = graph and dev.type == "cuda" and (c.world_size == 1 or c.mode.startswith("gpu-nccl") and hasattr(c, "watchdog"))
     replicated, sharded, ws, make_input, fsdp_model = _models(ctx, model, c, fsdp)
     planner = ws.planner
-    bw = bus_bandwidth(ws, c)
-    n = c.world_size
-    floor_ms = sum((n - 1) / n * ws.layouts[i].total_bytes / bw for i in ws.sharded_layer_ids) * 1e3 if bw else 0.0
+    bw, floor_ms = link_floor(ws, c)
     planner_us = planner_host_us(ws)
     rows = []
 
@@ -224,8 +216,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                 continue
             x = make_input(row["tokens_per_rank"], 1000 + ctx.rank)
             try:
-                runs = {"graph_replicated": _graphed(_call(replicated, x), dev),
-                        "graph_sharded": _graphed(_call(sharded, x), dev)}
+                runs = {"graph_replicated": capture_graph(_call(replicated, x), dev)[0].replay,
+                        "graph_sharded": capture_graph(_call(sharded, x), dev)[0].replay}
             except RuntimeError as e:
                 graph_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 break

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankContext
+from wsharding.cuda_graph import capture_graph
 from wsharding.models import DecoderConfig, build_pair, decoder_config
 from wsharding.shard import aligned_forward
 
@@ -140,18 +141,7 @@ def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, rep
     static = torch.zeros(tokens, dtype=torch.long, device=dev)
     results = []
     with torch.no_grad():
-        # warm up on a side stream (cuBLAS handles, workspace) before capturing
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                sharded(static)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the NCCL binding polls the communicator's state from the host during capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            static_out = sharded(static)
+        graph, static_out = capture_graph(lambda: sharded(static), dev)
         for r in range(replays):
             x = tokens_for(ctx.rank, r, [[tokens]], cfg.vocab, dev)
             static.copy_(x)
