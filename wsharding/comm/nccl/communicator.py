@@ -123,8 +123,13 @@ def _close_all() -> None:
 # blocking (``blocking=True``). What non-blocking bought was a timeout on host-side collective steps
 # (init, window registration); here each of them is preceded by an exchange over the gloo group, whose
 # own timeout fails if a rank never arrives, and a rank that dies after it is a dead worker process,
-# which the cluster (or torchrun) reports and cleans up. Gathers in flight stay watched by the
-# watchdog thread in both modes. ``blocking=False`` keeps the old behaviour, for comparison
+# which the cluster (or torchrun) reports and cleans up. One host-side collective hides inside the
+# first gather: NCCL sets the copy-engine path up lazily, registering a window of its own, and a
+# blocking communicator would wait there for a missing peer with no timeout (seen on two H200s). So
+# the communicator runs one small gather at init, while every rank is known to be present
+# (``_set_up_copy_engine``); after it a gather only queues stream work. (With CTA policy 0 NCCL may
+# still connect lazily when a later size picks another algorithm.) Gathers in flight stay watched by
+# the watchdog thread in both modes. ``blocking=False`` keeps the old behaviour, for comparison
 # (``.device/probe``-style measurements and the tests of the polling path).
 
 # [Note: shard groups]
@@ -300,6 +305,26 @@ class NcclCommunicator:
             raise
         self.watchdog = Watchdog(self._async_error_text, self._abort_from_watchdog, timeout_s=self.timeout_s,
                                  name=f"wsharding-nccl-watchdog-r{self.rank}", lock=self.lock)
+        if self.world_size > 1:
+            self._set_up_copy_engine()
+
+    def _set_up_copy_engine(self) -> None:
+        """One small gather at init, with every rank present ([Note: blocking communicator]).
+
+        NCCL sets the copy-engine path up at a communicator's first CE collective, and that set-up
+        registers a window of its own -- a host-side collective. On a blocking communicator a peer
+        that is missing at that moment would hold this host inside ``ncclAllGather``, out of reach of
+        every timeout. Done here, right after init, the peers are known to be present (the unique id
+        exchange just ran over gloo), and every later gather only queues work on a stream, which the
+        watchdog times."""
+        t = self.pool.alloc(WINDOW_ALIGN * self.world_size, "wsharding.copy-engine-setup")
+        try:
+            self.pool.register_all()
+            n = WINDOW_ALIGN
+            self.all_gather_into(t, t.narrow(0, self.rank * n, n), async_op=True).synchronize()
+        finally:
+            if not (self.aborted or self.closed):
+                self.pool.release([t])
 
     # ---- helpers -----------------------------------------------------------------------------
     def exchange(self, obj: Any) -> list[Any]:
