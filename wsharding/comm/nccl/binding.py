@@ -133,7 +133,7 @@ FUNCTIONS: tuple[Fn, ...] = (
     Fn("ncclCommGetAsyncError", ncclResult_t, (ncclComm_t, POINTER(ncclResult_t)), doc="poll a non-blocking comm"),
     Fn("ncclCommFinalize", ncclResult_t, (ncclComm_t,), since="2.14", doc="collective: flush before destroy"),
     Fn("ncclCommDestroy", ncclResult_t, (ncclComm_t,), doc="free a finalized communicator"),
-    Fn("ncclCommAbort", ncclResult_t, (ncclComm_t,), doc="tear down at once, unblocking stuck operations"),
+    Fn("ncclCommAbort", ncclResult_t, (ncclComm_t,), doc="tear down; does not release a copy-engine gather stuck on the GPU (2.28)"),
     Fn("ncclMemAlloc", ncclResult_t, (POINTER(c_void_p), c_size_t), since="2.19", doc="cuMem-backed device memory"),
     Fn("ncclMemFree", ncclResult_t, (c_void_p,), since="2.19", doc="free ncclMemAlloc memory"),
     Fn("ncclCommWindowRegister", ncclResult_t, (ncclComm_t, c_void_p, c_size_t, POINTER(ncclWindow_t), c_int),

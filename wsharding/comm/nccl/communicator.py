@@ -221,6 +221,7 @@ class NcclCommunicator:
     ) -> None:
         self.handle: int | None = None
         self.aborted = False
+        self._abort_thread: threading.Thread | None = None
         self.closed = False
         #: Held around NCCL calls that the watchdog's abort (from its thread) must not interleave with.
         self.lock = threading.RLock()
@@ -549,13 +550,34 @@ class NcclCommunicator:
             dist.barrier(group=self.cpu_group)
 
     # ---- teardown -----------------------------------------------------------------------------
+    #: How long :meth:`abort` waits for ``ncclCommAbort`` before leaving it to its thread.
+    abort_wait_s = 2.0
+
     def abort(self) -> None:
-        """``ncclCommAbort``: ends pending operations at once; windows go with the communicator."""
+        """``ncclCommAbort``: ends pending operations; windows go with the communicator.
+
+        [Note: abort with a stuck gather]
+        A copy-engine gather whose peer never came waits on the GPU for a flag the peer would write,
+        and NCCL 2.28's abort neither writes it nor returns while that wait holds the stream (seen on
+        two H200s: the calling thread never came back). So the abort runs on a thread of its own; we
+        wait ``abort_wait_s`` for it and go on either way, and the memory of a communicator whose
+        abort did not finish is left allocated (``leaked``): freeing memory that a stuck stream still
+        addresses could hang too. The host gets its error; the process is expected to end, and the
+        driver reclaims everything at exit.
+        """
         if self.handle and not self.aborted:
             self.aborted = True
-            self.nccl.ncclCommAbort(self.handle)
             for b in self.pool.buffers:
                 b.window = None
+            self._abort_thread = threading.Thread(target=self.nccl.ncclCommAbort, args=(self.handle,),
+                                                  name=f"wsharding-nccl-abort-r{self.rank}", daemon=True)
+            self._abort_thread.start()
+            self._abort_thread.join(self.abort_wait_s)
+
+    @property
+    def leaked(self) -> bool:
+        """True when an abort did not finish (a gather stuck on the GPU): the memory stays allocated."""
+        return self._abort_thread is not None and self._abort_thread.is_alive()
 
     def _teardown(self, error: bool) -> None:
         """Deregister windows (collective), free memory, finalize + destroy; on an error, or when a
@@ -573,7 +595,8 @@ class NcclCommunicator:
                 self.abort()
             if not self.aborted:
                 torch.cuda.synchronize(self.device)  # no copy may still touch the memory we free
-            self.pool.free_all()
+            if not self.leaked:  # [Note: abort with a stuck gather]
+                self.pool.free_all()
             if self.handle and not self.aborted:
                 self.complete(self.nccl.ncclCommFinalize(self.handle), "ncclCommFinalize")
                 if not self.aborted:
@@ -608,7 +631,7 @@ class NcclCommunicator:
     def describe(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
-            "blocking": self.blocking, "emulation": self.emulation, "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
+            "blocking": self.blocking, "leaked": self.leaked, "emulation": self.emulation, "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
             "group_ranks": list(self.group_ranks),
             "cta_policy_name": CTA_POLICY_NAMES[self.cta_policy], "nccl": self.library.describe(),
             "windows": sum(1 for b in self.pool.buffers if b.window is not None),

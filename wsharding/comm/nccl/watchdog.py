@@ -10,8 +10,9 @@ every ``period_s``:
   completed too, and the events are reused step after step, so a later record only makes an entry
   look younger -- never done too early);
 * if the oldest gather still in flight is older than ``timeout_s``, or ``ncclCommGetAsyncError``
-  reports an error, it aborts the communicator (``ncclCommAbort`` may be called from another
-  thread, and it releases a stream stuck in a collective) and stores the error.
+  reports an error, it stores the error and aborts the communicator (``ncclCommAbort`` may be
+  called from another thread; it does not release a copy-engine gather stuck on the GPU, see
+  [Note: abort with a stuck gather] in ``communicator.py``).
 
 The next call that issues or waits through the communicator raises that error, naming the layer and
 the rank (:meth:`raise_if_failed`); the host never blocks on the GPU to find out.
