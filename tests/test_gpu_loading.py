@@ -23,14 +23,13 @@ def one_gpu():
         yield c
 
 
-# Measured on two H200s (2026-11-30), bf16 with our NCCL comm: device peak 99,090,432 B against the bound
-# 97,517,568 B -- 1.5 MiB that ncclMemAlloc / the communicator hold beyond what the formula counts. Not
-# explained yet: an expected failure (not strict: only bf16 was measured before the device time ran out).
-_NCCL_PEAK = pytest.mark.xfail(strict=False, reason="load peak with our NCCL comm is 1.5 MiB over the bound on "
-                               "H200 (2026-11-30): what ncclMemAlloc holds beyond the formula is not counted yet")
+# Measured on H200s (2026-11-30), bf16 with our NCCL comm at world size 1: device peak 99,090,432 B against
+# the bound 97,517,568 B -- 1.5 MiB that the communicator holds beyond what the formula counts, not explained
+# yet. Only that comparison is an expected failure; equality stays strict for both comms.
+NCCL_PEAK_GAP = "load peak with our NCCL comm is 1.5 MiB over the bound on H200 (2026-11-30), not explained yet"
 
 
-@pytest.mark.parametrize("comm", ["torch", pytest.param("nccl", marks=_NCCL_PEAK)])
+@pytest.mark.parametrize("comm", ["torch", "nccl"])
 @pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_block"])
 def test_gpu_quant_variant_bitwise_and_peak(one_gpu, tmp_path, variant, comm):
     if comm == "nccl":
@@ -49,7 +48,10 @@ def test_gpu_quant_variant_bitwise_and_peak(one_gpu, tmp_path, variant, comm):
         assert peak["device_peak_bytes"] >= r["replicated_bytes"]  # requant-then-shard: not reduced
     else:
         assert peak["held_bytes"] == r["replicated_bytes"]  # N = 1: the rows are the whole weight
-        assert peak["device_peak_bytes"] <= r["formula_bytes"] + r["replicated_bytes"] + largest_tensor
+        bound = r["formula_bytes"] + r["replicated_bytes"] + largest_tensor
+        if comm == "nccl" and peak["device_peak_bytes"] > bound:
+            pytest.xfail(f"{NCCL_PEAK_GAP}: peak {peak['device_peak_bytes']:,} B, bound {bound:,} B")
+        assert peak["device_peak_bytes"] <= bound
 
 
 def test_gpu_scaled_mm_matches_reference_closely():
