@@ -93,17 +93,26 @@ def _fsdp2(model: torch.nn.Module, ctx: RankContext, device: torch.device) -> to
 
 # ---- timing ---------------------------------------------------------------------------------------------
 def _timed(fn: Callable[[], Any], steps: int, device: torch.device) -> tuple[float, float]:
-    """(device ms per call, host ms per call): CUDA events on GPU; on CPU both are wall time."""
+    """(device ms per call, host ms per call). On GPU the device time comes from CUDA events over
+    ``steps`` calls back to back, and the host time from a second loop in which the GPU is drained
+    before each call (outside the timing): back to back, a host that runs ahead ends up waiting for
+    the GPU (CUDA's launch queue, the planner's backpressure), and its time would measure the GPU.
+    On CPU both are wall time."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        t0 = time.perf_counter()
         for _ in range(steps):
             fn()
-        host = (time.perf_counter() - t0) / steps * 1e3
         end.record()
         torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / steps, host
+        host = 0.0
+        for _ in range(steps):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            host += time.perf_counter() - t0
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / steps, host / steps * 1e3
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
