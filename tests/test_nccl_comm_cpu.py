@@ -73,3 +73,63 @@ def test_gloo_group_for_gloo_world_is_the_world():
         backend, world_size, store = "gloo", 4, {}
 
     assert C.gloo_group_for(Ctx()) is None
+
+
+class _StuckAbortBinding:
+    """An NCCL binding whose ncclCommAbort does not return until released: what NCCL 2.28 does while
+    a copy-engine gather is stuck on the GPU ([Note: abort with a stuck gather])."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.aborted: list[int] = []
+
+    def ncclCommAbort(self, handle: int) -> int:
+        self.aborted.append(handle)
+        self.release.wait(30)
+        return 0
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.buffers: list = []
+        self.freed = False
+
+    def free_all(self) -> None:
+        self.freed = True
+
+
+def _bare_comm(binding) -> C.NcclCommunicator:
+    """A communicator object without init (no GPU here): only what abort and teardown touch."""
+    c = object.__new__(C.NcclCommunicator)
+    c.handle, c.aborted, c.closed, c.rank = 0x1234, False, False, 0
+    c._abort_thread, c.watchdog, c.nccl, c.pool, c._on_close = None, None, binding, _Pool(), []
+    c.abort_wait_s = 0.2
+    return c
+
+
+def test_abort_that_does_not_return_leaves_the_memory_and_the_caller_goes_on():
+    import time
+
+    binding = _StuckAbortBinding()
+    c = _bare_comm(binding)
+    t0 = time.monotonic()
+    c.abort()  # called inline, as before, this would wait for the stuck abort: the test would time out
+    assert time.monotonic() - t0 < 5 and binding.aborted == [0x1234] and c.aborted
+    assert c.leaked
+    c.close()  # freeing memory a stuck stream still addresses could hang too: it is left to the exit
+    assert c.closed and not c.pool.freed and c.handle is None
+    binding.release.set()
+    c._abort_thread.join(5)
+    assert not c.leaked
+
+
+def test_abort_that_returns_frees_the_memory_at_close():
+    binding = _StuckAbortBinding()
+    binding.release.set()
+    c = _bare_comm(binding)
+    c.abort()
+    assert not c.leaked
+    c.close()
+    assert c.pool.freed
