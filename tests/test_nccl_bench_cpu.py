@@ -82,4 +82,4 @@ def test_widget_runs_cpu_variant(cluster_of):
     assert panel.result["rows"][0]["size_bytes"] == 65536 and "emulated" in panel.status.value
     panel.sizes.value = "-1"
     panel.run_button.click()
-    assert "must be positive" in panel.status.value
+    assert "every value must be more than 0 MiB" in panel.status.value

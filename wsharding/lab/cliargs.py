@@ -48,33 +48,23 @@ def add_verbose_option(p: argparse.ArgumentParser) -> None:
 # ---- argparse types: the message names the value and says what is expected ------------------------
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type`` for an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
-        return v
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
+    return checked_number(int, low)
 
 
 def checked_number(kind: type, low: float) -> Callable[[str], float]:
-    """An argparse ``type`` for one number of ``kind`` that is at least ``low``."""
+    """An argparse ``type`` for one number of ``kind`` (int or float) that is at least ``low``."""
+    what = "whole number" if kind is int else "number"
 
     def parse(text: str) -> float:
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {what}") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
         return v
 
-    parse.__name__ = f"number >= {low:g}"
+    parse.__name__ = f"{'integer' if kind is int else 'number'} >= {low:g}"
     return parse
 
 

@@ -7,6 +7,7 @@ it, the gloo variant on CPU processes, and the figure says that it is emulated.
 
 from __future__ import annotations
 
+import argparse
 import html
 from typing import Any
 
@@ -15,28 +16,18 @@ import plotly.graph_objects as go
 import torch
 
 from wsharding.cluster import RankCluster
-from wsharding.lab.bench.allgather import format_table, run_cpu, run_gpu
+from wsharding.lab.bench.allgather import SIZES, format_table, run_cpu, run_gpu
 from wsharding.lab.viz.comm import allgather_bandwidth_figure
 from wsharding.units import ceil_div
 
 
 def parse_sizes(text: str) -> list[float]:
-    """``"1, 4, 16"`` -> [1.0, 4.0, 16.0] (MiB); raises ValueError naming the bad entry."""
-    out = []
-    for part in text.replace(";", ",").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            v = float(part)
-        except ValueError:
-            raise ValueError(f"size {part!r} is not a number of MiB (example: 1, 4, 16)") from None
-        if v <= 0:
-            raise ValueError(f"size {part!r} must be positive")
-        out.append(v)
-    if not out:
-        raise ValueError("give at least one size in MiB")
-    return out
+    """``"1, 4, 16"`` -> [1.0, 4.0, 16.0] (MiB); raises ValueError naming the bad entry. The same
+    rules and messages as ``bench allgather --sizes``."""
+    try:
+        return SIZES(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def run_allgather_panel(ranks: int, sizes_mib: list[float], cluster: RankCluster | None = None,
