@@ -158,7 +158,24 @@ def _read_rows(loaded: Any, start: int, stop: int, dst: torch.Tensor) -> None:
         dst.copy_(loaded[start:stop])  # a tensor, or a safetensors slice (reads only the slice)
 
 
-class RowShardLoader:
+class CoveredLoader:
+    """What both loaders share: the target, the row window they fill, and which rows of it arrived
+    (finalize refuses a target with missing rows, naming them)."""
+
+    def __init__(self, target: ShardTarget, window: tuple[int, int]) -> None:
+        self.target = target
+        self.window = window
+        self.coverage = _Coverage(*window)
+
+    @property
+    def loaded_rows(self) -> int:
+        return self.coverage.loaded_rows
+
+    def missing_rows(self) -> list[tuple[int, int]]:
+        return self.coverage.missing()
+
+
+class RowShardLoader(CoveredLoader):
     """Weight loader installed on a sharded parameter: copies only this rank's rows.
 
     ``loaded_weight`` may be a tensor or a lazy tensor (``get_shape`` + ``read_rows_into``, or a
@@ -168,16 +185,7 @@ class RowShardLoader:
     """
 
     def __init__(self, target: ShardTarget, rank: int, world: int) -> None:
-        self.target = target
-        self.window = row_window(target.rows, rank, world)
-        self.coverage = _Coverage(*self.window)
-
-    @property
-    def loaded_rows(self) -> int:
-        return self.coverage.loaded_rows
-
-    def missing_rows(self) -> list[tuple[int, int]]:
-        return self.coverage.missing()
+        super().__init__(target, row_window(target.rows, rank, world))
 
     def __call__(self, param: torch.Tensor, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
         t = self.target
@@ -192,22 +200,13 @@ class RowShardLoader:
             self.coverage.add(a, b)
 
 
-class FullShapeLoader:
+class FullShapeLoader(CoveredLoader):
     """For requant-then-shard targets: delegates to the linear's own loader (full shape) and records
     which rows arrived, with the same strict shape and dtype rules as :class:`RowShardLoader`."""
 
     def __init__(self, target: ShardTarget, inner: Callable[..., None] | None) -> None:
-        self.target = target
+        super().__init__(target, (0, target.rows))
         self.inner = inner
-        self.window = (0, target.rows)
-        self.coverage = _Coverage(0, target.rows)
-
-    @property
-    def loaded_rows(self) -> int:
-        return self.coverage.loaded_rows
-
-    def missing_rows(self) -> list[tuple[int, int]]:
-        return self.coverage.missing()
 
     def __call__(self, param: torch.Tensor, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
         t = self.target
