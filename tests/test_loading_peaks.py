@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from wsharding.lab.tasks.loading import load_variant, variant_config
@@ -53,3 +54,43 @@ def test_load_peak_within_bounds(cluster_of, tmp_path, variant, itemsize):
         else:
             assert p["held_bytes"] == b["R"] // N  # only this rank's rows exist before finalize
             assert b["R"] // N <= p["device_peak_bytes"] <= row_bound
+
+
+class _FakeCudaAllocator:
+    """torch.cuda's allocator counters, driven by hand: what finalize does to them, layer by layer."""
+
+    def __init__(self, allocated: int) -> None:
+        self.now = self.peak = allocated
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: self.now)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: setattr(self, "peak", self.now))
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_peak_beside_an_outside_allocator_is_not_counted_twice(monkeypatch, sampled):
+    """[Note: two allocators]: two layers of 50-byte row shards (torch) become 50-byte chunks
+    (ncclMemAlloc, outside torch); a 10-byte temporary per layer. The true peak of the sharded weights
+    is 100 + 20 (slots) + 10 = 130; without the samples the meter adds every chunk to torch's peak."""
+    from wsharding.memory import PeakMeter
+
+    torch_mem, outside = _FakeCudaAllocator(100), [0]
+    torch_mem.install(monkeypatch)
+    sample = (lambda m: m.sample()) if sampled else (lambda m: None)
+    with PeakMeter("cuda", held_bytes=100, outside_allocator=lambda: outside[0]) as meter:
+        outside[0] += 20  # the two slots
+        for _ in range(2):
+            torch_mem.alloc(-50)  # this layer's rows are packed into a slot, its row shard freed
+            sample(meter)  # "rows packed"
+            outside[0] += 50  # the chunk
+            sample(meter)  # "chunk"
+            torch_mem.alloc(10)  # gather / after-loading temporary
+            torch_mem.alloc(-10)
+            sample(meter)  # "done"
+    assert meter.result.device_peak_bytes == (130 if sampled else 100 + 120)

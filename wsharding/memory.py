@@ -9,7 +9,8 @@ model, and may run out of memory at start-up even though the resident bytes woul
 * device peak: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, counted above
   what was allocated at the start, plus ``held_bytes`` (the sharded weights that already existed
   at the start -- the row shards -- so the number is the peak of the sharded weights themselves),
-  plus bytes a backend allocated outside torch's allocator (``ncclMemAlloc``), an upper bound;
+  plus bytes a backend allocated outside torch's allocator (``ncclMemAlloc``) -- see [Note: two
+  allocators] for how the two are added;
 * host peak: the resident-set high-water mark (``getrusage`` ``ru_maxrss``) after resetting it
   (Linux: ``/proc/self/clear_refs``), counted above the resident set at the start. When the mark
   cannot be reset, the number is the process's lifetime peak and ``host_exact`` is False.
@@ -33,6 +34,17 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+# [Note: two allocators]
+# With our NCCL communicator the chunks and slots come from ncclMemAlloc, which torch's peak does not
+# see. Adding the outside bytes at the end to torch's peak over the whole stretch counts twice what
+# finalize swaps: the row shards (torch, freed layer by layer) and the chunks that replace them
+# (outside, allocated layer by layer) -- on two H200s the demo's k3-like finalize read 4595 MiB that
+# way against a bound of 2777 MiB. So the stretch is cut into intervals at the points where the
+# outside allocations happen (``sample()``, called by finalize's ``observe`` after each layer's
+# stages): per interval, torch's peak in it plus the outside bytes at its end (the larger of its
+# start and end, should any be freed), and the meter keeps the largest. Exact when the outside
+# allocations happen at interval ends, as finalize's do; without samples it is the old upper bound.
 
 
 def rss_bytes() -> int:
@@ -113,18 +125,30 @@ class PeakMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._dev0 = torch.cuda.memory_allocated(self.device)
-            self._out0 = self.outside() if self.outside else 0
+            self._out0 = self._out_prev = self.outside() if self.outside else 0
+            self._dev_peak = self.held
         self._host_exact = reset_peak_rss()
         self._rss0 = rss_bytes()
         return self
+
+    def sample(self) -> int:
+        """End one interval of the device peak and start the next ([Note: two allocators]); returns
+        the device peak so far (CUDA), or the host peak so far (CPU ranks)."""
+        if self.device.type != "cuda":
+            return max(0, peak_rss_bytes() - self._rss0) + self.held
+        out = self.outside() if self.outside else 0
+        interval = (torch.cuda.max_memory_allocated(self.device) - self._dev0 + self.held
+                    + max(out, self._out_prev) - self._out0)
+        self._dev_peak = max(self._dev_peak, interval)
+        self._out_prev = out
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self._dev_peak
 
     def __exit__(self, *exc: object) -> None:
         host = max(0, peak_rss_bytes() - self._rss0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            dev = torch.cuda.max_memory_allocated(self.device) - self._dev0 + self.held
-            if self.outside:
-                dev += self.outside() - self._out0
+            dev = self.sample()
             is_host = False
         else:
             host += self.held

@@ -72,16 +72,16 @@ def load_variant(ctx: RankContext, preset: str | DecoderConfig, variant: str, pa
     def observe(stage: str, layer: int | None) -> None:
         """Accounted bytes (from the storages) and the measured ones: allocated (CUDA) or resident
         (CPU) above the start, plus the row shards that already existed then."""
-        now = torch.cuda.memory_allocated(comm.device) if cuda else rss_bytes()
-        peak = torch.cuda.max_memory_allocated(comm.device) if cuda else peak_rss_bytes()
+        now = torch.cuda.memory_allocated(comm.device) + outside() - out0 if cuda else rss_bytes()
+        peak = meter.sample() if cuda else peak_rss_bytes() - base + held0
         steps.append({"stage": stage, "layer": layer, **ws.held_bytes(), "measured": now - base + held0,
-                      "peak_so_far": peak - base + held0})
+                      "peak_so_far": peak})
 
     held0 = ws.held_bytes()["weights"]
-    outside = None
     pool = getattr(comm, "pool", None)
-    if pool is not None:  # ncclMemAlloc'd windows: outside torch's allocator
-        outside = lambda: sum(b.alloc_bytes for b in pool.buffers if not b.freed)  # noqa: E731
+    # ncclMemAlloc'd windows are outside torch's allocator ([Note: two allocators] in wsharding.memory)
+    outside = (lambda: sum(b.alloc_bytes for b in pool.buffers if not b.freed)) if pool is not None else (lambda: 0)
+    out0 = outside()
     with PeakMeter(comm.device, held_bytes=held0, outside_allocator=outside) as meter:
         base = torch.cuda.memory_allocated(comm.device) if cuda else rss_bytes()
         loaded = load_checkpoint(model, path)
@@ -227,7 +227,7 @@ def build_pair_measured(cfg: DecoderConfig, comm, **kwargs: Any) -> tuple[ToyDec
     pool = getattr(comm, "pool", None)
     outside = (lambda: sum(b.alloc_bytes for b in pool.buffers if not b.freed)) if pool is not None else None
     with PeakMeter(comm.device, held_bytes=ws.held_bytes()["weights"], outside_allocator=outside) as meter:
-        ws.finalize()
+        ws.finalize(observe=lambda stage, layer: meter.sample())
     load = {**meter.result.as_dict(), "bound_bytes": ws.formula_bytes() + ws.largest_weight_bytes(),
             "largest_weight_bytes": ws.largest_weight_bytes()}
     return replicated, sharded, load
