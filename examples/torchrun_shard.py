@@ -19,7 +19,7 @@ import torch
 
 from wsharding.cluster import init_from_env
 from wsharding.models import PRESETS, ToyDecoder
-from wsharding.shard import shard_blocks
+from wsharding.runner import shard_blocks
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ FLOORS: dict[str, int] = {
     "wsharding.bound": 6,
     "wsharding.redistribute": 6,
     "wsharding.shard": 6,
+    "wsharding.runner": 6,
     "wsharding.checkpoint": 7,
     "wsharding.models": 8,
     "wsharding": 9,  # the package face: re-exports only

@@ -72,7 +72,7 @@ class HeavyBlock(torch.nn.Module):
             self.fc.weight.copy_((torch.randn(d, d, generator=g) / d**0.5).to(torch.bfloat16))
 
     def forward(self, x):
-        from wsharding.shard import prepare_layer_weight_shard_forward
+        from wsharding.runner import prepare_layer_weight_shard_forward
 
         prepare_layer_weight_shard_forward(self)
         torch.cuda._sleep(SLEEP_CYCLES)  # before the reader: the gate must hold the next gather this long

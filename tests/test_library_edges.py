@@ -21,7 +21,8 @@ from wsharding.comm.base import CommError, DoneHandle, check_gather_args
 from wsharding.comm.torch_backend import TorchDistComm, mode_label
 from wsharding.layout import FlatLayout
 from wsharding.planner import PlannerClosedError
-from wsharding.shard import ShardingError, WeightSharding, prepare_layer_weight_shard_forward, shard_blocks
+from wsharding.runner import prepare_layer_weight_shard_forward, shard_blocks
+from wsharding.shard import ShardingError, WeightSharding
 from wsharding.slots import SlotPool
 
 

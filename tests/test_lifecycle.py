@@ -14,7 +14,8 @@ import torch
 
 from wsharding.comm.nccl.watchdog import Watchdog
 from wsharding.lab.tasks.planner import ReadTwiceBlock
-from wsharding.shard import ShardingError, WeightSharding, run_layers, shard_blocks
+from wsharding.runner import run_layers, shard_blocks
+from wsharding.shard import ShardingError, WeightSharding
 
 
 def _blocks(n=6, d=32):

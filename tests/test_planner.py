@@ -11,7 +11,8 @@ import torch
 from wsharding.cluster import RankCluster, RemoteError
 from wsharding.lab.tasks.planner import ReadTwiceBlock
 from wsharding.layout import FlatLayout
-from wsharding.shard import WeightSharding, run_layers
+from wsharding.runner import run_layers
+from wsharding.shard import WeightSharding
 from wsharding.slots import SlotPool
 
 

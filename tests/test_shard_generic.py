@@ -6,7 +6,8 @@ import pytest
 import torch
 from gpt_blocks import TinyGPT
 
-from wsharding.shard import ShardingError, shard_blocks
+from wsharding.runner import shard_blocks
+from wsharding.shard import ShardingError
 
 
 def generic_equality(ctx, lookahead: bool, steps: int, dtype_name: str):

@@ -27,9 +27,10 @@ from torch import nn
 from wsharding.comm.base import Communicator
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import CheckpointShapeError
+from wsharding.runner import shard_blocks
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
-from wsharding.shard import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, shard_blocks
+from wsharding.shard import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding
 
 #: merged module -> the checkpoint modules it is loaded from, with their shard ids
 STACKED: dict[str, list[tuple[str, Any]]] = {
@@ -177,7 +178,7 @@ def _default_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
 
 def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList, patterns: Sequence[str],
                  comm: Communicator, **kwargs: Any) -> WeightSharding:
-    """:func:`~wsharding.shard.shard_blocks` with the weights read from checkpoint ``path``.
+    """:func:`~wsharding.runner.shard_blocks` with the weights read from checkpoint ``path``.
 
     The matching linears are shrunk to this rank's rows (their current values are not kept), the
     checkpoint is loaded -- each sharded weight reads only this rank's rows, every other tensor is

@@ -335,7 +335,7 @@ class WeightShardPlanner:
             f"weight gather of layer {layer} failed on rank {self.comm.rank} (step {self.step}): {err}. "
             f"Every rank of the shard group ({self.comm.world_size} ranks) must issue the same gathers "
             "every step: a rank that skips a step (for example because it has no tokens) leaves the "
-            "others waiting. Run a one-token dummy step on idle ranks (wsharding.shard.aligned_forward)."
+            "others waiting. Run a one-token dummy step on idle ranks (wsharding.runner.aligned_forward)."
         )
 
     def finish_step(self) -> StepTrace | None:

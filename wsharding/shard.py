@@ -17,12 +17,12 @@ A sharded weight goes through four stages (first seed, "SGLang 中的实现"):
    chunks -- per weight one plain gather (the seed's temporary full weight; here it lands in slot B,
    so nothing extra is allocated), of which each rank keeps the bytes inside its own chunk window;
    the row shards are then freed and every target's weight becomes a zero-copy view of its slot.
-4. **forward**: the planner gathers each layer's chunk into its slot just in time.
+4. **forward**: the planner gathers each layer's chunk into its slot just in time (the loop and the
+   hooks that drive it are in ``runner.py``).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,8 +52,7 @@ from wsharding.units import align_up
 
 __all__ = [
     "FullShapeLoader", "RowBlock", "RowShardLoader", "ShardTarget", "ShardingError", "ShardingSkipWarning",
-    "WeightSharding", "aligned_forward", "find_targets", "prepare_layer_weight_shard_forward", "row_window",
-    "run_layers", "shard_blocks",
+    "WeightSharding", "row_window",
 ]
 
 #: How many shardings were finalized on each communicator: numbers the window tags of the next one.
@@ -517,131 +516,3 @@ def _refuse(why: str, layer_id: int) -> Callable[..., None]:
         raise ShardingError(f"layer {layer_id}: {why}")
 
     return hook
-
-
-def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
-    """Called at the start of a sharded layer's forward: wait (once) until its weights are in its
-    slot. A layer that is not sharded returns at once."""
-    ws = getattr(layer, "_weight_shard", None)
-    if ws is not None:
-        planner, layer_id = ws
-        planner.wait_ready_once(layer_id)
-
-
-def run_layers(
-    layers: Sequence[nn.Module],
-    hidden: Any,
-    planner: WeightShardPlanner | None,
-    start_layer: int = 0,
-    end_layer: int | None = None,
-    call: Callable[[nn.Module, Any], Any] | None = None,
-) -> Any:
-    """The seed's layer loop with the planner wired in (``planner=None``: plain replicated loop)."""
-    end = len(layers) if end_layer is None else end_layer
-    call = call or (lambda layer, h: layer(h))
-    if planner is None:
-        for i in range(start_layer, end):
-            hidden = call(layers[i], hidden)
-        return hidden
-    planner.reset()
-    planner.pre_dispatch(start_layer, end)
-    for i in range(start_layer, end):
-        planner.maybe_dispatch(i + 1)  # side stream: AG(i+1), gate = done(i-1)
-        hidden = call(layers[i], hidden)  # the layer waits for its own gather at its start
-        planner.update_done_event(i, layers[i])
-    return hidden
-
-
-# ---- the generic path: any nn.Module whose blocks sit in a ModuleList ------------------------------
-def _is_linear(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.Linear, LinearBase))
-
-
-def find_targets(block: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Names of the linear submodules (``nn.Linear`` or wsharding linears) of ``block`` that match
-    any of ``patterns`` (fnmatch)."""
-    return [
-        name
-        for name, mod in block.named_modules()
-        if name and _is_linear(mod) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
-    ]
-
-
-def shard_blocks(
-    model: nn.Module,
-    blocks: str | nn.ModuleList,
-    patterns: Sequence[str],
-    comm: Communicator,
-    *,
-    sharded_layers: Iterable[int] | None = None,
-    lookahead: bool = True,
-    trace: bool = False,
-    keep_initial_weights: bool = True,
-    load: Callable[[WeightSharding], Any] | None = None,
-) -> WeightSharding:
-    """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
-
-    Matching package linears are decided by their group: those split by tensor parallelism are left
-    alone, each with its reason in ``ws.report()``.
-
-    ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
-    row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
-
-    The model's own forward is unchanged: hooks on the model start each step (reset, pre_dispatch)
-    and hooks on each block dispatch the next block's gather, wait for the block's own, and record
-    its end. Returns the finalized :class:`WeightSharding` (``.planner`` has the counters and trace).
-    """
-    block_list = model.get_submodule(blocks) if isinstance(blocks, str) else blocks
-    if not isinstance(block_list, nn.ModuleList):
-        raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
-    targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
-    ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace,
-                        keep_initial_weights=keep_initial_weights)
-    ws.setup()
-    if load is not None:
-        ws.load_result = load(ws)
-    ws.finalize()
-    planner = ws.planner
-    count = len(block_list)
-
-    def start_step(_mod, _args):
-        planner.reset()
-        planner.pre_dispatch(0, count)
-
-    def end_step(_mod, _args, _out):
-        planner.finish_step()
-
-    def before_block(i):
-        def hook(_mod, _args):
-            planner.maybe_dispatch(i + 1)
-            planner.wait_ready_once(i)
-
-        return hook
-
-    def after_block(i):
-        def hook(_mod, _args, _out):
-            planner.update_done_event(i, block_list[i])
-
-        return hook
-
-    handles = [model.register_forward_pre_hook(start_step), model.register_forward_hook(end_step)]
-    for i, b in enumerate(block_list):
-        handles.append(b.register_forward_pre_hook(before_block(i)))
-        handles.append(b.register_forward_hook(after_block(i)))
-    ws.hook_handles = handles
-    return ws
-
-
-# ---- collective alignment --------------------------------------------------------------------------
-def aligned_forward(forward: Callable[[Any], Any], inputs: Any, dummy: Callable[[], Any]) -> Any | None:
-    """Run ``forward(inputs)``; when this rank has no tokens (``inputs`` is None or empty), run a
-    one-token ``dummy()`` forward instead and return None.
-
-    Why: every rank of a shard group must issue the same gathers every step. An idle DP rank that
-    skipped the forward would leave the others waiting in the gather of the first sharded layer.
-    """
-    empty = inputs is None or (isinstance(inputs, torch.Tensor) and inputs.numel() == 0)
-    if empty:
-        forward(dummy())
-        return None
-    return forward(inputs)

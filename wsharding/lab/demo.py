@@ -47,8 +47,8 @@ from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.lab.tasks.model import ours_supported, shard_comm_for, tokens_for
 from wsharding.models import PRESETS, decoder_config
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
+from wsharding.runner import aligned_forward
 from wsharding.runtime import gpu_count, in_ci
-from wsharding.shard import aligned_forward
 from wsharding.units import ceil_div
 
 #: Where the demo writes its figures by default: untracked, so a run never dirties the checkout.

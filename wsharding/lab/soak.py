@@ -40,7 +40,7 @@ from wsharding.cluster import RankCluster, RankContext, RemoteError, TaskTimeout
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import build_pair, decoder_config
-from wsharding.shard import aligned_forward
+from wsharding.runner import aligned_forward
 from wsharding.units import KiB, MiB
 
 #: Bytes in use by malloc may move by what Python's and torch's free lists keep; a leak of a few

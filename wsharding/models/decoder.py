@@ -35,7 +35,8 @@ from wsharding.linear import (
 )
 from wsharding.linear.methods import make_quant_method
 from wsharding.models.kv_cache import KVStep
-from wsharding.shard import WeightSharding, prepare_layer_weight_shard_forward, run_layers
+from wsharding.runner import prepare_layer_weight_shard_forward, run_layers
+from wsharding.shard import WeightSharding
 
 
 @dataclass(frozen=True)
@@ -405,7 +406,7 @@ class ToyDecoder(nn.Module):
         return out
 
     def dummy_tokens(self) -> torch.Tensor:
-        """One token, for a rank with no work this step (see :func:`wsharding.shard.aligned_forward`)."""
+        """One token, for a rank with no work this step (see :func:`wsharding.runner.aligned_forward`)."""
         return torch.zeros(1, dtype=torch.long, device=self.embed.weight.device)
 
 

@@ -18,7 +18,8 @@ import torch
 
 from wsharding.comm.base import Communicator
 from wsharding.models.decoder import DecoderConfig, ToyDecoder, decoder_config
-from wsharding.shard import WeightSharding, run_layers
+from wsharding.runner import run_layers
+from wsharding.shard import WeightSharding
 
 
 def draft_config(target: str | DecoderConfig, layers: int = 2) -> DecoderConfig:
@@ -39,7 +40,7 @@ class DraftDecoder(ToyDecoder):
         if planner is None:
             h = run_layers(self.layers, h, None)
         else:
-            # The loop of wsharding.shard.run_layers, except for the step's start.
+            # The loop of wsharding.runner.run_layers, except for the step's start.
             end = len(self.layers)
             planner.reset()
             planner.pre_dispatch_after_prefetch(0, end)

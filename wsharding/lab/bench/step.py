@@ -41,8 +41,9 @@ from wsharding.lab.cliargs import checked_text, int_at_least, number_list
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
+from wsharding.runner import shard_blocks
 from wsharding.runtime import gpu_count, in_ci
-from wsharding.shard import WeightSharding, shard_blocks
+from wsharding.shard import WeightSharding
 from wsharding.units import ceil_div
 
 EAGER = ("replicated", "sharded", "sharded_no_lookahead", "fsdp2")

@@ -13,7 +13,7 @@ from wsharding.comm.base import CommError
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
-from wsharding.shard import shard_blocks
+from wsharding.runner import shard_blocks
 
 #: About a second of GPU time on an H200 (torch.cuda._sleep spins this many cycles).
 LONG_SLEEP_CYCLES = 2_000_000_000

@@ -18,7 +18,8 @@ from wsharding.lab.tasks.model import shard_comm_for, tokens_for
 from wsharding.linear.fp8 import fp8_gemm_path
 from wsharding.memory import PeakMeter, map_large_allocations, peak_rss_bytes, rss_bytes
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
-from wsharding.shard import WeightSharding, aligned_forward
+from wsharding.runner import aligned_forward
+from wsharding.shard import WeightSharding
 
 #: variant name -> quant method name of the toy decoder's targets
 VARIANTS: dict[str, str] = {"bf16": "none", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}

@@ -13,7 +13,7 @@ import torch
 from wsharding.cluster import RankContext
 from wsharding.cuda_graph import capture_graph
 from wsharding.models import DecoderConfig, build_pair, decoder_config
-from wsharding.shard import aligned_forward
+from wsharding.runner import aligned_forward
 
 
 def tokens_for(rank: int, step: int, counts: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,8 @@ from torch import nn
 
 from wsharding.cluster import RankContext
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
-from wsharding.shard import WeightSharding, aligned_forward, prepare_layer_weight_shard_forward, run_layers
+from wsharding.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
+from wsharding.shard import WeightSharding
 from wsharding.slots import SLOT_NAMES
 
 

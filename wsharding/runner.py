@@ -1,0 +1,155 @@
+"""Running a sharded model: the seed's layer loop, the generic path's hooks, and idle ranks.
+
+* :func:`run_layers` -- the layer loop of the first seed with the planner wired in (reset,
+  pre_dispatch, then per layer: dispatch the next gather, run the layer, record its end), and
+  :func:`prepare_layer_weight_shard_forward`, which a sharded layer calls at its start.
+* :func:`shard_blocks` -- the generic path, for a model that is not ours: the same sequence put on
+  the model's blocks as forward hooks, so the model's own forward stays unchanged.
+* :func:`aligned_forward` -- every rank of a shard group must issue the same gathers every step: a
+  rank with no tokens runs a one-token dummy step instead of skipping.
+
+What a :class:`~wsharding.shard.WeightSharding` *is* (declare, validate, shrink, finalize, close)
+lives in ``shard.py``; this module only runs it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsharding.comm.base import Communicator
+from wsharding.linear.base import LinearBase
+from wsharding.planner import WeightShardPlanner
+from wsharding.shard import ShardingError, WeightSharding
+
+
+def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
+    """Called at the start of a sharded layer's forward: wait (once) until its weights are in its
+    slot. A layer that is not sharded returns at once."""
+    ws = getattr(layer, "_weight_shard", None)
+    if ws is not None:
+        planner, layer_id = ws
+        planner.wait_ready_once(layer_id)
+
+
+def run_layers(
+    layers: Sequence[nn.Module],
+    hidden: Any,
+    planner: WeightShardPlanner | None,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+    call: Callable[[nn.Module, Any], Any] | None = None,
+) -> Any:
+    """The seed's layer loop with the planner wired in (``planner=None``: plain replicated loop)."""
+    end = len(layers) if end_layer is None else end_layer
+    call = call or (lambda layer, h: layer(h))
+    if planner is None:
+        for i in range(start_layer, end):
+            hidden = call(layers[i], hidden)
+        return hidden
+    planner.reset()
+    planner.pre_dispatch(start_layer, end)
+    for i in range(start_layer, end):
+        planner.maybe_dispatch(i + 1)  # side stream: AG(i+1), gate = done(i-1)
+        hidden = call(layers[i], hidden)  # the layer waits for its own gather at its start
+        planner.update_done_event(i, layers[i])
+    return hidden
+
+
+# ---- the generic path: any nn.Module whose blocks sit in a ModuleList ------------------------------
+def _is_linear(mod: nn.Module) -> bool:
+    return isinstance(mod, (nn.Linear, LinearBase))
+
+
+def find_targets(block: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Names of the linear submodules (``nn.Linear`` or wsharding linears) of ``block`` that match
+    any of ``patterns`` (fnmatch)."""
+    return [
+        name
+        for name, mod in block.named_modules()
+        if name and _is_linear(mod) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def shard_blocks(
+    model: nn.Module,
+    blocks: str | nn.ModuleList,
+    patterns: Sequence[str],
+    comm: Communicator,
+    *,
+    sharded_layers: Iterable[int] | None = None,
+    lookahead: bool = True,
+    trace: bool = False,
+    keep_initial_weights: bool = True,
+    load: Callable[[WeightSharding], Any] | None = None,
+) -> WeightSharding:
+    """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
+
+    Matching package linears are decided by their group: those split by tensor parallelism are left
+    alone, each with its reason in ``ws.report()``.
+
+    ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
+    row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
+
+    The model's own forward is unchanged: hooks on the model start each step (reset, pre_dispatch)
+    and hooks on each block dispatch the next block's gather, wait for the block's own, and record
+    its end. Returns the finalized :class:`WeightSharding` (``.planner`` has the counters and trace).
+    """
+    block_list = model.get_submodule(blocks) if isinstance(blocks, str) else blocks
+    if not isinstance(block_list, nn.ModuleList):
+        raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
+    targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
+    ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace,
+                        keep_initial_weights=keep_initial_weights)
+    ws.setup()
+    if load is not None:
+        ws.load_result = load(ws)
+    ws.finalize()
+    planner = ws.planner
+    count = len(block_list)
+
+    def start_step(_mod, _args):
+        planner.reset()
+        planner.pre_dispatch(0, count)
+
+    def end_step(_mod, _args, _out):
+        planner.finish_step()
+
+    def before_block(i):
+        def hook(_mod, _args):
+            planner.maybe_dispatch(i + 1)
+            planner.wait_ready_once(i)
+
+        return hook
+
+    def after_block(i):
+        def hook(_mod, _args, _out):
+            planner.update_done_event(i, block_list[i])
+
+        return hook
+
+    handles = [model.register_forward_pre_hook(start_step), model.register_forward_hook(end_step)]
+    for i, b in enumerate(block_list):
+        handles.append(b.register_forward_pre_hook(before_block(i)))
+        handles.append(b.register_forward_hook(after_block(i)))
+    ws.hook_handles = handles
+    return ws
+
+
+# ---- collective alignment --------------------------------------------------------------------------
+def aligned_forward(forward: Callable[[Any], Any], inputs: Any, dummy: Callable[[], Any]) -> Any | None:
+    """Run ``forward(inputs)``; when this rank has no tokens (``inputs`` is None or empty), run a
+    one-token ``dummy()`` forward instead and return None.
+
+    Why: every rank of a shard group must issue the same gathers every step. An idle DP rank that
+    skipped the forward would leave the others waiting in the gather of the first sharded layer.
+    """
+    empty = inputs is None or (isinstance(inputs, torch.Tensor) and inputs.numel() == 0)
+    if empty:
+        forward(dummy())
+        return None
+    return forward(inputs)
