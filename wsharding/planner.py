@@ -21,8 +21,9 @@ Rules it keeps:
 * **Nothing decided inside forward.** Which layers are sharded, their slots, their gates, the events
   and the side stream are fixed at init; a step only replays the same launch/wait sequence, which is
   what a CUDA graph needs to capture it.
-* **Lookahead off** (for comparison): every gather is issued at its layer's start and waited on at
-  once, so its whole time is exposed.
+* **Lookahead off** (for comparison): every gather is issued at its layer's start -- on CUDA, ordered
+  after everything the compute stream holds at that point -- and waited on at once, so its whole
+  time is exposed.
 
 On CPU ranks (gloo) the collective runs on gloo's own thread while the main thread computes, so the
 overlap measured there is real, if small.
@@ -119,6 +120,9 @@ class WeightShardPlanner:
             for ev in self._done.values():
                 ev.record()  # torch creates the CUDA event at its first record: the handle must exist
             self._done_handle = {i: ev.cuda_event for i, ev in self._done.items()}
+            self._here = torch.cuda.Event()  # the compute stream's position at a layer's start
+            self._here.record()
+            self._here_handle = self._here.cuda_event
         self._compute: torch.cuda.Stream | None = None
         self._compute_handle = 0
         # Per-step state: the step in which each layer was issued / waited / finished (no clearing).
@@ -220,7 +224,7 @@ class WeightShardPlanner:
         if self._issued[layer] != self.step:
             # Lookahead off, or a layer that was never dispatched: gather now and wait at once.
             self._release_if_held(layer)
-            self._issue(layer, gated=True)
+            self._issue(layer, gated=True, here=True)
         self._waited[layer] = self.step
         self.waits_this_step += 1
         trace = self.trace
@@ -269,13 +273,21 @@ class WeightShardPlanner:
             if held == layer:
                 del self._held[gate_layer]
 
-    def _issue(self, layer: int, gated: bool) -> None:
+    def _issue(self, layer: int, gated: bool, here: bool = False) -> None:
         g = self._gathers[layer]
         prev = self._prev[layer]
-        # CUDA: the gather waits for the end of the layer that last read this slot, when that layer
-        # ran in this step (earlier steps are ordered by the fork).
-        gate = (self._done[prev] if self.cuda and gated and prev is not None and prev >= self._step_start_layer
-                else None)
+        if self.cuda and here:
+            # Issued at the layer's own start (lookahead off): the gather waits for everything queued
+            # on the compute stream so far, so it starts when the GPU reaches this layer. Gated only on
+            # the slot's previous reader, it would start as soon as that layer ended -- with a host
+            # that runs ahead of the GPU, that *is* lookahead, and "off" would measure nothing.
+            self._cu.event_record(self._here_handle, self._compute_handle)
+            gate = self._here
+        else:
+            # CUDA: the gather waits for the end of the layer that last read this slot, when that layer
+            # ran in this step (earlier steps are ordered by the fork).
+            gate = (self._done[prev] if self.cuda and gated and prev is not None and prev >= self._step_start_layer
+                    else None)
         trace = self.trace
         marks = None
         if trace is not None:
