@@ -123,6 +123,7 @@ class WeightShardPlanner:
             self._here = torch.cuda.Event()  # the compute stream's position at a layer's start
             self._here.record()
             self._here_handle = self._here.cuda_event
+        self._backpressure_step = -1
         self._compute: torch.cuda.Stream | None = None
         self._compute_handle = 0
         # Per-step state: the step in which each layer was issued / waited / finished (no clearing).
@@ -188,6 +189,9 @@ class WeightShardPlanner:
 
     def _backpressure(self) -> None:
         """[Note: backpressure]: wait (polling the watchdog) until the GPU has started step - 2."""
+        if self._backpressure_step == self.step:
+            return  # pre_dispatch called again in the same step: its event is this step's own
+        self._backpressure_step = self.step
         ev = self._step_forks[self.step % 2]
         while True:
             try:
