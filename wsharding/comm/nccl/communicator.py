@@ -130,7 +130,7 @@ def _close_all() -> None:
 # (``_set_up_copy_engine``); after it a gather only queues stream work. (With CTA policy 0 NCCL may
 # still connect lazily when a later size picks another algorithm.) Gathers in flight stay watched by
 # the watchdog thread in both modes. ``blocking=False`` keeps the old behaviour, for comparison
-# (``.device/probe``-style measurements and the tests of the polling path).
+# (``scripts/gpu_probes/blocking.py`` measures both side by side).
 
 # [Note: shard groups]
 # The first seed shards within intra-node groups of 8 ranks, (rank // 8) * 8, and runs DP across them.
