@@ -94,10 +94,13 @@ class _StuckAbortBinding:
 class _Pool:
     def __init__(self) -> None:
         self.buffers: list = []
-        self.freed = False
+        self.freed = self.deregistered = False
 
     def free_all(self) -> None:
         self.freed = True
+
+    def deregister_all(self) -> None:
+        self.deregistered = True
 
 
 def _bare_comm(binding) -> C.NcclCommunicator:
@@ -133,3 +136,32 @@ def test_abort_that_returns_frees_the_memory_at_close():
     assert not c.leaked
     c.close()
     assert c.pool.freed
+
+
+def test_close_with_a_peer_gone_aborts_instead_of_deregistering(monkeypatch):
+    """Deregistration is collective (and blocking on a blocking communicator): close agrees over gloo
+    first, and a failed exchange -- a peer that is gone -- turns the close into an abort."""
+    binding = _StuckAbortBinding()
+    binding.release.set()
+    c = _bare_comm(binding)
+    c.synchronize = lambda: None
+
+    def peer_gone(_obj):
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    c.exchange = peer_gone
+    c.close()
+    assert c.aborted and binding.aborted == [0x1234] and not c.pool.deregistered and c.pool.freed
+    c2 = _bare_comm(_StuckAbortBinding())
+    c2.synchronize = lambda: None
+    c2.exchange = lambda obj: [obj, obj]
+    c2.nccl.ncclCommFinalize = lambda h: 0
+    c2.nccl.ncclCommDestroy = lambda h: 0
+    c2.complete = lambda rc, what: None
+    c2.nccl.check = lambda rc, what: rc
+    import torch
+
+    c2.device = torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    c2.close()  # every rank is there: the collective deregistration, then finalize
+    assert c2.pool.deregistered and c2.pool.freed and not c2.aborted

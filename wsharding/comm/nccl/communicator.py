@@ -588,9 +588,15 @@ class NcclCommunicator:
             if self.handle and not self.aborted and not error:
                 try:
                     self.synchronize()
+                    # Deregistration is collective, and on a blocking communicator it would wait for
+                    # a peer that is gone with no timeout: agree over gloo first, whose failure (a
+                    # dead peer closes its sockets) or timeout turns the close into an abort.
+                    self.exchange("close")
                     self.pool.deregister_all()
                 except CommError:
                     pass  # poll_until / complete aborted the communicator already
+                except (RuntimeError, ValueError):  # gloo: a peer is gone, or the group was destroyed
+                    error = True
             if error:
                 self.abort()
             if not self.aborted:
