@@ -44,7 +44,7 @@ from wsharding.lab.cliargs import (
 )
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.loading import build_pair_measured
-from wsharding.lab.tasks.model import ours_supported, shard_comm_for, tokens_for
+from wsharding.lab.tasks.model import graph_unsupported, ours_supported, shard_comm_for, tokens_for
 from wsharding.models import PRESETS, decoder_config
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
 from wsharding.runner import aligned_forward
@@ -78,16 +78,6 @@ def _time_steps(fn, steps: int, device: torch.device) -> float:
         fn(s)
     _sync(device)
     return (time.perf_counter() - t0) / steps * 1e3
-
-
-def graph_unsupported(comm: Any) -> str | None:
-    """Why a decode step of this communicator cannot be captured in a CUDA graph here, or None."""
-    if comm.device.type != "cuda":
-        return "CUDA graphs need GPUs (these are CPU ranks)"
-    if comm.world_size > 1 and getattr(comm, "mode", "") != "gpu-nccl":
-        return ("several ranks share one GPU: capturing their gathers hung in a probe (GPU.md)"
-                if getattr(comm, "shared_gpu", False) else "capturing gathers needs our NCCL communicator (--comm nccl)")
-    return None
 
 
 def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, comm: Any, *, tokens: int = 1,

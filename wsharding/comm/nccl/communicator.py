@@ -321,8 +321,8 @@ class NcclCommunicator:
         t = self.pool.alloc(WINDOW_ALIGN * self.world_size, "wsharding.copy-engine-setup")
         try:
             self.pool.register_all()
-            n = WINDOW_ALIGN
-            self.all_gather_into(t, t.narrow(0, self.rank * n, n), async_op=True).synchronize()
+            mine = t.narrow(0, self.rank * WINDOW_ALIGN, WINDOW_ALIGN)
+            self.all_gather_into(t, mine, async_op=True).synchronize()
         finally:
             if not (self.aborted or self.closed):
                 self.pool.release([t])
@@ -637,7 +637,8 @@ class NcclCommunicator:
     def describe(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
-            "blocking": self.blocking, "leaked": self.leaked, "emulation": self.emulation, "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
+            "blocking": self.blocking, "leaked": self.leaked, "emulation": self.emulation,
+            "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
             "group_ranks": list(self.group_ranks),
             "cta_policy_name": CTA_POLICY_NAMES[self.cta_policy], "nccl": self.library.describe(),
             "windows": sum(1 for b in self.pool.buffers if b.window is not None),

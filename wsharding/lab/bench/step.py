@@ -38,7 +38,7 @@ from wsharding.comm.base import Communicator
 from wsharding.cuda_graph import capture_graph
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import checked_text, int_at_least, number_list
-from wsharding.lab.tasks.model import shard_comm_for
+from wsharding.lab.tasks.model import graph_unsupported, shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
 from wsharding.runner import shard_blocks
@@ -187,7 +187,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     dev = c.device
     # FSDP2 runs on torch.distributed's own devices: not when ranks share a GPU over a gloo group.
     fsdp = fsdp and ctx.device.type == dev.type
-    graph = graph and dev.type == "cuda" and (c.world_size == 1 or c.mode.startswith("gpu-nccl") and hasattr(c, "watchdog"))
+    graph_error = graph_unsupported(c) if graph else None
+    graph = graph and graph_error is None
     replicated, sharded, ws, make_input, fsdp_model = _models(ctx, model, c, fsdp)
     planner = ws.planner
     bw, floor_ms = link_floor(ws, c)
@@ -220,7 +221,6 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             measure(row, runs)
             rows.append(row)
         # CUDA graphs last, at decode sizes: a capture that fails can only cost the graph numbers.
-        graph_error = None
         for row in rows if graph else []:
             if row["tokens_per_rank"] > GRAPH_MAX_TOKENS:
                 continue
@@ -238,7 +238,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
             "fsdp2": fsdp_model is not None,
-            "nccl_in_progress_launches": sum(getattr(g, "in_progress_launches", 0) for g in planner.prepared_gathers.values()), "graph_error": graph_error if graph else None}
+            "nccl_in_progress_launches": sum(getattr(g, "in_progress_launches", 0) for g in planner.prepared_gathers.values()), "graph_error": graph_error}
 
 
 # ---- the report -------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ They live in the package because spawned ranks import tasks by name.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,7 @@ def load_variant(ctx: RankContext, preset: str | DecoderConfig, variant: str, pa
                       "peak_so_far": peak})
 
     held0 = ws.held_bytes()["weights"]
-    pool = getattr(comm, "pool", None)
-    # ncclMemAlloc'd windows are outside torch's allocator ([Note: two allocators] in wsharding.memory)
-    outside = (lambda: sum(b.alloc_bytes for b in pool.buffers if not b.freed)) if pool is not None else (lambda: 0)
+    outside = outside_allocator_bytes(comm)
     out0 = outside()
     with PeakMeter(comm.device, held_bytes=held0, outside_allocator=outside) as meter:
         base = torch.cuda.memory_allocated(comm.device) if cuda else rss_bytes()
@@ -209,6 +208,15 @@ def hf_llama_sharded(ctx: RankContext, path: str, counts: list[list[int]], *, gr
     }
 
 
+def outside_allocator_bytes(comm: Any) -> Callable[[], int]:
+    """A counter of the bytes ``comm`` holds outside torch's allocator: our NCCL communicator's
+    ncclMemAlloc'd windows ([Note: two allocators] in ``wsharding.memory``); 0 for the others."""
+    pool = getattr(comm, "pool", None)
+    if pool is None:
+        return lambda: 0
+    return lambda: sum(b.alloc_bytes for b in pool.buffers if not b.freed)
+
+
 # ---- the demo's load numbers ------------------------------------------------------------------------
 def build_pair_measured(cfg: DecoderConfig, comm, **kwargs: Any) -> tuple[ToyDecoder, ToyDecoder, dict[str, Any]]:
     """:func:`wsharding.models.build_pair`, with the sharded model's finalize measured: the peak from
@@ -225,8 +233,7 @@ def build_pair_measured(cfg: DecoderConfig, comm, **kwargs: Any) -> tuple[ToyDec
     sharded = ToyDecoder(cfg, seed=kwargs.get("seed", 0), weight_sharding=ws, device=comm.device).eval()
     process_weights(sharded)
     gc.collect()
-    pool = getattr(comm, "pool", None)
-    outside = (lambda: sum(b.alloc_bytes for b in pool.buffers if not b.freed)) if pool is not None else None
+    outside = outside_allocator_bytes(comm)
     with PeakMeter(comm.device, held_bytes=ws.held_bytes()["weights"], outside_allocator=outside) as meter:
         ws.finalize(observe=lambda stage, layer: meter.sample())
     load = {**meter.result.as_dict(), "bound_bytes": ws.formula_bytes() + ws.largest_weight_bytes(),

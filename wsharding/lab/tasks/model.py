@@ -78,6 +78,20 @@ def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None
     return ctx.store[key]
 
 
+def graph_unsupported(comm: Any) -> str | None:
+    """Why a step over ``comm`` cannot be captured in a CUDA graph here, or None when it can (the
+    rule of ``bench step --graph`` and ``demo --graph``)."""
+    if comm.device.type != "cuda":
+        return "CUDA graphs need GPUs (these are CPU ranks)"
+    if comm.world_size == 1:
+        return None
+    if getattr(comm, "shared_gpu", False):
+        return "several ranks share one GPU: capturing their gathers hung in a probe (GPU.md)"
+    if getattr(comm, "watchdog", None) is None:
+        return "capturing gathers needs our NCCL communicator (--comm nccl)"
+    return None
+
+
 def group_of(comm: Any) -> list[int]:
     """Global ranks of a communicator's shard group (either backend), in group order."""
     ranks = getattr(comm, "group_ranks", None)
