@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,17 @@ def mark_and_wait(ctx, folder: str, how: str):
         ctx.comm.barrier()
     else:
         time.sleep(600)
+    return ctx.rank
+
+
+def held_then_ended(ctx, seconds: float):
+    """Rank 1: a helper thread ends the process (:func:`wsharding.fatal.end_process`) while the main
+    thread is held -- a stand-in for a CUDA synchronization behind a gather whose peer is gone."""
+    from wsharding.fatal import end_process
+
+    if ctx.rank == 1:
+        threading.Thread(target=end_process, args=("layer 3: gather did not complete within 5.0 s",)).start()
+        time.sleep(seconds)
     return ctx.rank
 
 
@@ -115,6 +127,19 @@ def test_unpicklable_task_is_a_remote_error_and_the_ranks_live_on(cluster_of):
     assert "rank 1 also raised _TaskUnpicklable" in str(info.value)
     # no rank died and no collective was pending: the same workers answer the next task
     assert cluster.run(echo_rank) == [0, 1] and cluster.starts == starts
+
+
+def test_a_rank_ended_by_its_watchdog_says_why(cluster_of):
+    """[Note: a host held behind a stuck gather]: the rank's last words reach the caller as its error
+    (without them: "rank 1 died (exit code 70)" and no reason), and the next run restarts the ranks."""
+    cluster = cluster_of(2)
+    starts = cluster.starts
+    with pytest.raises(RemoteError) as info:
+        cluster.run_with(held_then_ended, (120,), timeout=60)
+    assert info.value.rank == 1 and info.value.exc_type == "CommError"
+    assert info.value.remote_message == "layer 3: gather did not complete within 5.0 s (the rank process was ended)"
+    assert not cluster.running
+    assert cluster.run(echo_rank) == [0, 1] and cluster.starts == starts + 1
 
 
 def test_ranks_die_with_a_sigkilled_parent_even_inside_a_wait(tmp_path):

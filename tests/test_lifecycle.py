@@ -179,3 +179,27 @@ def test_watchdog_drops_an_event_recorded_again_in_a_capture():
         assert dog.check_once(now=t0 + 10.0) is None and dog.pending() == 0 and aborted == []
     finally:
         dog.stop()
+
+
+def test_watchdog_thread_ends_a_process_whose_host_never_comes_for_the_error():
+    """The thread by itself: an error, no call that raises it, then ``on_stuck`` (once)."""
+    ended = []
+    dog = Watchdog(lambda: "NCCL reported remote error", lambda m: None, timeout_s=5.0, period_s=0.01,
+                   on_stuck=ended.append, stuck_after_s=0.05)
+    try:
+        for _ in range(300):
+            if ended:
+                break
+            time.sleep(0.01)
+        assert len(ended) == 1 and ended[0].startswith("NCCL reported remote error; no call through")
+    finally:
+        dog.stop()
+
+
+def test_a_stopped_watchdog_does_not_end_the_process():
+    ended = []
+    dog = Watchdog(lambda: "NCCL reported remote error", lambda m: None, timeout_s=5.0, period_s=3600,
+                   on_stuck=ended.append, stuck_after_s=0.5)
+    dog.check_once()
+    dog.stop()  # the communicator was closed: nobody is held
+    assert dog.escalate_if_stuck() is False and ended == []

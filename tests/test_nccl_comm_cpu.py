@@ -165,3 +165,27 @@ def test_close_with_a_peer_gone_aborts_instead_of_deregistering(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     c2.close()  # every rank is there: the collective deregistration, then finalize
     assert c2.pool.deregistered and c2.pool.freed and not c2.aborted
+
+
+def test_a_raised_watchdog_error_keeps_the_process_and_an_unraised_one_ends_it(monkeypatch):
+    """[Note: a host held behind a stuck gather]: the watchdog ends the process only when the host
+    never came for the error -- the hot path's ``raise_if_failed`` marks it delivered."""
+    from wsharding.comm.nccl.watchdog import Watchdog
+
+    ended: list[str] = []
+    monkeypatch.setattr(C, "end_process", ended.append)
+    c = _bare_comm(_StuckAbortBinding())
+    c.world_size, c.mode = 2, "gpu-nccl"
+    c.watchdog = Watchdog(lambda: "NCCL reported remote process exited", lambda m: None, timeout_s=5.0,
+                          period_s=3600, on_stuck=c._end_stuck_process, stuck_after_s=0.01)
+    try:
+        c.watchdog.check_once()
+        with pytest.raises(C.CommError, match=r"layer 4: gather on rank 0 of 2 \(gpu-nccl\): NCCL reported"):
+            c.raise_if_failed("layer 4: gather")
+        assert c.watchdog.escalate_if_stuck() is False and ended == []
+        c.watchdog.delivered = False  # the host never reached a planner call: held in a CUDA sync
+        assert c.watchdog.escalate_if_stuck() is True
+        assert len(ended) == 1 and ended[0].startswith("rank 0 of 2 (gpu-nccl): NCCL reported remote process exited; "
+                                                       "no call through the communicator came back")
+    finally:
+        c.watchdog.stop()

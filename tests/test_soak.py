@@ -83,10 +83,15 @@ def test_gpu_soak(comm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("comm", ["torch", "nccl"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_gpu_fault(fault, comm):
+def test_gpu_fault(fault):
+    """Our NCCL communicator. The other rank's host is held in a CUDA synchronization behind the
+    gather its peer never joins (the soak compares outputs every step), so the error reaches the
+    caller as its last words ([Note: a host held behind a stuck gather]). torch's communicator is
+    not run here: its ProcessGroupNCCL watchdog ends a rank after a collective timeout with SIGABRT
+    (seen on two H200s), which is torch's behaviour, not ours to change."""
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    r = run_fault(fault, 2, backend="nccl", comm=comm, collective_timeout=20.0)
+    r = run_fault(fault, 2, backend="nccl", comm="nccl", collective_timeout=20.0)
     assert fault_ok(r) == [], r
+    assert "did not complete within 20.0 s" in r["errors"][0], r

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from wsharding.fatal import add_last_words
 from wsharding.units import ceil_div
 
 #: Words every CPU-rank report carries, so nobody mistakes CPU timings for GPU timings.
@@ -201,6 +202,10 @@ class _TaskUnpicklable(RuntimeError):
     """A task (its function or an argument) could not be rebuilt on the rank."""
 
 
+_SEND_LOCK = threading.Lock()  # the main thread's answers and a helper thread's last words share one pipe
+_CURRENT_TASK: int | None = None  # the task a rank process is running, for its last words
+
+
 def _send(conn: Connection, obj: Any) -> None:
     # Pickle here, not in a feeder thread: an unpicklable result must become an error message,
     # not a message that silently never arrives.
@@ -208,7 +213,23 @@ def _send(conn: Connection, obj: Any) -> None:
         data = pickle.dumps(obj)
     except Exception as e:  # noqa: BLE001 - any pickling failure becomes a remote error
         data = pickle.dumps(("error", obj[1], ("PicklingError", f"result could not be sent back: {e}", "")))
-    conn.send_bytes(data)
+    with _SEND_LOCK:
+        conn.send_bytes(data)
+
+
+def _last_words_to_parent(conn: Connection) -> Callable[[str], None]:
+    """[Note: a host held behind a stuck gather] (wsharding/fatal.py): when a helper thread ends
+    this rank process, the running task's caller gets the reason as this rank's error."""
+
+    def say(message: str) -> None:
+        data = pickle.dumps(("ended", _CURRENT_TASK, ("CommError", f"{message} (the rank process was ended)", "")))
+        if _SEND_LOCK.acquire(timeout=1.0):  # the main thread may be held mid-send: then say nothing
+            try:
+                conn.send_bytes(data)
+            finally:
+                _SEND_LOCK.release()
+
+    return say
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -237,7 +258,7 @@ def _worker_main(
     env: dict[str, str],
     conn: Connection,
 ) -> None:
-    global _CONTEXT
+    global _CONTEXT, _CURRENT_TASK
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     os.environ.update(env)
@@ -256,6 +277,7 @@ def _worker_main(
         store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
         _CONTEXT = _make_context(rank, world, device, backend, shared_gpu, timeout)
+        add_last_words(_last_words_to_parent(conn))
         _send(conn, ("ready", None, _CONTEXT.mode))
     except BaseException as e:  # noqa: BLE001
         _send(conn, ("error", None, (type(e).__name__, str(e), traceback.format_exc())))
@@ -269,6 +291,7 @@ def _worker_main(
         if envelope is None:
             break
         task_id, payload = envelope
+        _CURRENT_TASK = task_id
         try:
             try:
                 fn, args, kwargs = pickle.loads(payload)
@@ -507,10 +530,23 @@ class RankCluster:
             conn.send_bytes(payload)
         return self._collect(task_id, self.task_timeout if timeout is None else timeout, fn.__qualname__, grace)
 
+    def _last_message(self, rank: int, task_id: int | None) -> tuple[str, Any] | None:
+        """A message of this task still in the pipe of a rank whose process has ended, if any."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll(0):
+                kind, tid, value = pickle.loads(conn.recv_bytes())
+                if task_id is None or tid == task_id:
+                    return kind, value
+        except (EOFError, OSError):
+            pass
+        return None
+
     def _collect(self, task_id: int | None, timeout: float, what: str, grace: float | None = None) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
         dead: dict[int, str] = {}
+        ended: set[int] = set()  # ranks whose process ended itself after its error (wsharding.fatal)
         deadline = time.monotonic() + timeout
         grace_end: float | None = None  # set when the first rank fails
         by_conn = {c: r for r, c in enumerate(self._conns)}
@@ -539,8 +575,15 @@ class RankCluster:
                         if task_id is not None and tid != task_id:
                             continue  # a late answer to an earlier, abandoned task
                         (results if kind in ("ok", "ready") else errors)[rank] = value
+                        if kind == "ended":
+                            ended.add(rank)
                     else:
                         rank = by_sentinel[obj]
+                        last = self._last_message(rank, task_id)
+                        if last is not None:  # its last words, sent just before it ended (wsharding.fatal)
+                            kind, value = last
+                            (results if kind in ("ok", "ready") else errors)[rank] = value
+                            ended.add(rank)
                         if rank in results or rank in errors:
                             del by_sentinel[obj]
                             continue
@@ -577,6 +620,9 @@ class RankCluster:
             if missing:
                 # Ranks stuck in a collective that the failing rank never joined: restart.
                 others += f"\n(ranks {missing} did not finish; all ranks were stopped and will restart)"
+            if ended:
+                others += f"\n(the process of ranks {sorted(ended)} ended itself; all ranks were stopped and will restart)"
+            if missing or ended:
                 self._kill()
             raise RemoteError(rank, exc_type, message, tb, others, {r: (e[0], e[1]) for r, e in errors.items()})
         if len(results) < self.world_size:

@@ -158,6 +158,9 @@ def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm
             elif not torch.equal(out, replicated(x)):
                 unequal.append(s)
             if s in (warmup - 1, steps - 1):
+                # this step's input and output differ in size from step to step (the token count
+                # changes): measured while still held, they would read as growth or shrinkage
+                del x, out
                 if cuda:
                     torch.cuda.synchronize(dev)
                 counts["warm" if s == warmup - 1 else "end"] = dict(

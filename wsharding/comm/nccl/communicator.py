@@ -57,6 +57,7 @@ from wsharding.comm.nccl.library import (
 )
 from wsharding.comm.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
 from wsharding.comm.nccl.watchdog import Watchdog
+from wsharding.fatal import end_process
 
 #: The seed refuses to run without it: policy 2 ("zero") is the copy-engine path.
 CTA_POLICY_ZERO = 2
@@ -305,7 +306,9 @@ class NcclCommunicator:
             self._teardown(error=True)
             raise
         self.watchdog = Watchdog(self._async_error_text, self._abort_from_watchdog, timeout_s=self.timeout_s,
-                                 name=f"wsharding-nccl-watchdog-r{self.rank}", lock=self.lock)
+                                 name=f"wsharding-nccl-watchdog-r{self.rank}", lock=self.lock,
+                                 on_stuck=None if self.stuck_exit_s is None else self._end_stuck_process,
+                                 stuck_after_s=self.stuck_exit_s or 0.0)
         if self.world_size > 1:
             self._set_up_copy_engine()
 
@@ -378,11 +381,15 @@ class NcclCommunicator:
         with self.lock:
             self.abort()
 
+    def _end_stuck_process(self, message: str) -> None:
+        end_process(f"rank {self.rank} of {self.world_size} ({self.mode}): {message}")
+
     def raise_if_failed(self, what: str) -> None:
         """Raise the error the watchdog found (or that this communicator is unusable), naming ``what``
         and this rank; nothing when all is well. Called where a gather is issued."""
         err = self.watchdog.error if self.watchdog is not None else None
         if err is not None:
+            self.watchdog.delivered = True  # the host is not held: the watchdog need not end the process
             raise CommError(f"{what} on rank {self.rank} of {self.world_size} ({self.mode}): {err}; the NCCL "
                             "communicator was aborted")
         if self.closed or self.aborted:
@@ -552,6 +559,10 @@ class NcclCommunicator:
     # ---- teardown -----------------------------------------------------------------------------
     #: How long :meth:`abort` waits for ``ncclCommAbort`` before leaving it to its thread.
     abort_wait_s = 2.0
+    #: After a watchdog error, how long the host has to reach a call that raises it before the
+    #: process is ended ([Note: a host held behind a stuck gather] in ``wsharding/fatal.py``);
+    #: None: never end it (the host may then wait forever in a CUDA synchronization).
+    stuck_exit_s: float | None = 3.0
 
     def abort(self) -> None:
         """``ncclCommAbort``: ends pending operations; windows go with the communicator.

@@ -15,7 +15,10 @@ every ``period_s``:
   [Note: abort with a stuck gather] in ``communicator.py``).
 
 The next call that issues or waits through the communicator raises that error, naming the layer and
-the rank (:meth:`raise_if_failed`); the host never blocks on the GPU to find out.
+the rank (:meth:`raise_if_failed`); the host never blocks on the GPU to find out. If no such call
+comes for ``stuck_after_s`` after the error -- the host thread is held inside a CUDA synchronization
+behind the stuck gather, see [Note: a host held behind a stuck gather] in ``wsharding/fatal.py`` --
+the thread calls ``on_stuck(error)``, which ends the process with its last words said.
 """
 
 from __future__ import annotations
@@ -42,9 +45,15 @@ class Watchdog:
         period_s: float = 0.05,
         name: str = "wsharding-nccl-watchdog",
         lock: threading.RLock | None = None,
+        on_stuck: Callable[[str], None] | None = None,
+        stuck_after_s: float = 3.0,
     ) -> None:
         self.timeout_s = timeout_s
         self.period_s = period_s
+        self.on_stuck = on_stuck
+        self.stuck_after_s = stuck_after_s
+        #: Set by the hot path when it raised the error: the host is not held, nothing to end.
+        self.delivered = False
         self._check_async = check_async
         self._abort = abort
         self._inflight: collections.deque[tuple[torch.cuda.Event, str, float]] = collections.deque()
@@ -81,7 +90,20 @@ class Watchdog:
                 self.error = self.error or f"the watchdog failed: {type(e).__name__}: {e}"
                 return
             if self.error is not None:
+                self.escalate_if_stuck()
                 return
+
+    def escalate_if_stuck(self) -> bool:
+        """After an error: wait ``stuck_after_s`` for the hot path to raise it (``delivered``); if it
+        does not, and the watchdog was not stopped, call ``on_stuck``. Returns whether it did."""
+        if self.on_stuck is None or self.error is None:
+            return False
+        if self._stop.wait(self.stuck_after_s) or self.delivered:
+            return False
+        self.on_stuck(f"{self.error}; no call through the communicator came back for this error within "
+                      f"{self.stuck_after_s:.1f} s: the host thread is held in a CUDA synchronization behind "
+                      "the stuck gather, which nothing can release")
+        return True
 
     def check_once(self, now: float | None = None) -> str | None:
         """One round of checks (the thread's loop body; tests call it directly)."""
