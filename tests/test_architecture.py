@@ -20,6 +20,7 @@ FLOORS: dict[str, int] = {
     "wsharding.runtime": 0,
     "wsharding.cuda_graph": 0,
     "wsharding.memory": 0,
+    "wsharding.fatal": 0,
     "wsharding.layout": 1,
     "wsharding.trace": 1,
     "wsharding.safetensors_file": 1,

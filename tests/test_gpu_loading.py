@@ -23,12 +23,10 @@ def one_gpu():
         yield c
 
 
-# Measured on H200s (2026-11-30), bf16 with our NCCL comm at world size 1: device peak 99,090,432 B against
-# the bound 97,517,568 B. That measure added the ncclMemAlloc'd chunks at the end to torch's peak over the
-# whole finalize, counting twice what finalize swaps (row shards out, chunks in); the meter now samples at
-# finalize's stages ([Note: two allocators] in wsharding/memory.py), which should close the gap -- not yet
-# run on a GPU. Until it is, only that comparison is an expected failure; equality stays strict.
-NCCL_PEAK_GAP = "load peak with our NCCL comm over the bound (1.5 MiB on H200, 2026-11-30, before the sampled meter)"
+# The NCCL bound once failed by 1.5 MiB on H200s: the meter added the ncclMemAlloc'd chunks at the end to
+# torch's peak over the whole finalize, counting twice what finalize swaps (row shards out, chunks in).
+# It now samples at finalize's stages ([Note: two allocators] in wsharding/memory.py); on two H200s
+# (2026-11-30) all six cases pass with the strict bound below (figures/device/gpu_tests_h200x2_2026-11-30.log).
 
 
 @pytest.mark.parametrize("comm", ["torch", "nccl"])
@@ -51,9 +49,7 @@ def test_gpu_quant_variant_bitwise_and_peak(one_gpu, tmp_path, variant, comm):
     else:
         assert peak["held_bytes"] == r["replicated_bytes"]  # N = 1: the rows are the whole weight
         bound = r["formula_bytes"] + r["replicated_bytes"] + largest_tensor
-        if comm == "nccl" and peak["device_peak_bytes"] > bound:
-            pytest.xfail(f"{NCCL_PEAK_GAP}: peak {peak['device_peak_bytes']:,} B, bound {bound:,} B")
-        assert peak["device_peak_bytes"] <= bound
+        assert peak["device_peak_bytes"] <= bound, (peak, bound)
 
 
 def test_gpu_scaled_mm_matches_reference_closely():
