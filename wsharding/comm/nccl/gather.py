@@ -16,6 +16,16 @@ Per layer, in order (streams: compute C, copy K, gather G)::
     G waits copied; G: ncclAllGather in place        ; record ready on G
     C waits ready (at the layer's start, in :meth:`wait`)
 
+What the copy costs (measured on two H200s, 2026-11-30, ``scripts/gpu_probes/contention.py`` and
+``local_copy.py``): a same-device copy runs on the SMs, not on a copy engine -- issued beside a
+persistent GEMM it waits for the GEMM to end, then takes every SM for its ~100 us (218 MB), and
+``cuMemcpyBatchAsync``'s prefer-overlap hint does not change that. At decode sizes the SMs are
+mostly idle and the copy hides; at 2048 tokens per rank the compute stream stood idle ~100 us at
+each layer's start, behind that layer's copy (it becomes runnable at the same moment as the layer's
+first kernel: both wait for the end of the layer before). Only the peer copies, which do use the
+copy engines, overlap compute for free. With N ranks the own chunk is 1/N of the layer, so this
+cost shrinks as the group grows.
+
 Every pointer, size and handle is an int computed at init, and the CUDA calls go through the driver
 binding (``wsharding.comm.cuda_driver``), because the torch wrappers cost several times more host
 time per call. World size 1 has no peers: the copy is the whole gather.
