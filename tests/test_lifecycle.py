@@ -203,3 +203,65 @@ def test_a_stopped_watchdog_does_not_end_the_process():
     dog.check_once()
     dog.stop()  # the communicator was closed: nobody is held
     assert dog.escalate_if_stuck() is False and ended == []
+
+
+def test_end_process_says_its_last_words_even_past_a_failing_handler(tmp_path):
+    """``end_process`` from a helper thread while the main thread is held: stderr gets the reason,
+    every handler runs (one that raises does not stop the next), the exit code is EXIT_CODE, and a
+    removed handler is not called."""
+    import subprocess
+    import sys
+
+    from wsharding.fatal import EXIT_CODE
+
+    said = tmp_path / "said.txt"
+    code = f"""
+import threading, time
+from wsharding.fatal import add_last_words, end_process, remove_last_words
+def broken(msg): raise RuntimeError("a handler that fails")
+def removed(msg): open({str(said)!r}, "a").write("removed was called\\n")
+add_last_words(broken)
+add_last_words(removed)
+add_last_words(lambda msg: open({str(said)!r}, "a").write(msg + "\\n"))
+remove_last_words(removed)
+threading.Thread(target=end_process, args=("layer 5: gather did not complete",)).start()
+time.sleep(60)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert p.returncode == EXIT_CODE
+    assert f"wsharding: ending this process (exit code {EXIT_CODE}): layer 5: gather did not complete" in p.stderr
+    assert said.read_text() == "layer 5: gather did not complete\n"
+
+
+def test_watchdog_paused_for_a_capture_queries_nothing_until_the_next_eager_gather():
+    """Querying an event that a CUDA-graph capture is recording would invalidate the capture."""
+
+    class MustNotBeQueried:
+        def query(self) -> bool:
+            raise AssertionError("queried during a capture")
+
+    dog, aborted = _dog(timeout_s=0.0)
+    try:
+        dog.watch(MustNotBeQueried(), "layer 1: gather")
+        dog.pause_for_capture()
+        assert dog.paused and dog.pending() == 0  # forgotten: the capture is ordered after them
+        assert dog.check_once(now=1e12) is None and aborted == []
+        dog.watch(FakeEvent(True), "layer 2: gather")  # the next eager gather resumes the checks
+        assert not dog.paused and dog.check_once() is None and dog.pending() == 0
+    finally:
+        dog.stop()
+
+
+def test_a_watchdog_that_fails_reports_it_instead_of_dying_silently():
+    def broken() -> str | None:
+        raise OSError("libnccl went away")
+
+    dog = Watchdog(broken, lambda m: None, timeout_s=5.0, period_s=0.01)
+    try:
+        for _ in range(300):
+            if dog.error:
+                break
+            time.sleep(0.01)
+        assert dog.error == "the watchdog failed: OSError: libnccl went away"
+    finally:
+        dog.stop()
