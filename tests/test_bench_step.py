@@ -14,7 +14,7 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     results = cluster_of(2).run(step_bench_rank, model, [1, 4], steps=1, warmup=1, repeats=2)
     report = summarize(results, model, "torch")
     assert [r["tokens_per_rank"] for r in report["rows"]] == [1, 4]
-    assert report["variants"] == ["replicated", "sharded", "sharded_no_lookahead", "fsdp2"]
+    assert report["variants"] == ["replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "fsdp2"]
     for row in report["rows"]:
         assert row["equal"] is True  # sharded == replicated bit for bit, on both paths
         for v in report["variants"]:
@@ -25,6 +25,7 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     assert report["planner_host_us_per_layer"] > 0 and report["bus_bandwidth_GBps"] > 0
     text = format_table(report)
     assert "emulated" in text and "fsdp2" in text and "floor" in text
+    assert "sharded_next_step: sharded, with the next step's first gather issued" in text
 
 
 def test_step_bench_bytes_are_exact(cluster_of):
@@ -34,7 +35,7 @@ def test_step_bench_bytes_are_exact(cluster_of):
     assert report["replicated_bytes_per_rank"] == 3 * per_layer
     # with only 3 sharded layers the two slots outweigh the saving: R/2 + 2|T| > R
     assert report["sharded_resident_bytes_per_rank"] == 3 * per_layer // 2 + 2 * per_layer
-    assert report["variants"] == ["replicated", "sharded", "sharded_no_lookahead"]
+    assert report["variants"] == ["replicated", "sharded", "sharded_no_lookahead", "sharded_next_step"]
 
 
 def test_blocks_preset_bytes():

@@ -43,6 +43,18 @@ def test_gpu_sharded_equals_replicated(gpu_cluster, preset, lookahead, comm):
 
 
 @pytest.mark.parametrize("comm", COMMS)
+def test_gpu_next_step_prefetch_equals_replicated(gpu_cluster, comm):
+    """[Note: the next step's first gather] on GPUs: the first gather issued during the previous
+    step's last layers (gated on the first slot's last reader) changes no bit."""
+    counts = [row[: gpu_cluster.world_size] for row in COUNTS]
+    for r in gpu_cluster.run(model_equality, "small", counts, comm=comm, prefetch_next_step=True):
+        assert r["max_abs_diff"] == 0.0
+        assert all(e in (True, None) for e in r["equal"]) and any(r["equal"])
+        assert r["gathers"] == [len(r["sharded_layers"])] * len(counts)
+        assert r["next_step_prefetches"] == len(counts)
+
+
+@pytest.mark.parametrize("comm", COMMS)
 def test_gpu_cuda_graph_replay_equals_eager(gpu_cluster, comm):
     for r in gpu_cluster.run(graph_replay, "small", 16, comm=comm):
         assert r["replays"] == [(True, True)] * 3

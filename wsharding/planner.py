@@ -46,6 +46,23 @@ the start of step s the planner checks that the GPU has started step s-2 (an eve
 step's fork, two in turn; one query, under a microsecond, when it has). When it has not, it polls
 that event and the communicator's watchdog: the GPU catching up ends the wait, a watchdog error
 raises it. Two steps of queued work are more than the GPU needs to stay busy.
+
+[Note: the next step's first gather]
+The first sharded layer of a step has no earlier layer to hide its gather behind: on two H200s at
+2048 tokens per rank it stood exposed ~0.7 ms per step (scripts/gpu_probes/contention.py). In a
+loop of steps the previous step's last layers are such cover, and the seed's draft model uses that
+region for its own first layer. With ``prefetch_next_step`` (off by default) a step that ran every
+sharded layer issues the *next* step's first gather when its last sharded layer starts, gated on
+the end of the last layer that reads the same slot (held until that layer is done when it is the
+running one). The next step finds it issued and only waits. The rules it keeps:
+
+* every rank issues it at the same point (the same layer range, lookahead on, untraced), so the
+  collectives stay aligned;
+* a layer gathered again into that slot before the next step (a layer called on its own after the
+  step) first joins the prefetch, then cancels it: the next step gathers its first layer anew;
+* a CUDA graph replays alone, with nothing pending before it: no prefetch is issued under capture,
+  and capturing a step that would consume one is refused (turn it off and run one eager step);
+* it gathers the same slot as the draft's own first-layer prefetch, so the two are not combined.
 """
 
 from __future__ import annotations
@@ -107,6 +124,19 @@ class WeightShardPlanner:
         self._prev = {i: slots.previous_occupant(i) for i in layers}
         #: Layers that gate a later gather (the previous occupant of some layer's slot).
         self._gating = {p for p in self._prev.values() if p is not None}
+        self._last_sharded = self.sharded_ids[-1] if self.sharded_ids else -1
+        #: The last layer, in step order, that reads the first layer's slot: the next step's first
+        #: gather may overwrite the slot once it is done ([Note: the next step's first gather]).
+        self._wrap_gate = (max(i for i in layers if self._slot_of[i] == self._slot_of[self.sharded_ids[0]])
+                           if self.sharded_ids else None)
+        if self._wrap_gate is not None:
+            self._gating.add(self._wrap_gate)
+        #: [Note: the next step's first gather]: off by default.
+        self.prefetch_next_step = False
+        self._next_first_step = -1  # the step for which the first layer's gather was issued early
+        #: Next-step prefetches issued, and those cancelled by a layer gathered into their slot.
+        self.next_step_prefetches = 0
+        self.next_step_cancels = 0
         if self.cuda:
             from wsharding.comm.cuda_driver import driver
 
@@ -182,9 +212,11 @@ class WeightShardPlanner:
             self.comm.fork(self._fork)
         if self.trace is not None:
             self.trace.start()
+        if self._next_first_step == self.step and self._issued[self.sharded_ids[0]] == self.step:
+            self._take_next_step_prefetch(start_layer)
         if self.lookahead:
             first = next((i for i in self.sharded_ids if i >= start_layer), None)
-            if first is not None and (end_layer is None or first < end_layer):
+            if first is not None and (end_layer is None or first < end_layer) and self._issued[first] != self.step:
                 self._dispatch(first)
 
     def _backpressure(self) -> None:
@@ -205,6 +237,9 @@ class WeightShardPlanner:
 
     def maybe_dispatch(self, layer: int) -> None:
         """With lookahead, issue the gather of ``layer`` now (held back until its gate is done)."""
+        if layer > self._last_sharded and self.prefetch_next_step and self._next_first_step <= self.step:
+            self._prefetch_next_first()
+            return
         if (not self.lookahead or self._issued.get(layer, self.step) == self.step
                 or (self._end_layer is not None and layer >= self._end_layer) or layer in self._held.values()):
             return
@@ -255,7 +290,10 @@ class WeightShardPlanner:
         if self._held:
             waiting = self._held.pop(layer, None)
             if waiting is not None:
-                self._issue(waiting, gated=True)
+                if waiting == self.sharded_ids[0] and self._next_first_step == self.step + 1:
+                    self._issue_next_first()  # the first layer is never held within its own step
+                else:
+                    self._issue(waiting, gated=True)
 
     # ---- internals -------------------------------------------------------------------------------
     def _gate_open(self, layer: int) -> bool:
@@ -331,6 +369,7 @@ class WeightShardPlanner:
 
     def _regather(self, layer: int) -> None:
         """Gather ``layer`` again, now, after its slot was given to another layer."""
+        self._cancel_next_step_prefetch(self._slot_of[layer])
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.device)
             self._compute_handle = self._compute.cuda_stream
@@ -371,8 +410,64 @@ class WeightShardPlanner:
 
     def close(self) -> None:
         """Refuse every later step (the sharding freed the slots and chunks)."""
+        if self._next_first_step > self.step:  # a next-step prefetch in flight must not write into freed memory
+            self._gathers[self.first_layer].wait(torch.cuda.current_stream(self.device) if self.cuda else None)
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
         self.closed = True
         self._gathers.clear()
+
+    # ---- the next step's first gather ([Note: the next step's first gather]) -------------------------
+    def _prefetch_next_first(self) -> None:
+        """Called once the last sharded layer starts: issue (or hold) the next step's first gather."""
+        first = self.sharded_ids[0]
+        if (not self.lookahead or not self.gate or self.trace is not None or self._step_start_layer > first
+                or self._issued[self._last_sharded] != self.step or self._first_handle is not None
+                or (self.cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        self._next_first_step = self.step + 1
+        if self._finished[self._wrap_gate] != self.step:
+            self._held[self._wrap_gate] = first  # the slot's last reader is the running layer
+            return
+        self._issue_next_first()
+
+    def _issue_next_first(self) -> None:
+        first = self.sharded_ids[0]
+        gate = self._done[self._wrap_gate] if self.cuda else None
+        try:
+            self._gathers[first].start(gate, None)
+        except CommError as e:
+            raise CommError(self._stuck_message(first, e)) from e
+        self._issued[first] = self.step + 1
+        self.slots.occupant[self._slot_of[first]] = None  # receiving
+        self.next_step_prefetches += 1
+        self.gathers_total += 1
+
+    def _take_next_step_prefetch(self, start_layer: int) -> None:
+        """pre_dispatch of a step whose first gather the previous step issued."""
+        first = self.sharded_ids[0]
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            raise CommError(
+                f"layer {first}: its gather for this step was issued by the previous eager step "
+                f"(prefetch_next_step) on rank {self.comm.rank}; a CUDA graph must hold every gather it "
+                "waits on. Set planner.prefetch_next_step = False and run one eager step before capturing.")
+        self._next_first_step = -1  # taken: this step's end may issue the next one
+        if start_layer > first:  # this step does not use it: join it, so nothing is left in flight
+            self._gathers[first].wait(self._compute if self.cuda else None)
+            self._issued[first] = -1
+            return
+        self.gathers_this_step += 1
+
+    def _cancel_next_step_prefetch(self, slot: int) -> None:
+        """A gather into ``slot`` before the next step: join the pending prefetch into it, and let
+        the next step gather its first layer anew."""
+        first = self.sharded_ids[0] if self.sharded_ids else None
+        if first is None or self._issued[first] != self.step + 1 or self._slot_of[first] != slot:
+            return
+        self._gathers[first].wait(self._compute if self.cuda else None)
+        self._issued[first] = -1
+        self._next_first_step = -1
+        self.next_step_cancels += 1
 
     # ---- the first layer of a model with no layer before it (the draft model) -------------------------
     # [Note: the draft's first layer]
@@ -420,6 +515,9 @@ class WeightShardPlanner:
         """
         if self.closed:
             raise PlannerClosedError("prefetch_first_weight_shard(): this weight sharding was closed")
+        if self.prefetch_next_step:
+            raise CommError("prefetch_first_weight_shard(): this planner already gathers its first layer ahead "
+                            "(prefetch_next_step = True); use one of the two, on every rank the same")
         first = self.first_layer
         if self._first_handle is not None:
             raise CommError(f"layer {first}: prefetch_first_weight_shard() called twice on rank {self.comm.rank} "

@@ -46,7 +46,10 @@ from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import WeightSharding
 from wsharding.units import ceil_div
 
-EAGER = ("replicated", "sharded", "sharded_no_lookahead", "fsdp2")
+EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "fsdp2")
+#: What the variants that are not self-explanatory measure (printed under the table).
+LEGEND = {"sharded_next_step": "sharded, with the next step's first gather issued while this step's last layers run "
+                               "(planner.prefetch_next_step)"}
 GRAPH = ("graph_replicated", "graph_sharded")
 MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 #: Largest tokens per rank that --graph captures (decode sizes).
@@ -198,6 +201,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     def measure(row: dict[str, Any], runs: dict[str, Callable[[], Any]]) -> None:
         for variant, fn in runs.items():
             planner.lookahead = variant != "sharded_no_lookahead"
+            planner.prefetch_next_step = variant == "sharded_next_step"
             for _ in range(warmup):
                 fn()
             samples, hosts = [], []
@@ -209,13 +213,14 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             row[variant] = samples
             row[f"{variant}_host_ms"] = statistics.median(hosts)
         planner.lookahead = True
+        planner.prefetch_next_step = False  # a CUDA graph captured later must find nothing pending
 
     with torch.no_grad():
         for t in tokens:
             x = make_input(t, 1000 + ctx.rank)
             row: dict[str, Any] = {"tokens_per_rank": t, "equal": bool(torch.equal(replicated(x), sharded(x)))}
             runs = {"replicated": _call(replicated, x), "sharded": _call(sharded, x),
-                    "sharded_no_lookahead": _call(sharded, x)}
+                    "sharded_no_lookahead": _call(sharded, x), "sharded_next_step": _call(sharded, x)}
             if fsdp_model is not None:
                 runs["fsdp2"] = _call(fsdp_model, x)
             measure(row, runs)
@@ -305,6 +310,7 @@ def format_table(report: dict[str, Any]) -> str:
         floor = f"{row['floor_ms']:7.3f} ms" if row["floor_ms"] else "   (N=1)  "
         lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>24}" for c in cells)
                      + f"{floor:>11}{row['host_overhead_us_per_layer']:>15.1f}  {row['equal']}")
+    lines += [f"  {c}: {LEGEND[c]}" for c in cols if c in LEGEND]
     if report.get("graph_error"):
         lines.append(f"  CUDA graph: not measured ({report['graph_error']})")
     return "\n".join(lines)

@@ -104,13 +104,16 @@ def group_of(comm: Any) -> list[int]:
 
 
 def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *, lookahead: bool = True,
-                   group_size: int | None = None, seed: int = 0, comm: str = "torch") -> dict[str, Any]:
+                   group_size: int | None = None, seed: int = 0, comm: str = "torch",
+                   prefetch_next_step: bool = False) -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
-    tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit."""
+    tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit.
+    ``prefetch_next_step``: the planner's [Note: the next step's first gather]."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
     replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead)
     ws = sharded.weight_sharding
+    ws.planner.prefetch_next_step = prefetch_next_step
     equal, max_diff, gathers, waits = [], 0.0, [], []
     with torch.no_grad():
         for step in range(len(counts)):
@@ -130,6 +133,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "max_abs_diff": max_diff,
         "gathers": gathers,
         "waits": waits,
+        "next_step_prefetches": ws.planner.next_step_prefetches,
         "sharded_layers": ws.sharded_layer_ids,
         "replicated_bytes": ws.replicated_bytes(),
         "resident_bytes": ws.resident_bytes(),
