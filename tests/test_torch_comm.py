@@ -112,3 +112,17 @@ def test_a_work_without_a_future_calls_back_when_waited():
 def test_a_timeout_while_waiting_names_the_gather():
     with pytest.raises(CommError, match=r"^layer 2: gather did not complete: \[gloo\] Timed out"):
         _WorkHandle(_WorkThatTimesOut(), "layer 2: gather").wait()
+
+
+def test_a_prepared_gather_whose_work_has_no_future_calls_back_at_once():
+    """Planner traces hang their gather-end stamp on the work's future; without one, now."""
+    from wsharding.comm.torch_backend import TorchPreparedGather
+
+    g = object.__new__(TorchPreparedGather)
+    g._work = _WorkWithoutFuture()
+    called: list[str] = []
+    g.add_done_callback(lambda: called.append("now"))
+    assert called == ["now"]
+    g._work = None  # nothing in flight (world size 1): also at once
+    g.add_done_callback(lambda: called.append("idle"))
+    assert called == ["now", "idle"]
