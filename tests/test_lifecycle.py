@@ -265,3 +265,40 @@ def test_a_watchdog_that_fails_reports_it_instead_of_dying_silently():
         assert dog.error == "the watchdog failed: OSError: libnccl went away"
     finally:
         dog.stop()
+
+
+def test_a_host_held_inside_nccl_still_gets_the_process_ended():
+    """The host thread holds the communicator's lock inside an NCCL call that does not return: the
+    watchdog cannot take the lock (to query or abort), yet still finds the overdue gather and ends
+    the process instead of waiting on the lock with it."""
+    import threading
+
+    ended: list[str] = []
+    aborted: list[str] = []
+    lock = threading.RLock()
+    inside_nccl = threading.Event()
+    release = threading.Event()
+
+    def host() -> None:
+        with lock:  # a blocking ncclAllGather that never returns
+            inside_nccl.set()
+            release.wait(30)
+
+    t = threading.Thread(target=host, daemon=True)
+    t.start()
+    inside_nccl.wait(5)
+    dog = Watchdog(lambda: None, aborted.append, timeout_s=0.1, period_s=0.01, lock=lock,
+                   on_stuck=ended.append, stuck_after_s=0.05)
+    try:
+        dog.watch(FakeEvent(False), "layer 6: gather")
+        for _ in range(500):
+            if ended:
+                break
+            time.sleep(0.01)
+        assert len(ended) == 1 and ended[0].startswith(
+            "layer 6: gather did not complete within 0.1 s, and the host thread has been inside a call into NCCL")
+        assert aborted == []  # the abort needs the lock: the process exit releases everything instead
+    finally:
+        release.set()
+        dog.stop()
+        t.join(5)

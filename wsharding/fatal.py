@@ -5,7 +5,9 @@ A copy-engine gather whose peer is gone waits on the GPU for a flag that never c
 releases it: ``ncclCommAbort`` does not (see [Note: abort with a stuck gather] in
 ``comm/nccl/communicator.py``). A host thread that synchronizes with that stream -- ``.item()``,
 ``.cpu()``, ``torch.equal`` on a GPU tensor, a copy from pageable memory -- is then held inside a
-CUDA call for good: it never reaches the planner call that would raise the watchdog's error. Seen on
+CUDA call for good: it never reaches the planner call that would raise the watchdog's error. (So is
+a host held inside a blocking NCCL call that waits for a peer: the watchdog then cannot even take
+the communicator's lock to abort, and finds the overdue gather without it.) Seen on
 two H200s: a rank whose peer was killed mid-step sat in ``torch.equal`` with no error and no end.
 
 Such a process cannot do anything useful again, so the watchdog ends it, as torch's own

@@ -108,7 +108,9 @@ class Watchdog:
     def check_once(self, now: float | None = None) -> str | None:
         """One round of checks (the thread's loop body; tests call it directly)."""
         q = self._inflight
-        with self.lock:
+        if not self.lock.acquire(timeout=self.period_s):
+            return self._check_lock_held(now)
+        try:
             if self.paused:
                 return self.error
             while q:
@@ -122,6 +124,8 @@ class Watchdog:
                     # gather, which the capture was ordered after. Nothing to watch here any more.
                     pass
                 q.popleft()
+        finally:
+            self.lock.release()
         if self.error is None:
             msg = self._check_async()
             if msg is None and q:
@@ -133,6 +137,19 @@ class Watchdog:
             if msg is not None:
                 self.error = msg
                 self._abort(msg)
+        return self.error
+
+    def _check_lock_held(self, now: float | None) -> str | None:
+        """The host thread holds the communicator's lock: it is inside an NCCL call. Normally for
+        microseconds; if the oldest gather is past the timeout meanwhile, NCCL did not return (a
+        blocking call waiting for a peer that is gone). Nothing here can take the lock to abort, so
+        the error is only stored -- the host, held inside NCCL, never comes for it, and
+        :meth:`escalate_if_stuck` ends the process."""
+        if self.error is None and self._inflight:
+            _event, what, since = self._inflight[0]
+            if (time.monotonic() if now is None else now) - since > self.timeout_s:
+                self.error = (f"{what} did not complete within {self.timeout_s:.1f} s, and the host thread has been "
+                              "inside a call into NCCL meanwhile (a rank of the group is missing or stuck)")
         return self.error
 
     def pending(self) -> int:
