@@ -193,3 +193,31 @@ def test_the_model_task_counts_prefetches(cluster_of):
     for r in cluster_of(2).run(model_equality, "tiny", counts, prefetch_next_step=True):
         assert all(e in (True, None) for e in r["equal"]) and r["max_abs_diff"] == 0.0
         assert r["gathers"] == [len(r["sharded_layers"])] * 4 and r["next_step_prefetches"] == 4
+
+
+def shard_blocks_with_prefetch(ctx) -> dict:
+    """The public switch: ``shard_blocks(..., prefetch_next_step=True)`` on a model of our blocks."""
+    from wsharding.runner import shard_blocks
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(ReadTwiceBlock(D, seed=10 + i, pause=0.0) for i in range(4))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    model, ref = Model(), Model()
+    ws = shard_blocks(model, "layers", ["fc"], ctx.comm, prefetch_next_step=True)
+    with torch.no_grad():
+        equal = [bool(torch.equal(model(_x(s, ctx.rank)), ref(_x(s, ctx.rank)))) for s in range(3)]
+    out = {"equal": equal, "on": ws.planner.prefetch_next_step, "prefetches": ws.planner.next_step_prefetches}
+    ws.close()
+    return out
+
+
+def test_shard_blocks_takes_the_switch(cluster_of):
+    for r in cluster_of(2).run(shard_blocks_with_prefetch):
+        assert r == {"equal": [True] * 3, "on": True, "prefetches": 3}

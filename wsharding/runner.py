@@ -86,11 +86,16 @@ def shard_blocks(
     trace: bool = False,
     keep_initial_weights: bool = True,
     load: Callable[[WeightSharding], Any] | None = None,
+    prefetch_next_step: bool = False,
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
 
     Matching package linears are decided by their group: those split by tensor parallelism are left
     alone, each with its reason in ``ws.report()``.
+
+    ``prefetch_next_step``: each step issues the next step's first gather while its own last blocks
+    run ([Note: the next step's first gather] in ``wsharding/planner.py``); off by default, and off
+    before capturing a CUDA graph.
 
     ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
     row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
@@ -104,7 +109,7 @@ def shard_blocks(
         raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
     targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
     ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace,
-                        keep_initial_weights=keep_initial_weights)
+                        keep_initial_weights=keep_initial_weights, prefetch_next_step=prefetch_next_step)
     ws.setup()
     if load is not None:
         ws.load_result = load(ws)

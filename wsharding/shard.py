@@ -120,6 +120,9 @@ class WeightSharding:
     this rank's rows and counts them as loaded. With False, setup allocates zeroed rows and every row
     must then come from a checkpoint (finalize refuses any that did not). A model built on the meta
     device always needs its rows loaded.
+
+    ``prefetch_next_step``: the planner issues each step's first gather during the previous step's
+    last layers ([Note: the next step's first gather] in ``wsharding/planner.py``); off by default.
     """
 
     def __init__(
@@ -132,9 +135,11 @@ class WeightSharding:
         lookahead: bool = True,
         trace: bool = False,
         keep_initial_weights: bool = True,
+        prefetch_next_step: bool = False,
     ) -> None:
         self.comm = comm
         self.lookahead = lookahead
+        self.prefetch_next_step = prefetch_next_step
         self.trace = trace
         self.keep_initial_weights = keep_initial_weights
         self.sharded_range = None if sharded_layers is None else set(sharded_layers)
@@ -352,6 +357,7 @@ class WeightSharding:
             lookahead=self.lookahead,
             trace=self.trace,
         )
+        self.planner.prefetch_next_step = self.prefetch_next_step
         for i, layer in self.layers.items():
             layer._weight_shard = (self.planner, i)
         on_close = getattr(comm, "on_close", None)
