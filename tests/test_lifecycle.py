@@ -123,6 +123,14 @@ def _dog(async_error=None, timeout_s=5.0):
     return dog, aborted
 
 
+def _wait_for(done, seconds: float = 5.0) -> None:
+    """Poll ``done()`` every 10 ms until it is true or ``seconds`` pass (the watchdog's thread works
+    on its own; the assertions that follow say what was expected)."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_watchdog_drops_completed_gathers_and_aborts_a_stuck_one():
     dog, aborted = _dog(timeout_s=5.0)
     try:
@@ -153,10 +161,7 @@ def test_watchdog_thread_finds_the_error_by_itself():
     dog = Watchdog(lambda: None, aborted.append, timeout_s=0.05, period_s=0.01)
     try:
         dog.watch(FakeEvent(False), "layer 7: gather")
-        for _ in range(200):
-            if aborted:
-                break
-            time.sleep(0.01)
+        _wait_for(lambda: aborted, 2)
         assert aborted and "layer 7" in aborted[0]
     finally:
         dog.stop()
@@ -187,10 +192,7 @@ def test_watchdog_thread_ends_a_process_whose_host_never_comes_for_the_error():
     dog = Watchdog(lambda: "NCCL reported remote error", lambda m: None, timeout_s=5.0, period_s=0.01,
                    on_stuck=ended.append, stuck_after_s=0.05)
     try:
-        for _ in range(300):
-            if ended:
-                break
-            time.sleep(0.01)
+        _wait_for(lambda: ended, 3)
         assert len(ended) == 1 and ended[0].startswith("NCCL reported remote error; no call through")
     finally:
         dog.stop()
@@ -258,10 +260,7 @@ def test_a_watchdog_that_fails_reports_it_instead_of_dying_silently():
 
     dog = Watchdog(broken, lambda m: None, timeout_s=5.0, period_s=0.01)
     try:
-        for _ in range(300):
-            if dog.error:
-                break
-            time.sleep(0.01)
+        _wait_for(lambda: dog.error, 3)
         assert dog.error == "the watchdog failed: OSError: libnccl went away"
     finally:
         dog.stop()
@@ -291,10 +290,7 @@ def test_a_host_held_inside_nccl_still_gets_the_process_ended():
                    on_stuck=ended.append, stuck_after_s=0.05)
     try:
         dog.watch(FakeEvent(False), "layer 6: gather")
-        for _ in range(500):
-            if ended:
-                break
-            time.sleep(0.01)
+        _wait_for(lambda: ended, 5)
         assert len(ended) == 1 and ended[0].startswith(
             "layer 6: gather did not complete within 0.1 s, and the host thread has been inside a call into NCCL")
         assert aborted == []  # the abort needs the lock: the process exit releases everything instead

@@ -103,6 +103,7 @@ class WeightShardPlanner:
         lookahead: bool = True,
         trace: bool = False,
         gate: bool = True,
+        prefetch_next_step: bool = False,
     ) -> None:
         self.comm = comm
         self.layers = layers
@@ -130,9 +131,11 @@ class WeightShardPlanner:
         self._wrap_gate = (max(i for i in layers if self._slot_of[i] == self._slot_of[self.sharded_ids[0]])
                            if self.sharded_ids else None)
         if self._wrap_gate is not None:
+            # Its end is recorded every step (one event record), so that turning the prefetch on
+            # between any two steps finds a gate of this step.
             self._gating.add(self._wrap_gate)
         #: [Note: the next step's first gather]: off by default.
-        self.prefetch_next_step = False
+        self.prefetch_next_step = prefetch_next_step
         self._next_first_step = -1  # the step for which the first layer's gather was issued early
         #: Next-step prefetches issued, and those cancelled by a layer gathered into their slot.
         self.next_step_prefetches = 0
@@ -237,7 +240,7 @@ class WeightShardPlanner:
 
     def maybe_dispatch(self, layer: int) -> None:
         """With lookahead, issue the gather of ``layer`` now (held back until its gate is done)."""
-        if layer > self._last_sharded and self.prefetch_next_step and self._next_first_step <= self.step:
+        if self.prefetch_next_step and layer > self._last_sharded and self._next_first_step <= self.step:
             self._prefetch_next_first()
             return
         if (not self.lookahead or self._issued.get(layer, self.step) == self.step

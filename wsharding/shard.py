@@ -356,8 +356,8 @@ class WeightSharding:
             self.slots,
             lookahead=self.lookahead,
             trace=self.trace,
+            prefetch_next_step=self.prefetch_next_step,
         )
-        self.planner.prefetch_next_step = self.prefetch_next_step
         for i, layer in self.layers.items():
             layer._weight_shard = (self.planner, i)
         on_close = getattr(comm, "on_close", None)

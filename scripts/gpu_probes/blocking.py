@@ -10,12 +10,12 @@ Why: a non-blocking communicator runs each collective on a thread NCCL starts fo
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
+from probe_report import report
 
 from wsharding.comm.nccl.communicator import NcclCommunicator
 
@@ -53,10 +53,7 @@ def main() -> None:
     for blocking in (False, True, False, True):
         result.setdefault("blocking" if blocking else "nonblocking", []).append(time_calls(blocking, rank))
     if rank == 0:
-        print(json.dumps(result, indent=1))
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "blocking_probe.json"), "w") as f:
-                json.dump(result, f, indent=1)
+        report("blocking_probe.json", result)
     dist.destroy_process_group()
 
 

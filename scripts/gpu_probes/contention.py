@@ -11,13 +11,13 @@ models), the time from the step's start to its first kernel, and the copies of t
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from probe_report import report
 from torch.profiler import ProfilerActivity, profile
 
 from wsharding.comm.nccl.communicator import NcclCommunicator
@@ -109,10 +109,7 @@ def main() -> None:
     ws.close()
     comm.close()
     if rank == 0:
-        print(json.dumps(result, indent=1))
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "contention_probe.json"), "w") as f:
-                json.dump(result, f, indent=1)
+        report("contention_probe.json", result)
     dist.destroy_process_group()
 
 

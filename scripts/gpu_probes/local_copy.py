@@ -13,10 +13,9 @@ prefer-overlap-with-compute hint (CUDA >= 12.8), each a few times.
 from __future__ import annotations
 
 import ctypes
-import json
-import os
 
 import torch
+from probe_report import report
 
 SIZE = 218 << 20
 GEMMS = 6
@@ -95,10 +94,7 @@ def main() -> None:
             out[name] = [run(fn) for _ in range(4)]
         except Exception as e:  # noqa: BLE001 - a probe reports what failed
             out[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps(out, indent=1))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "local_copy_probe.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    report("local_copy_probe.json", out)
 
 
 if __name__ == "__main__":
