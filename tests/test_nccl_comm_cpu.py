@@ -189,3 +189,210 @@ def test_a_raised_watchdog_error_keeps_the_process_and_an_unraised_one_ends_it(m
                                                        "no call through the communicator came back")
     finally:
         c.watchdog.stop()
+
+
+# ---- a call that fails: the communicator is aborted and the error names the call -------------------
+class _ScriptedBinding(_StuckAbortBinding):
+    """NCCL calls answered from a script: ``async_states`` is what ``ncclCommGetAsyncError`` reports,
+    one per poll (the last one repeats); ``gather_rc`` what ``ncclAllGather`` returns."""
+
+    def __init__(self, async_states=(0,), async_rc: int = 0, gather_rc: int = 0) -> None:
+        super().__init__()
+        self.release.set()
+        self.async_states, self.async_rc, self.gather_rc = list(async_states), async_rc, gather_rc
+        self.gathers = 0
+
+    def ncclCommGetAsyncError(self, handle, ref) -> int:
+        ref._obj.value = self.async_states.pop(0) if len(self.async_states) > 1 else self.async_states[0]
+        return self.async_rc
+
+    def ncclAllGather(self, *args) -> int:
+        self.gathers += 1
+        return self.gather_rc
+
+    def error_string(self, rc: int) -> str:
+        return {1: "unhandled cuda error", 5: "invalid usage", 6: "remote process exited"}.get(rc, "?")
+
+    def last_error(self, handle) -> str:
+        return "peer 1 is gone"
+
+    def check(self, rc: int, what: str, comm=None, **_) -> int:
+        if rc != 0:
+            raise C.NcclError(what, rc, self.error_string(rc))
+        return rc
+
+
+def _scripted_comm(**script) -> C.NcclCommunicator:
+    import threading
+
+    c = _bare_comm(_ScriptedBinding(**script))
+    c.world_size, c.mode, c.timeout_s, c.lock = 2, "gpu-nccl", 5.0, threading.Lock()
+    return c
+
+
+def test_a_failed_call_aborts_and_every_later_call_says_so():
+    c = _scripted_comm()
+    with pytest.raises(C.NcclError, match=r"layer 3: gather failed: .* \(1\): unhandled cuda error -- NCCL says: "
+                                          r"peer 1 is gone"):
+        c.fail(1, "layer 3: gather")
+    assert c.aborted and c.nccl.aborted == [0x1234]
+    # without the abort flag the next gather would go to a communicator NCCL has given up on
+    with pytest.raises(CommError, match="layer 4: the NCCL communicator of rank 0 is aborted"):
+        c.raise_if_failed("layer 4")
+    with pytest.raises(CommError, match="NCCL communicator of rank 0 is aborted"):
+        c.alloc(4096)
+    c.release([object()])  # the memory went with the communicator: nothing to deregister (_Pool has no release)
+
+
+def test_complete_polls_until_done_and_a_refused_call_aborts():
+    c = _scripted_comm(async_states=(7, 7, 0))
+    c.complete(0, "ncclCommInitRankConfig")  # in progress twice, then done
+    assert not c.aborted and c.nccl.async_states == [0]
+    with pytest.raises(C.NcclError, match=r"ncclCommFinalize failed: .* \(5\): invalid usage"):
+        c.complete(5, "ncclCommFinalize")
+    assert c.aborted
+    c = _scripted_comm(async_states=(7, 6))
+    with pytest.raises(C.NcclError, match=r"register layer.2 failed: .* \(6\): remote process exited -- NCCL says"):
+        c.complete(7, "register layer.2")  # the async state turned into an error while it was polled
+    assert c.aborted
+
+
+def test_a_launch_that_never_finishes_or_fails_is_an_error_not_a_spin_forever():
+    c = _scripted_comm(async_states=(7, 7, 0))
+    c.spin_until_launched("layer 1: gather")
+    assert not c.aborted
+    c = _scripted_comm(async_states=(7, 1))
+    with pytest.raises(C.NcclError, match=r"layer 1: gather failed: .* \(1\): unhandled cuda error"):
+        c.spin_until_launched("layer 1: gather")
+    assert c.aborted
+    c = _scripted_comm(async_rc=5)
+    with pytest.raises(C.NcclError, match="ncclCommGetAsyncError after layer 1: gather failed"):
+        c.spin_until_launched("layer 1: gather")
+    c = _scripted_comm(async_states=(7,))
+    c.timeout_s = 0.0  # the deadline is checked every 4096 polls: two checks, then the error
+    with pytest.raises(C.CommTimeout, match="layer 1: gather on rank 0: NCCL did not finish launching it within 0.0 s"):
+        c.spin_until_launched("layer 1: gather")
+    assert c.aborted
+
+
+def test_the_watchdog_reads_an_async_error_as_text_and_nothing_once_aborted():
+    c = _scripted_comm(async_states=(0,))
+    assert c._async_error_text() is None
+    c.nccl.async_states = [6]
+    assert c._async_error_text() == "NCCL reported remote process exited (6): peer 1 is gone"
+    c._abort_from_watchdog("overdue")
+    assert c.aborted and c._async_error_text() is None  # an aborted communicator is not asked again
+
+
+def test_interpreter_exit_closes_every_live_communicator_past_one_that_fails(monkeypatch):
+    import weakref
+
+    closed: list[str] = []
+
+    class Live:
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def close(self) -> None:
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError("CUDA driver shutting down")
+
+    live = [Live("a", True), Live("b", False)]
+    monkeypatch.setattr(C, "_LIVE", weakref.WeakSet(live))
+    C._close_all()
+    assert sorted(closed) == ["a", "b"]
+
+
+# ---- the prepared gather's failures (no GPU: the driver and the communicator are stand-ins) --------
+class _Driver:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        return lambda *a: self.calls.append(name)
+
+
+class _Event:
+    cuda_event = 0xE
+
+
+def _prepared(comm) -> object:
+    from wsharding.comm.nccl.gather import NcclPreparedGather
+    from wsharding.comm.nccl.watchdog import Watchdog
+
+    g = object.__new__(NcclPreparedGather)
+    g.comm, g.what, g.nbytes, g.in_place, g.in_progress_launches = comm, "layer 5: gather", 4096, False, 0
+    g._own_ptr = g._chunk_ptr = g._full_ptr = 0x1000
+    g._copied_ev = g._ready_ev = 0xE
+    g._copy_stream, g._gather_stream, g._cu = 1, 2, _Driver()
+    g.copied = g.ready = _Event()
+    comm.watchdog = Watchdog(lambda: None, lambda m: None, timeout_s=5.0, period_s=3600)
+    comm.copy_stream = comm.stream = None
+    comm.gathers_issued = 0
+    return g
+
+
+@pytest.fixture
+def no_capture(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_a_gather_refused_by_nccl_aborts_and_names_the_layer(no_capture):
+    c = _scripted_comm(gather_rc=1)
+    g = _prepared(c)
+    try:
+        with pytest.raises(C.NcclError, match=r"layer 5: gather failed: .* unhandled cuda error -- NCCL says: peer 1"):
+            g.start()
+        assert c.aborted and c.gathers_issued == 0
+        # the own-chunk copy was queued before NCCL refused: it is harmless, the slot is not read
+        assert g._cu.calls == ["memcpy_dtod_async", "event_record", "stream_wait_event"]
+        with pytest.raises(CommError, match="layer 5: gather: the NCCL communicator of rank 0 is aborted"):
+            g.start()  # the next layer's gather does not reach NCCL
+        assert c.nccl.gathers == 1
+    finally:
+        c.watchdog.stop()
+
+
+def test_a_gather_after_the_watchdog_found_an_error_raises_it(no_capture):
+    c = _scripted_comm()
+    g = _prepared(c)
+    try:
+        c.watchdog.error = "layer 2: gather did not complete within 5.0 s"
+        with pytest.raises(CommError, match=r"layer 5: gather on rank 0 of 2 \(gpu-nccl\): layer 2: gather did not "
+                                            r"complete within 5.0 s; the NCCL communicator was aborted"):
+            g.start()
+        assert c.watchdog.delivered and g._cu.calls == [] and c.nccl.gathers == 0
+    finally:
+        c.watchdog.stop()
+
+
+def test_a_launch_handed_to_nccls_thread_is_waited_for_before_ready_is_recorded(no_capture):
+    c = _scripted_comm(async_states=(7, 7, 0), gather_rc=7)
+    g = _prepared(c)
+    try:
+        g.start()
+        assert g.in_progress_launches == 1 and c.nccl.async_states == [0] and c.gathers_issued == 1
+        assert g._cu.calls[-1] == "event_record"  # `ready`, after the launch finished
+    finally:
+        c.watchdog.stop()
+
+
+# ---- the copy-engine probe's log helpers -------------------------------------------------------------
+def test_nccl_log_helpers(tmp_path, monkeypatch):
+    import os
+
+    from wsharding.comm.nccl import probe
+
+    env = probe.log_environment(str(tmp_path))
+    assert env == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": str(tmp_path / "nccl.%h.%p.log")}
+    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
+    assert probe.own_log_text() == ""
+    monkeypatch.setenv("NCCL_DEBUG_FILE", env["NCCL_DEBUG_FILE"])
+    assert probe.own_log_text() == ""  # no log written yet
+    log = tmp_path / f"nccl.{os.uname().nodename}.{os.getpid()}.log"
+    log.write_text("x:1:1 NCCL INFO Comm config CTA policy flags set to 2\nother\n"
+                   "x:1:1 NCCL INFO Comm config CTA policy flags set to 0\n")
+    assert probe.policies_in_log(probe.own_log_text()) == [2, 0]
