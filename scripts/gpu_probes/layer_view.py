@@ -156,6 +156,17 @@ def main() -> None:
         out["every_slice_right"] = all(got)
         out["chunk_untouched"] = bool((chunk == rank + 1).all())
         comm.nccl.ncclCommWindowDeregister(comm.handle, win)
+    if n == 1:  # one rank: the layer view has one segment; ask about two (the chunk and a slot's pages)
+        two_ptr = vm.reserve(2 * CHUNK)
+        vm.map(two_ptr, CHUNK, chunk_h)
+        vm.map(two_ptr + CHUNK, CHUNK, vm.create(CHUNK))
+        win2 = ctypes.c_void_p(0)
+        rc2 = comm.nccl.ncclCommWindowRegister(comm.handle, ctypes.c_void_p(two_ptr), ctypes.c_size_t(2 * CHUNK),
+                                               ctypes.byref(win2), NCCL_WIN_COLL_SYMMETRIC)
+        out["two_segment_register_rc"] = rc2
+        out["two_segment_register_error"] = "" if rc2 == 0 else comm.nccl.last_error(comm.handle)
+        if rc2 == 0:
+            comm.nccl.ncclCommWindowDeregister(comm.handle, win2)
     everyone = [None] * n
     dist.all_gather_object(everyone, out)
     if rank == 0:
