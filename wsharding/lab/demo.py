@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,22 @@ def _time_steps(fn, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def side_by_side(variants: dict[str, Any], planner: Any, comm: Any, steps: int, rounds: int) -> dict[str, list[float]]:
+    """ms per step of each variant, ``rounds`` times: each round times every variant for ``steps``
+    steps, starting with a different variant each round, so that what drifts during a run (clocks,
+    the allocator, the other ranks) falls on every variant alike; the report takes the median.
+    A variant named ``sharded_no_lookahead`` runs with the planner's lookahead off."""
+    names = list(variants)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            planner.lookahead = k != "sharded_no_lookahead"
+            comm.barrier()
+            samples[k].append(_time_steps(variants[k], steps, comm.device))
+    planner.lookahead = True
+    return samples
+
+
 def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, comm: Any, *, tokens: int = 1,
                        steps: int = 20) -> dict[str, Any]:
     """Decode at ``tokens`` per rank, eager and replayed from a CUDA graph, replicated and sharded,
@@ -105,9 +122,9 @@ def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, co
 
 def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
               group_size: int | None = None, comm: str = "torch", kv_context: int | None = None,
-              graph: bool = False) -> dict[str, Any]:
+              graph: bool = False, rounds: int = 3) -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
-    variants side by side, trace one lookahead step and one step without lookahead. Also what the
+    variants side by side (:func:`side_by_side`, ``rounds`` times), trace one lookahead step and one step without lookahead. Also what the
     saving buys: KV-cache tokens and sequences of ``kv_context`` tokens (default 4096 on GPUs, 256 on
     CPU ranks) replicated vs sharded, from the memory free after finalize. ``graph``: also one-token
     decode eager vs replayed from a CUDA graph (:func:`decode_graph_times`), where it can run."""
@@ -142,16 +159,11 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         def step_replicated(s: int) -> None:
             aligned_forward(replicated, tok(s), replicated.dummy_tokens)
 
-        # warm-up, then the three variants measured one after the other in the same run
+        # warm-up, then the three variants measured side by side in the same run
         step_replicated(0)
         step_sharded(0)
-        comm.barrier()
-        t_rep = _time_steps(step_replicated, timed_steps, dev)
-        comm.barrier()
-        t_sh = _time_steps(step_sharded, timed_steps, dev)
-        planner.lookahead = False
-        comm.barrier()
-        t_nol = _time_steps(step_sharded, timed_steps, dev)
+        samples = side_by_side({"replicated": step_replicated, "sharded": step_sharded,
+                                "sharded_no_lookahead": step_sharded}, planner, comm, timed_steps, rounds)
 
         traces = {}
         for lookahead in (True, False):
@@ -181,7 +193,8 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "formula_bytes": ws.formula_bytes(),
         "slot_bytes": ws.slots.slot_bytes,
         "layout_bytes": {i: ws.layouts[i].total_bytes for i in ws.sharded_layer_ids},
-        "step_ms": {"replicated": t_rep, "sharded": t_sh, "sharded_no_lookahead": t_nol},
+        "step_ms": {k: statistics.median(v) for k, v in samples.items()},
+        "step_ms_samples": samples,
         "exposed_gather_us": tr.exposed_gather_us(),
         "gather_us": gather_us,
         "exposed_gather_fraction": tr.exposed_gather_us() / gather_us if gather_us > 0 else 0.0,
@@ -217,6 +230,10 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "gathers_per_step_all": [r["gathers"] for r in reports],
         "step_ms": {k: mean(k) for k in ("replicated", "sharded", "sharded_no_lookahead")},
         "step_ms_per_rank": [r["step_ms"] for r in reports],
+        # per variant and round, the mean over ranks (the table's median is taken per rank)
+        "step_ms_samples": {k: [sum(col) / len(col) for col in zip(*(r["step_ms_samples"][k] for r in reports),
+                                                                  strict=True)]
+                            for k in ("replicated", "sharded", "sharded_no_lookahead")},
         "exposed_gather_fraction": sum(r["exposed_gather_fraction"] for r in reports) / len(reports),
         "tokens_per_rank": [r["tokens"] for r in reports],
         "trace": [rec for r in reports for rec in r["trace"]["lookahead"]],
@@ -263,7 +280,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"max_abs_diff {report['max_abs_diff']}",
         f"  step time replicated {ms['replicated']:.3f} ms | sharded {ms['sharded']:.3f} ms "
         f"({ms['sharded'] / ms['replicated']:.2f}x) | no lookahead {ms['sharded_no_lookahead']:.3f} ms "
-        f"({ms['sharded_no_lookahead'] / ms['replicated']:.2f}x)",
+        f"({ms['sharded_no_lookahead'] / ms['replicated']:.2f}x)"
+        + (f", median of {len(report['step_ms_samples']['sharded'])} rounds" if report.get("step_ms_samples") else ""),
         f"  exposed gather fraction (lookahead): {report['exposed_gather_fraction']:.3f}",
     ]
     kv = report.get("kv_cache")
@@ -330,6 +348,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time one-token decode replayed from a CUDA graph, beside eager (GPUs, --comm nccl)")
     p.add_argument("--timed-steps", type=int_at_least(1), default=None,
                    help="steps per timed variant (default 20 on GPUs, 5 on CPU ranks)")
+    p.add_argument("--rounds", type=int_at_least(1), default=3,
+                   help="rounds of the three timed variants, each round in a different order; the table shows "
+                        "the median (default 3)")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
@@ -428,7 +449,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),
-                              comm=comm, graph=args.graph)
+                              comm=comm, graph=args.graph, rounds=args.rounds)
     report = summarize(reports, preset, n)
     if args.json != "-":
         print(format_table(report))
