@@ -118,3 +118,19 @@ def test_demo_writes_into_an_ignored_folder(tmp_path, monkeypatch):
     # and in a checkout that folder is ignored: a demo run leaves `git status` clean
     probe = subprocess.run(["git", "check-ignore", "-q", "wsharding-out/demo_memory.html"], cwd=ROOT)
     assert probe.returncode == 0
+
+
+def test_demo_without_plotly_reports_and_skips_the_figures(tmp_path, monkeypatch, capsys):
+    """A GPU machine with torch alone (no notebook stack): the run, the table and the report stand;
+    the figures are skipped with a line that says why (without the check: ModuleNotFoundError at the end)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(demo.importlib.util, "find_spec", lambda name, *a: None if name == "plotly" else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    args = _demo_args(preset="tiny", ranks=2, backend="gloo", steps=2, timed_steps=1, rounds=1,
+                      report=str(tmp_path / "r.json"))
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    assert "figures skipped: plotly is not installed" in out and "median of 1 rounds" in out
+    assert not (tmp_path / "wsharding-out").exists() and json.loads((tmp_path / "r.json").read_text())["outputs_equal"]

@@ -21,6 +21,7 @@ Before any rank starts, the memory the preset needs is compared with what the ma
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -456,10 +457,14 @@ def main(args: argparse.Namespace) -> int:
     written = emit_json(report, args.json)
     if written:
         print(f"  report: {written}")
-    if args.figures:
+    note = sys.stderr if args.json == "-" else sys.stdout
+    if args.figures and importlib.util.find_spec("plotly") is None:
+        # a GPU machine with torch only (no notebook stack): the run and its report stand without them
+        print("  figures skipped: plotly is not installed (pip install plotly, or --figures '' to say so)", file=note)
+    elif args.figures:
         for path in write_figures(report, args.figures, args.prefix):
             # with the JSON on stdout, the notes go to stderr so that stdout stays one JSON object
-            print(f"  figure: {os.path.relpath(path)}", file=sys.stderr if args.json == "-" else sys.stdout)
+            print(f"  figure: {os.path.relpath(path)}", file=note)
     ok = report["outputs_equal"] and report["max_abs_diff"] == 0.0
     ok = ok and (report.get("graph") or {}).get("graph_equal", True)
     return 0 if ok else 1
