@@ -83,12 +83,18 @@ def _time_steps(fn, steps: int, device: torch.device) -> float:
 
 
 def side_by_side(variants: dict[str, Any], planner: Any, comm: Any, steps: int, rounds: int) -> dict[str, list[float]]:
-    """ms per step of each variant, ``rounds`` times: each round times every variant for ``steps``
-    steps, starting with a different variant each round, so that what drifts during a run (clocks,
-    the allocator, the other ranks) falls on every variant alike; the report takes the median.
-    A variant named ``sharded_no_lookahead`` runs with the planner's lookahead off."""
+    """ms per step of each variant, ``rounds`` times after one untimed pass of each: each round times
+    every variant for ``steps`` steps, starting with a different variant each round, so that what
+    drifts during a run (clocks, the allocator, the other ranks) falls on every variant alike; the
+    report takes the median. A variant named ``sharded_no_lookahead`` runs with lookahead off."""
     names = list(variants)
     samples: dict[str, list[float]] = {k: [] for k in names}
+    # One untimed pass of every variant first: on an H200 the first round ran ~50 % slow for all three
+    # (k3-like, 2026-12-01), which a single timed pass puts on whichever variant comes first.
+    for k in names:
+        planner.lookahead = k != "sharded_no_lookahead"
+        for s in range(steps):
+            variants[k](s)
     for r in range(rounds):
         for k in names[r % len(names):] + names[: r % len(names)]:
             planner.lookahead = k != "sharded_no_lookahead"
@@ -160,9 +166,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         def step_replicated(s: int) -> None:
             aligned_forward(replicated, tok(s), replicated.dummy_tokens)
 
-        # warm-up, then the three variants measured side by side in the same run
-        step_replicated(0)
-        step_sharded(0)
+        # the three variants measured side by side in the same run
         samples = side_by_side({"replicated": step_replicated, "sharded": step_sharded,
                                 "sharded_no_lookahead": step_sharded}, planner, comm, timed_steps, rounds)
 
