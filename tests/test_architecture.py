@@ -34,6 +34,7 @@ FLOORS: dict[str, int] = {
     "wsharding.rowloaders": 6,
     "wsharding.bound": 6,
     "wsharding.redistribute": 6,
+    "wsharding.mapped_slots": 6,
     "wsharding.shard": 6,
     "wsharding.runner": 6,
     "wsharding.checkpoint": 7,

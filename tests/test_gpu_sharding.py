@@ -147,3 +147,59 @@ def test_gpu_shared_ranks_with_our_nccl(ranks):
             assert r["replays"] == [(True, True)] * 3
         for r in c.run(memory_over_steps, "small", 100, comm="nccl"):
             assert r["after"] == r["before"]
+
+
+# ---- [Note: the own chunk mapped, not copied] (NCCL >= 2.30) ----------------------------------------
+
+
+def _mapped_supported() -> bool:
+    from wsharding.comm.nccl.library import NcclLibraryError, default_library
+    from wsharding.mapped_slots import MIN_NCCL_MAPPED_VIEW
+
+    try:
+        return torch.cuda.is_available() and default_library().supports(MIN_NCCL_MAPPED_VIEW)
+    except NcclLibraryError:
+        return False
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gpu_mapped_views_equal_replicated_and_copy_nothing_of_their_own(ranks):
+    if not multi_rank_per_gpu_supported():
+        pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1")
+    counts = [[3, 5, 1, 7], [6, 2, 4, 1], [0, 3, 2, 5]]
+    counts = [row[:ranks] for row in counts]
+    with RankCluster(ranks, backend="gloo", task_timeout=600) as c:
+        for r in c.run(model_equality, "small", counts, comm="nccl", map_own_chunk=True, close=True):
+            assert r["max_abs_diff"] == 0.0 and all(e in (True, None) for e in r["equal"]) and any(r["equal"])
+            assert r["resident_bytes"] == r["formula_bytes"]
+            assert r["gathers"] == [len(r["sharded_layers"])] * len(counts)
+            # every gather sends the own slice of the layer's view: in place, nothing copied in
+            assert r["in_place_gathers"] == len(r["sharded_layers"])
+            before, after = r["pool_bytes"]
+            assert after == before  # close gave back every page, chunk and mapped range
+        for r in c.run(model_equality, "small", counts, comm="nccl"):
+            assert r["in_place_gathers"] == 0 and r["max_abs_diff"] == 0.0  # the plain slots copy the own chunk
+
+
+def test_gpu_mapped_views_one_rank():
+    if not _gpus():
+        pytest.skip("needs a GPU")
+    if not _mapped_supported():
+        pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY)")
+    with RankCluster(1, backend="nccl", task_timeout=600) as c:
+        (r,) = c.run(model_equality, "small", [[3], [6], [1]], comm="nccl", map_own_chunk=True, close=True)
+        assert r["max_abs_diff"] == 0.0 and all(r["equal"]) and r["resident_bytes"] == r["formula_bytes"]
+        assert r["in_place_gathers"] == len(r["sharded_layers"]) and r["pool_bytes"][0] == r["pool_bytes"][1]
+
+
+def test_gpu_mapped_views_refused_by_an_older_nccl():
+    if not _gpus():
+        pytest.skip("needs a GPU")
+    if _mapped_supported():
+        pytest.skip("the loaded NCCL maps views: the gate has nothing to refuse here")
+    from wsharding.comm.nccl.library import NcclLibraryError
+
+    with RankCluster(1, backend="nccl", task_timeout=600) as c:
+        with pytest.raises(Exception, match="map_own_chunk .* needs NCCL >= 2.30.0") as info:
+            c.run(model_equality, "small", [[3]], comm="nccl", map_own_chunk=True)
+        assert "NcclLibraryError" in str(info.value) or isinstance(info.value, NcclLibraryError)

@@ -186,3 +186,23 @@ def test_mixed_dtypes_and_table():
         assert torch.equal(views[name].view(torch.uint8), t.view(torch.uint8))
     text = repr(lay)
     assert "N=4" in text and "fp8_e4m3" in text and "rank 3" in text
+
+
+def test_chunk_alignment_pads_every_chunk_to_whole_pages():
+    """A chunk mapped into a layer's view must be whole pages of the GPU's allocation granularity
+    ([Note: the own chunk mapped, not copied]); entry offsets keep their 16-byte rule."""
+    page = 2 << 20
+    specs = [("a", (1000, 300), torch.bfloat16), ("b", (7,), torch.float32)]
+    plain = FlatLayout(specs, 2)
+    mapped = FlatLayout(specs, 2, chunk_alignment=page)
+    assert [e.offset for e in mapped.entries] == [e.offset for e in plain.entries] == [0, 600000]
+    assert plain.total_bytes == 600032 and mapped.total_bytes == 2 * page and mapped.chunk_bytes == page
+    assert mapped.tail_padding_bytes == 2 * page - 600028 and mapped != plain
+    assert FlatLayout.from_entries(mapped.entries, 2, chunk_alignment=page) == mapped
+    bad = FlatLayout.from_entries(mapped.entries, 2, chunk_alignment=page)
+    bad.total_bytes += 16  # a chunk that is not whole pages could not be mapped
+    with pytest.raises(LayoutError, match=r"not a multiple of chunk_alignment\*N = 4194304"):
+        bad.validate()
+    for wrong in (8, 3 << 20, "2M"):
+        with pytest.raises(LayoutError, match="chunk_alignment must be a power of two >= alignment"):
+            FlatLayout(specs, 2, chunk_alignment=wrong)

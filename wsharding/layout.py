@@ -110,6 +110,14 @@ class OwnedPiece:
         return self.entry_stop - self.entry_start
 
 
+def _check_chunk_alignment(chunk_alignment: int | None, alignment: int) -> None:
+    if chunk_alignment is None:
+        return
+    if (not isinstance(chunk_alignment, int) or chunk_alignment < alignment
+            or chunk_alignment & (chunk_alignment - 1)):
+        raise LayoutError(f"chunk_alignment must be a power of two >= alignment ({alignment}), got {chunk_alignment!r}")
+
+
 class FlatLayout:
     """Byte layout of one layer's gathered weights over a group of ``group_size`` ranks.
 
@@ -127,11 +135,13 @@ class FlatLayout:
         group_size: int,
         *,
         alignment: int = ALIGNMENT,
+        chunk_alignment: int | None = None,
     ) -> None:
         if not isinstance(group_size, int) or group_size < 1:
             raise LayoutError(f"group_size must be an integer >= 1, got {group_size!r}")
         if alignment < ALIGNMENT or alignment & (alignment - 1):
             raise LayoutError(f"alignment must be a power of two >= {ALIGNMENT}, got {alignment}")
+        _check_chunk_alignment(chunk_alignment, alignment)
         entries: list[LayoutEntry] = []
         seen: set[str] = set()
         cursor = 0
@@ -156,30 +166,37 @@ class FlatLayout:
             offset = align_up(cursor, alignment)
             entries.append(LayoutEntry(name, shape, dtype, offset, nbytes))
             cursor = offset + nbytes
-        self._init_from_entries(entries, group_size, alignment)
+        self._init_from_entries(entries, group_size, alignment, chunk_alignment)
 
     @classmethod
     def from_entries(
-        cls, entries: Sequence[LayoutEntry], group_size: int, *, alignment: int = ALIGNMENT
+        cls, entries: Sequence[LayoutEntry], group_size: int, *, alignment: int = ALIGNMENT,
+        chunk_alignment: int | None = None,
     ) -> FlatLayout:
         """Rebuild a layout from explicit entries (e.g. read back from a report), checking every
-        invariant: aligned offsets, no overlap, a total divisible by ``alignment * N``."""
+        invariant: aligned offsets, no overlap, a total divisible by ``chunk_alignment * N``."""
+        _check_chunk_alignment(chunk_alignment, alignment)
         self = cls.__new__(cls)
-        self._init_from_entries(list(entries), group_size, alignment)
+        self._init_from_entries(list(entries), group_size, alignment, chunk_alignment)
         return self
 
-    def _init_from_entries(self, entries: list[LayoutEntry], group_size: int, alignment: int) -> None:
+    def _init_from_entries(self, entries: list[LayoutEntry], group_size: int, alignment: int,
+                           chunk_alignment: int | None) -> None:
         if not entries:
             raise LayoutError("a layout needs at least one entry")
         self.group_size = group_size
         self.alignment = alignment
+        #: Every chunk is a multiple of this (``alignment`` unless a backend asks for more: a chunk
+        #: mapped into a layer's view must be whole pages of the GPU's allocation granularity).
+        self.chunk_alignment = chunk_alignment or alignment
         self.entries: tuple[LayoutEntry, ...] = tuple(entries)
         self._by_name = {e.name: e for e in entries}
         #: Bytes up to the end of the last entry (holes between entries included).
         self.used_bytes = max(e.end for e in entries)
         # Padding the total to alignment * N makes every chunk a multiple of the alignment, so a
         # chunk (and any buffer carved at a chunk border) keeps the 16-byte alignment of its base.
-        self.total_bytes = max(align_up(self.used_bytes, alignment * group_size), alignment * group_size)
+        unit = self.chunk_alignment * group_size
+        self.total_bytes = max(align_up(self.used_bytes, unit), unit)
         self.chunk_bytes = self.total_bytes // group_size
         self.validate()
 
@@ -204,9 +221,10 @@ class FlatLayout:
             if e.nbytes != e.numel * e.dtype.itemsize:
                 raise LayoutError(f"entry {e.name!r}: {e.nbytes} bytes do not match {e.dtype} {e.shape}")
             prev_end, prev_name = e.end, e.name
-        if self.total_bytes % (self.alignment * self.group_size):
+        if self.total_bytes % (self.chunk_alignment * self.group_size):
             raise LayoutError(
-                f"total {self.total_bytes} B is not a multiple of alignment*N = {self.alignment * self.group_size}"
+                f"total {self.total_bytes} B is not a multiple of chunk_alignment*N = "
+                f"{self.chunk_alignment * self.group_size}"
             )
 
     # ---- sizes -----------------------------------------------------------------------------
@@ -226,7 +244,7 @@ class FlatLayout:
 
     @property
     def tail_padding_bytes(self) -> int:
-        """Bytes after the last entry that make the total divisible by ``alignment * N``."""
+        """Bytes after the last entry that make the total divisible by ``chunk_alignment * N``."""
         return self.total_bytes - self.used_bytes
 
     def entry(self, name: str) -> LayoutEntry:
@@ -369,7 +387,8 @@ class FlatLayout:
             and self.entries == other.entries
             and self.group_size == other.group_size
             and self.alignment == other.alignment
+            and self.chunk_alignment == other.chunk_alignment
         )
 
     def __hash__(self) -> int:
-        return hash((self.entries, self.group_size, self.alignment))
+        return hash((self.entries, self.group_size, self.alignment, self.chunk_alignment))

@@ -79,7 +79,7 @@ def redistribute_layer(comm: Communicator, layout: FlatLayout, targets: list[Sha
     i = layer
     rank, world = comm.rank, comm.world_size
     pack, staging = slots.buffers
-    views = slots.views(i)
+    parked = slots.scratch_views(i)
     packed: dict[str, torch.Tensor] = {}
     off = 0
     for t in targets:
@@ -89,11 +89,12 @@ def redistribute_layer(comm: Communicator, layout: FlatLayout, targets: list[Sha
         packed[t.entry] = pack.narrow(0, off, rows.numel())
         packed[t.entry].copy_(rows)
         off += rows.numel()
-        rebind_tensor(t.module, "weight", views[t.entry])  # frees the row shard
+        rebind_tensor(t.module, "weight", parked[t.entry])  # frees the row shard
     if packed:
         seen("rows packed", i)
-    chunk = comm.alloc(layout.chunk_bytes, tag=tag)
+    chunk = slots.alloc_chunk(comm, i, tag)
     chunk.zero_()
+    views = slots.views(i)  # a mapped pool builds the layer's view over its chunk only now
     chunks[i] = chunk
     seen("chunk", i)
     lo, hi = layout.chunk_range(rank)

@@ -87,6 +87,7 @@ def shard_blocks(
     keep_initial_weights: bool = True,
     load: Callable[[WeightSharding], Any] | None = None,
     prefetch_next_step: bool = False,
+    map_own_chunk: bool = False,
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
 
@@ -96,6 +97,10 @@ def shard_blocks(
     ``prefetch_next_step``: each step issues the next step's first gather while its own last blocks
     run ([Note: the next step's first gather] in ``wsharding/planner.py``); off by default, and off
     before capturing a CUDA graph.
+
+    ``map_own_chunk``: no gather copies the rank's own chunk -- each block gathers into a range mapped
+    over it ([Note: the own chunk mapped, not copied] in ``wsharding/mapped_slots.py``; our NCCL
+    communicator, NCCL >= 2.30); off by default.
 
     ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
     row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
@@ -109,7 +114,8 @@ def shard_blocks(
         raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
     targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
     ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace,
-                        keep_initial_weights=keep_initial_weights, prefetch_next_step=prefetch_next_step)
+                        keep_initial_weights=keep_initial_weights, prefetch_next_step=prefetch_next_step,
+                        map_own_chunk=map_own_chunk)
     ws.setup()
     if load is not None:
         ws.load_result = load(ws)

@@ -36,6 +36,7 @@ from wsharding.bound import guard_bound_weight
 from wsharding.comm.base import Communicator
 from wsharding.layout import FlatLayout
 from wsharding.linear.base import LinearBase, rebind_tensor
+from wsharding.mapped_slots import mapping_page_bytes, slot_pool_for
 from wsharding.planner import ShardedLayer, WeightShardPlanner
 from wsharding.redistribute import agree_or_raise, redistribute_layer, set_weight_data
 from wsharding.rowloaders import (
@@ -123,6 +124,10 @@ class WeightSharding:
 
     ``prefetch_next_step``: the planner issues each step's first gather during the previous step's
     last layers ([Note: the next step's first gather] in ``wsharding/planner.py``); off by default.
+
+    ``map_own_chunk``: each layer gathers into an address range whose own slice is mapped over its
+    resident chunk, so no gather copies the rank's own chunk ([Note: the own chunk mapped, not copied]
+    in ``wsharding/mapped_slots.py``); needs our NCCL communicator and NCCL >= 2.30; off by default.
     """
 
     def __init__(
@@ -136,8 +141,12 @@ class WeightSharding:
         trace: bool = False,
         keep_initial_weights: bool = True,
         prefetch_next_step: bool = False,
+        map_own_chunk: bool = False,
     ) -> None:
         self.comm = comm
+        self.map_own_chunk = map_own_chunk
+        # Checked before anything is declared: a chunk must be whole pages to be mapped.
+        self._chunk_alignment = mapping_page_bytes(comm) if map_own_chunk else None
         self.lookahead = lookahead
         self.prefetch_next_step = prefetch_next_step
         self.trace = trace
@@ -204,7 +213,8 @@ class WeightSharding:
                 # Loading reads this: the linear's own after-loading step runs at finalize instead.
                 t.module.weight_shard_target = t
             # Attention and MoE targets of a layer share one layout: one gather per layer.
-            self.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], self.comm.world_size)
+            self.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], self.comm.world_size,
+                                                chunk_alignment=self._chunk_alignment)
         return chosen
 
     def report(self) -> str:
@@ -339,7 +349,7 @@ class WeightSharding:
         # model: number the shardings made on it (the same count on every rank).
         k = _SHARDINGS_ON.get(comm, 0)
         _SHARDINGS_ON[comm] = k + 1
-        self.slots = SlotPool(comm, self.layouts, tag=f"ws{k}.slot")
+        self.slots = slot_pool_for(comm, self.layouts, tag=f"ws{k}.slot", map_own_chunk=self.map_own_chunk)
         register_all = getattr(comm, "register_all", None)
         if register_all is not None:
             register_all()  # collective, one order on every rank
@@ -352,7 +362,7 @@ class WeightSharding:
             register_all()  # the chunks: the next gathers read them
         self.planner = WeightShardPlanner(
             comm,
-            {i: ShardedLayer(i, self.layouts[i], self.chunks[i]) for i in self.targets},
+            {i: ShardedLayer(i, self.layouts[i], self.slots.gather_chunk(i, self.chunks[i])) for i in self.targets},
             self.slots,
             lookahead=self.lookahead,
             trace=self.trace,
@@ -392,7 +402,7 @@ class WeightSharding:
                 # the freed slot through it.
                 rebind_tensor(t.module, "weight", torch.empty(0, dtype=t.dtype, device=self.comm.device))
         release = getattr(self.comm, "release", None)
-        buffers = list(self.chunks.values()) + (list(self.slots.buffers) if self.slots is not None else [])
+        buffers = list(self.chunks.values()) + (self.slots.owned_buffers() if self.slots is not None else [])
         self.chunks.clear()
         self.slots = None
         if release is not None and buffers:
@@ -440,7 +450,7 @@ class WeightSharding:
         full: dict[int, torch.Tensor] = {}
         for i in sorted(self.targets):
             buf = self.slots.full_buffer(i)
-            self.comm.all_gather_into(buf, self.chunks[i], what=f"full_state_dict: layer {i}")
+            self.comm.all_gather_into(buf, self.slots.gather_chunk(i, self.chunks[i]), what=f"full_state_dict: layer {i}")
             self.slots.occupy(i)
             views = self.layouts[i].views(buf)
             for t in self.targets[i]:
@@ -477,7 +487,7 @@ class WeightSharding:
         """Bytes of sharded weights this rank holds now, from the storages: ``"weights"`` (row shards,
         or full weights of requant-then-shard targets, still outside the slots), ``"chunks"``,
         ``"slots"``."""
-        slot_ptrs = {b.untyped_storage().data_ptr() for b in self.slots.buffers} if self.slots else set()
+        slot_ptrs = self.slots.bound_storage_ptrs() if self.slots else set()
         weights: dict[int, int] = {}
         for ts in self.targets.values():
             for t in ts:

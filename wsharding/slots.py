@@ -31,10 +31,7 @@ class SlotPool:
         self.layer_ids = sorted(layouts)
         self.layouts = layouts
         self.slot_bytes = max(lay.total_bytes for lay in layouts.values())
-        self.buffers: tuple[torch.Tensor, torch.Tensor] = (
-            comm.alloc(self.slot_bytes, tag=f"{tag}.A"),
-            comm.alloc(self.slot_bytes, tag=f"{tag}.B"),
-        )
+        self.buffers: tuple[torch.Tensor, torch.Tensor] = self._allocate(comm, tag)
         self._slot_of = {layer: k % 2 for k, layer in enumerate(self.layer_ids)}
         # The sharded layer that last used the same slot: the gate of a gather into that slot.
         self._previous_occupant = {
@@ -43,9 +40,34 @@ class SlotPool:
         #: Which layer's weights each slot holds (or is receiving) right now.
         self.occupant: list[int | None] = [None, None]
 
+    def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return comm.alloc(self.slot_bytes, tag=f"{tag}.A"), comm.alloc(self.slot_bytes, tag=f"{tag}.B")
+
     @property
     def total_bytes(self) -> int:
         return 2 * self.slot_bytes
+
+    # ---- what finalize and the planner ask of a pool (a mapped pool answers differently) --------------
+    def alloc_chunk(self, comm: Communicator, layer: int, tag: str) -> torch.Tensor:
+        """The layer's resident chunk, allocated through the communicator."""
+        return comm.alloc(self.layouts[layer].chunk_bytes, tag=tag)
+
+    def gather_chunk(self, layer: int, chunk: torch.Tensor) -> torch.Tensor:
+        """What the layer's gather sends: its resident chunk."""
+        return chunk
+
+    def scratch_views(self, layer: int) -> dict[str, torch.Tensor]:
+        """Where finalize parks a layer's weights while it rebuilds them (any view of the right shape
+        frees the row shards): the layer's own slot views."""
+        return self.views(layer)
+
+    def owned_buffers(self) -> list[torch.Tensor]:
+        """Every buffer this pool made (what closing a sharding releases)."""
+        return list(self.buffers)
+
+    def bound_storage_ptrs(self) -> set[int]:
+        """Storages that bound weights view (not counted as weights held outside the slots)."""
+        return {b.untyped_storage().data_ptr() for b in self.buffers}
 
     def slot_of(self, layer: int) -> int:
         """0 (slot A) or 1 (slot B): fixed by the layer's position among the sharded layers."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,6 +79,12 @@ class SymmetricBuffer:
     tensor: torch.Tensor
     window: int | None = None
     freed: bool = False
+    #: False: memory that is only ever reached through a window over another address range (a page
+    #: mapped into a layer's view): it gets no window of its own.
+    wants_window: bool = True
+    #: For an address range built elsewhere (:meth:`SymmetricPool.adopt`): what frees it, instead of
+    #: ``ncclMemFree``; such a range owns no memory of its own.
+    release_memory: Callable[[], None] | None = None
 
     def contains(self, t: torch.Tensor) -> bool:
         start = t.data_ptr()
@@ -125,8 +132,9 @@ class SymmetricPool:
     #: Tags in the order their windows were registered (the same on every rank).
     registered_order: list[str] = field(default_factory=list)
 
-    def alloc(self, nbytes: int, tag: str) -> torch.Tensor:
-        """Allocate ``nbytes`` of ncclMemAlloc memory (local, not collective); returns the tensor."""
+    def alloc(self, nbytes: int, tag: str, *, window: bool = True) -> torch.Tensor:
+        """Allocate ``nbytes`` of ncclMemAlloc memory (local, not collective); returns the tensor.
+        ``window=False``: never registered (memory reached only through another buffer's window)."""
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise CommError(f"alloc({nbytes!r}, tag={tag!r}): nbytes must be a positive integer")
         if any(b.tag == tag and not b.freed for b in self.buffers):
@@ -139,12 +147,35 @@ class SymmetricPool:
         if ptr.value % WINDOW_ALIGN:
             raise CommError(f"ncclMemAlloc returned {ptr.value:#x}, not {WINDOW_ALIGN}-aligned")
         tensor = wrap_device_memory(ptr.value, size, c.device)[:nbytes]
-        self.buffers.append(SymmetricBuffer(tag, len(self.buffers), nbytes, size, ptr.value, tensor))
+        self.buffers.append(SymmetricBuffer(tag, len(self.buffers), nbytes, size, ptr.value, tensor,
+                                            wants_window=window))
         return tensor
+
+    def adopt(self, tensor: torch.Tensor, tag: str, release_memory: Callable[[], None]) -> None:
+        """Take an address range built elsewhere (a layer's view mapped over other allocations) as a
+        buffer: it is registered with the others (collective, by tag) and ``release_memory`` undoes
+        it when the buffer is released or the pool freed."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes % WINDOW_ALIGN or tensor.data_ptr() % WINDOW_ALIGN:
+            raise CommError(f"adopt({tag!r}): {nbytes} bytes at {tensor.data_ptr():#x} are not whole {WINDOW_ALIGN}-byte "
+                            "units of the window rule")
+        if any(b.tag == tag and not b.freed for b in self.buffers):
+            raise CommError(f"adopt: tag {tag!r} is already used; tags name windows and must be unique")
+        self.buffers.append(SymmetricBuffer(tag, len(self.buffers), nbytes, nbytes, tensor.data_ptr(), tensor,
+                                            release_memory=release_memory))
+
+    def _free(self, b: SymmetricBuffer) -> str | None:
+        """Free one buffer's memory (or undo an adopted range); an error text, or None."""
+        b.freed = True
+        if b.release_memory is not None:
+            b.release_memory()
+            return None
+        rc = self.comm.nccl.ncclMemFree(b.ptr)
+        return None if rc == 0 else f"{b.tag}: {self.comm.nccl.error_string(rc)}"
 
     def pending(self) -> list[SymmetricBuffer]:
         """Buffers not registered yet, in registration order."""
-        todo = [b for b in self.buffers if b.window is None and not b.freed]
+        todo = [b for b in self.buffers if b.window is None and not b.freed and b.wants_window]
         return sorted(todo, key=lambda b: (tag_sort_key(b.tag), b.seq))
 
     def register_all(self) -> int:
@@ -189,25 +220,28 @@ class SymmetricPool:
                 rc = c.nccl.ncclCommWindowDeregister(c.handle, b.window)
                 b.window = None
                 c.complete(rc, f"ncclCommWindowDeregister({b.tag!r})")
-            b.freed = True
-            rc = c.nccl.ncclMemFree(b.ptr)
-            if rc != 0:
-                raise CommError(f"ncclMemFree failed for {b.tag}: {c.nccl.error_string(rc)}")
+            error = self._free(b)
+            if error is not None:
+                raise CommError(f"ncclMemFree failed for {error}")
 
     def free_all(self) -> None:
         """Free every allocation (after deregistration, or after the communicator was aborted)."""
-        c = self.comm
         errors = []
-        for b in self.buffers:
+        # adopted ranges first: they map the pages the others free
+        for b in sorted(self.buffers, key=lambda b: b.release_memory is None):
             if b.freed:
                 continue
-            b.freed = True
             b.window = None
-            rc = c.nccl.ncclMemFree(b.ptr)
-            if rc != 0:
-                errors.append(f"{b.tag}: {c.nccl.error_string(rc)}")
+            error = self._free(b)
+            if error is not None:
+                errors.append(error)
         if errors:
             raise CommError("ncclMemFree failed for " + "; ".join(errors))
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Device memory this pool holds (``ncclMemAlloc``; adopted ranges own none)."""
+        return sum(b.alloc_bytes for b in self.buffers if not b.freed and b.release_memory is None)
 
     @property
     def registered_bytes(self) -> int:

@@ -46,10 +46,12 @@ from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import WeightSharding
 from wsharding.units import ceil_div
 
-EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "fsdp2")
+EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "sharded_mapped", "fsdp2")
 #: What the variants that are not self-explanatory measure (printed under the table).
 LEGEND = {"sharded_next_step": "sharded, with the next step's first gather issued while this step's last layers run "
-                               "(planner.prefetch_next_step)"}
+                               "(planner.prefetch_next_step)",
+          "sharded_mapped": "a second sharding of the model whose layers gather into views mapped over their chunks: "
+                            "no own-chunk copy (map_own_chunk=True, NCCL >= 2.30)"}
 GRAPH = ("graph_replicated", "graph_sharded")
 MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 #: Largest tokens per rank that --graph captures (decode sizes).
@@ -57,13 +59,21 @@ GRAPH_MAX_TOKENS = 256
 
 
 # ---- the models ---------------------------------------------------------------------------------------
+def _sharded_twin(model: str, comm: Communicator, **options: Any) -> tuple[torch.nn.Module, WeightSharding]:
+    """``model`` built on this rank and sharded over ``comm`` (``options``: WeightSharding's)."""
+    if model in BLOCK_PRESETS:
+        sharded = build_blocks(model, comm.device)
+        return sharded, shard_blocks(sharded, "layers", BLOCK_TARGETS, comm, **options)
+    sharded = build_pair(decoder_config(model), comm, **options)[1]
+    return sharded, sharded.weight_sharding
+
+
 def _models(ctx: RankContext, model: str, comm: Communicator, fsdp: bool):
     """(replicated, sharded, WeightSharding, make_input, fsdp2 or None) for ``model`` on this rank."""
     dev = comm.device
     if model in BLOCK_PRESETS:
         replicated = build_blocks(model, dev)
-        sharded = build_blocks(model, dev)
-        ws = shard_blocks(sharded, "layers", BLOCK_TARGETS, comm)
+        sharded, ws = _sharded_twin(model, comm)
 
         def make_input(tokens: int, seed: int) -> torch.Tensor:
             return replicated.inputs(tokens, seed, dev)
@@ -184,8 +194,10 @@ def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
 
 # ---- one rank ---------------------------------------------------------------------------------------------
 def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: int = 10, warmup: int = 3,
-                    comm: str = "auto", fsdp: bool = True, graph: bool = False, repeats: int = 1) -> dict[str, Any]:
-    """On one rank: every variant at every tokens-per-rank value, in the same run."""
+                    comm: str = "auto", fsdp: bool = True, graph: bool = False, repeats: int = 1,
+                    mapped: bool = False) -> dict[str, Any]:
+    """On one rank: every variant at every tokens-per-rank value, in the same run. ``mapped``: also
+    the ``sharded_mapped`` variant (a second sharding with ``map_own_chunk=True``)."""
     c = shard_comm_for(ctx, comm)
     dev = c.device
     # FSDP2 runs on torch.distributed's own devices: not when ranks share a GPU over a gloo group.
@@ -193,6 +205,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     graph_error = graph_unsupported(c) if graph else None
     graph = graph and graph_error is None
     replicated, sharded, ws, make_input, fsdp_model = _models(ctx, model, c, fsdp)
+    sharded_mapped = _sharded_twin(model, c, map_own_chunk=True)[0] if mapped else None
     planner = ws.planner
     bw, floor_ms = link_floor(ws, c)
     planner_us = planner_host_us(ws)
@@ -221,6 +234,9 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             row: dict[str, Any] = {"tokens_per_rank": t, "equal": bool(torch.equal(replicated(x), sharded(x)))}
             runs = {"replicated": _call(replicated, x), "sharded": _call(sharded, x),
                     "sharded_no_lookahead": _call(sharded, x), "sharded_next_step": _call(sharded, x)}
+            if sharded_mapped is not None:
+                row["equal"] = row["equal"] and bool(torch.equal(replicated(x), sharded_mapped(x)))
+                runs["sharded_mapped"] = _call(sharded_mapped, x)
             if fsdp_model is not None:
                 runs["fsdp2"] = _call(fsdp_model, x)
             measure(row, runs)
@@ -333,6 +349,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int_at_least(1), default=None, help="measurements per value (default 1 GPU, 3 CPU)")
     p.add_argument("--graph", action="store_true", help="also capture and replay the layer loop in a CUDA graph")
     p.add_argument("--no-fsdp", action="store_true", help="leave FSDP2 out")
+    p.add_argument("--mapped", action="store_true",
+                   help="also a sharding whose gathers copy nothing of their own (map_own_chunk; NCCL >= 2.30)")
     p.add_argument("--json", default="wsharding-out/bench_step", help="path prefix for .json and the figure ('' for none)")
 
 
@@ -356,7 +374,7 @@ def main(args: argparse.Namespace) -> int:
         backend = "gloo"  # several ranks per GPU: torch's NCCL refuses duplicate GPUs, our binding does not
     with RankCluster(n, backend=backend, ranks_per_gpu=rpg, task_timeout=3600) as cluster:
         results = cluster.run(step_bench_rank, model, tokens, steps=steps, comm=args.comm, fsdp=not args.no_fsdp,
-                              graph=args.graph, repeats=repeats)
+                              graph=args.graph, repeats=repeats, mapped=args.mapped)
     report = summarize(results, model, args.comm)
     print(format_table(report))
     if args.json:

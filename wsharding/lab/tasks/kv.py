@@ -87,7 +87,7 @@ def _cap(device: torch.device, cap_bytes: int) -> None:
 def _outside_torch(comm: Any) -> int:
     """Device bytes our NCCL communicator holds outside torch's allocator (ncclMemAlloc)."""
     pool = getattr(comm, "pool", None)
-    return 0 if pool is None else sum(b.alloc_bytes for b in pool.buffers if not b.freed)
+    return 0 if pool is None else pool.allocated_bytes
 
 
 def _free_cached() -> None:

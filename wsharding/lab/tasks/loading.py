@@ -214,7 +214,7 @@ def outside_allocator_bytes(comm: Any) -> Callable[[], int]:
     pool = getattr(comm, "pool", None)
     if pool is None:
         return lambda: 0
-    return lambda: sum(b.alloc_bytes for b in pool.buffers if not b.freed)
+    return lambda: pool.allocated_bytes
 
 
 # ---- the demo's load numbers ------------------------------------------------------------------------

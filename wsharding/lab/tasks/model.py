@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankContext
+from wsharding.comm.base import is_slice_of
 from wsharding.cuda_graph import capture_graph
 from wsharding.models import DecoderConfig, build_pair, decoder_config
 from wsharding.runner import aligned_forward
@@ -105,13 +106,19 @@ def group_of(comm: Any) -> list[int]:
 
 def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *, lookahead: bool = True,
                    group_size: int | None = None, seed: int = 0, comm: str = "torch",
-                   prefetch_next_step: bool = False) -> dict[str, Any]:
+                   prefetch_next_step: bool = False, map_own_chunk: bool = False,
+                   close: bool = False) -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
     tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit.
-    ``prefetch_next_step``: the planner's [Note: the next step's first gather]."""
+    ``prefetch_next_step``: the planner's [Note: the next step's first gather]; ``map_own_chunk``:
+    [Note: the own chunk mapped, not copied] (``in_place_gathers`` counts the gathers that copy nothing
+    of their own). ``close``: close the sharding at the end and report the communicator's device
+    bytes before the build and after the close (our NCCL communicator; None for the others)."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
-    replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead)
+    pool = getattr(comm, "pool", None)
+    pool_before = pool.allocated_bytes if pool is not None else None
+    replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding
     ws.planner.prefetch_next_step = prefetch_next_step
     equal, max_diff, gathers, waits = [], 0.0, [], []
@@ -127,13 +134,16 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
             out_r = replicated(x)
             equal.append(bool(torch.equal(out_r, out_s)))
             max_diff = max(max_diff, float((out_r.float() - out_s.float()).abs().max()))
-    return {
+    result = {
         "rank": ctx.rank,
         "equal": equal,
         "max_abs_diff": max_diff,
         "gathers": gathers,
         "waits": waits,
         "next_step_prefetches": ws.planner.next_step_prefetches,
+        # the gather's own rule for "nothing of its own to copy" (NcclPreparedGather.in_place)
+        "in_place_gathers": sum(is_slice_of(ws.slots.gather_chunk(i, ws.chunks[i]), ws.slots.full_buffer(i), comm.rank)
+                                for i in ws.sharded_layer_ids),
         "sharded_layers": ws.sharded_layer_ids,
         "replicated_bytes": ws.replicated_bytes(),
         "resident_bytes": ws.resident_bytes(),
@@ -143,6 +153,10 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "mode": comm.mode,
         "group": group_of(comm),
     }
+    if close:
+        ws.close()
+        result["pool_bytes"] = (pool_before, pool.allocated_bytes if pool is not None else None)
+    return result
 
 
 def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, replays: int = 3,

@@ -1,0 +1,170 @@
+"""Slots whose layer views are mapped over the resident chunks: no own-chunk copy per gather.
+
+[Note: the own chunk mapped, not copied]
+A gather into a plain slot first puts the rank's own chunk into its slice of the slot: a same-device
+copy, which runs on the SMs (~100 us per 218 MB layer on an H200, taken from the layer's compute at
+2048 tokens per rank; [Note: no serial local copy] in ``wsharding/comm/nccl/gather.py``). The bytes
+are already in memory, only at the wrong address. CUDA's virtual memory API moves the address
+instead of the bytes: each sharded layer gets its own address range of the layer's full size, and
+
+* this rank's slice of it maps the pages of the layer's resident chunk,
+* every other slice maps the pages of one slot (slot A or B, by the layer's parity),
+
+so the range *is* the layer's gathered buffer once the peers' slices arrive. The gather runs in
+place -- the send buffer is the own slice of the range -- and moves only the peers' (N-1)/N of the
+layer over the copy engines; the weights are views of the range, as they were of the slot. Slots
+keep their role and their memory: a slot is N pages of the largest chunk each, mapped side by side
+into one range (finalize still packs rows and rebuilds full weights in it); the layers of one parity
+share its pages, so the gate rules are the slots' own ([Note: the gate] in ``wsharding/planner.py``).
+
+What it needs, each checked before anything is allocated:
+
+* our NCCL communicator (its ``ncclMemAlloc`` pages and its symmetric windows); the layer ranges
+  are registered as windows like the slots, in tag order on every rank;
+* NCCL >= 2.30: a window over several allocations. NCCL 2.29 refuses one ("span multiple physical
+  segments"); NCCL 2.28 registers it but shares only the first allocation's pages with the peers
+  (``src/dev_runtime.cc``: one ``cuMemRetainAllocationHandle`` at the range's start), so a peer would
+  write past what it mapped -- silent corruption, which the version gate refuses up front;
+* every chunk whole pages of the allocation granularity (2 MiB on an H200): the layouts are built
+  with ``chunk_alignment`` = that page, which adds at most a page of padding per layer and rank.
+
+Measured (``scripts/gpu_probes/layer_view.py``, one H200, NCCL 2.32.3, 2 and 4 ranks on the GPU,
+2026-12-01): the range registers, the in-place copy-engine gather fills every slice, the chunk's
+pages are untouched, no kernel runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from wsharding.comm.base import Communicator
+from wsharding.comm.cuda_vmm import VirtualMemory
+from wsharding.comm.nccl.symmetric import wrap_device_memory
+from wsharding.layout import FlatLayout
+from wsharding.rowloaders import ShardingError
+from wsharding.slots import SLOT_NAMES, SlotPool
+
+#: A window over several allocations (see the note).
+MIN_NCCL_MAPPED_VIEW = (2, 30, 0)
+
+
+def mapping_page_bytes(comm: Communicator) -> int:
+    """The page every chunk must be a whole number of, after checking that ``comm`` can map layer
+    views at all (our NCCL communicator, NCCL >= 2.30); raises naming the rule and the fix."""
+    library = getattr(comm, "library", None)
+    if getattr(comm, "pool", None) is None or library is None:
+        raise ShardingError(
+            f"map_own_chunk=True needs our NCCL communicator (comm='nccl': symmetric windows over ncclMemAlloc "
+            f"pages); {type(comm).__name__} gathers into plain buffers. Leave map_own_chunk off with this one")
+    library.require(MIN_NCCL_MAPPED_VIEW, "map_own_chunk (a symmetric window over several allocations; "
+                                          "NCCL 2.28 would share only the first with the peers)")
+    return VirtualMemory(comm.device.index).granularity()
+
+
+class MappedSlotPool(SlotPool):
+    """A :class:`SlotPool` whose layers gather into ranges mapped over their chunks (see the note).
+
+    The layouts must have been made with ``chunk_alignment=mapping_page_bytes(comm)``.
+    """
+
+    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str = "slot") -> None:
+        self.page = mapping_page_bytes(comm)
+        for layer, lay in sorted(layouts.items()):
+            if lay.chunk_bytes % self.page:
+                raise ShardingError(
+                    f"layer {layer}: chunk of {lay.chunk_bytes} B is not whole {self.page}-byte pages, so it cannot be "
+                    "mapped into the layer's view: build the layouts with chunk_alignment=mapping_page_bytes(comm) "
+                    "(WeightSharding(..., map_own_chunk=True) does)")
+        self.comm = comm
+        self.vm = VirtualMemory(comm.device.index)
+        self._tag = tag
+        self._pages: list[list[torch.Tensor]] = []  # [slot][rank]
+        self._views: dict[int, torch.Tensor] = {}
+        super().__init__(comm, layouts, tag=tag)
+
+    def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        n = comm.world_size
+        piece = self.slot_bytes // n  # the largest chunk: a multiple of the page, checked above
+        slots = []
+        for name in SLOT_NAMES:
+            # pages reached only through the slot's range and the layer views: no window of their own
+            pages = [comm.pool.alloc(piece, f"{tag}.{name}.page.{r}", window=False) for r in range(n)]
+            self._pages.append(pages)
+            slots.append(self._compose(f"{tag}.{name}", [(p, piece) for p in pages]))
+        return slots[0], slots[1]
+
+    def _compose(self, tag: str, pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """One address range made of the first ``nbytes`` of each piece's allocation, side by side;
+        adopted by the communicator's pool (a window at the next ``register_all``)."""
+        vm = self.vm
+        total = sum(nbytes for _, nbytes in pieces)
+        base = vm.reserve(total)
+        mapped: list[tuple[int, int]] = []
+
+        def undo() -> None:
+            for ptr, nbytes in reversed(mapped):
+                vm.unmap(ptr, nbytes)
+            vm.free_range(base, total)
+
+        try:
+            at = base
+            for owner, nbytes in pieces:
+                handle = vm.retain(owner.data_ptr())
+                try:
+                    vm.map(at, nbytes, handle)
+                finally:
+                    vm.release(handle)  # the mapping keeps the pages alive
+                mapped.append((at, nbytes))
+                at += nbytes
+        except BaseException:
+            undo()
+            raise
+        view = wrap_device_memory(base, total, self.comm.device)
+        self.comm.pool.adopt(view, tag, undo)
+        return view
+
+    # ---- what finalize and the planner ask of a pool ------------------------------------------------
+    def alloc_chunk(self, comm: Communicator, layer: int, tag: str) -> torch.Tensor:
+        """The layer's chunk (its own ``ncclMemAlloc`` pages), and the layer's view over it and over
+        the slot's pages of the other ranks."""
+        c, rank = self.layouts[layer].chunk_bytes, comm.rank
+        chunk = comm.pool.alloc(c, tag, window=False)
+        pages = self._pages[self.slot_of(layer)]
+        pieces = [(chunk if r == rank else pages[r], c) for r in range(comm.world_size)]
+        self._views[layer] = self._compose(f"{self._tag}.view.{layer}", pieces)
+        return chunk
+
+    def full_buffer(self, layer: int) -> torch.Tensor:
+        """The layer's own view (its gather's receive buffer, the storage its weights view)."""
+        try:
+            return self._views[layer]
+        except KeyError:
+            raise ShardingError(f"layer {layer}: its view is made with its chunk (finalize); asked before") from None
+
+    def gather_chunk(self, layer: int, chunk: torch.Tensor) -> torch.Tensor:
+        """The own slice of the layer's view: the same pages as ``chunk``, at the address that makes
+        the gather in place (no copy)."""
+        c = self.layouts[layer].chunk_bytes
+        return self._views[layer].narrow(0, self.comm.rank * c, c)
+
+    def scratch_views(self, layer: int) -> dict[str, torch.Tensor]:
+        """Slot B's first bytes (the layer's view needs its chunk, which does not exist yet)."""
+        return self.layouts[layer].views(self.buffers[1].narrow(0, 0, self.layouts[layer].total_bytes))
+
+    def owned_buffers(self) -> list[torch.Tensor]:
+        return [*self._views.values(), *self.buffers, *(p for pages in self._pages for p in pages)]
+
+    def bound_storage_ptrs(self) -> set[int]:
+        return super().bound_storage_ptrs() | {v.untyped_storage().data_ptr() for v in self._views.values()}
+
+    def __repr__(self) -> str:
+        return f"MappedSlotPool(2 x {self.slot_bytes} B, {len(self._views)} layer views, occupancy={self.occupancy()})"
+
+
+def slot_pool_for(comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str,
+                  map_own_chunk: bool) -> SlotPool:
+    """The pool a sharding gathers into: mapped layer views, or plain slots."""
+    make: Callable[..., SlotPool] = MappedSlotPool if map_own_chunk else SlotPool
+    return make(comm, layouts, tag=tag)
