@@ -81,6 +81,19 @@ def _old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return NcclCommunicator(library=old)
 
 
+def _mapped_old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.comm.nccl.library import default_library
+    from wsharding.shard import WeightSharding
+
+    image_nccl = dataclasses.replace(default_library(), version_code=22809)
+
+    class Ours(_RankOfTwo):  # what map_own_chunk asks of our NCCL communicator, with the image's NCCL
+        pool = object()
+        library = image_nccl
+
+    return WeightSharding(Ours(), map_own_chunk=True)
+
+
 def _cta_policy_env(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.comm.nccl import library
     from wsharding.comm.nccl.communicator import NcclCommunicator
@@ -232,6 +245,11 @@ CASES: dict[str, Case] = {
         "used our NCCL communicator with an NCCL older than 2.28.3", "wsharding.comm.nccl.library:NcclLibraryError",
         ("NCCL >= 2.28.3", "NCCL 2.28.2", "WSHARDING_NCCL_LIBRARY"),
         "install nvidia-nccl-cu12>=2.28.3 or point WSHARDING_NCCL_LIBRARY at a newer libnccl.so.2", _old_nccl),
+    "map_own_chunk old nccl": Case(
+        "asked for map_own_chunk=True with an NCCL older than 2.30", "wsharding.comm.nccl.library:NcclLibraryError",
+        ("map_own_chunk", "NCCL >= 2.30.0", "NCCL 2.28.9"),
+        "point WSHARDING_NCCL_LIBRARY at NCCL >= 2.30 (2.28 would share only the first allocation of a mapped "
+        "view with the peers), or leave map_own_chunk off", _mapped_old_nccl),
     "cta policy": Case(
         "set NCCL_CTA_POLICY to another policy than the communicator asks for", "wsharding.comm.base:CommError",
         ("NCCL_CTA_POLICY=0", "policy 2"), "unset NCCL_CTA_POLICY or set it to the communicator's policy",

@@ -253,7 +253,9 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                 graph_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 break
             measure(row, runs)
-    return {"rank": ctx.rank, "mode": c.mode, "emulation": ctx.emulation or getattr(c, "emulation", ""),
+    # ranks sharing a GPU meet over gloo (a CPU context), but the gathers run on the GPU: the
+    # communicator says what is emulated
+    return {"rank": ctx.rank, "mode": c.mode, "emulation": getattr(c, "emulation", "") if dev.type == "cuda" else ctx.emulation,
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
             "nccl_blocking": getattr(c, "blocking", None),
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
