@@ -211,20 +211,30 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     planner_us = planner_host_us(ws)
     rows = []
 
+    def switch(variant: str) -> None:
+        planner.lookahead = variant != "sharded_no_lookahead"
+        planner.prefetch_next_step = variant == "sharded_next_step"
+
     def measure(row: dict[str, Any], runs: dict[str, Callable[[], Any]]) -> None:
-        for variant, fn in runs.items():
-            planner.lookahead = variant != "sharded_no_lookahead"
-            planner.prefetch_next_step = variant == "sharded_next_step"
+        # Every variant warmed up, then the repeats in rounds, each round in a rotated order: what
+        # drifts during a run (clocks, the host) falls on every variant alike, not on the last ones.
+        names = list(runs)
+        for variant in names:
+            switch(variant)
             for _ in range(warmup):
-                fn()
-            samples, hosts = [], []
-            for _ in range(repeats):
+                runs[variant]()
+        samples: dict[str, list[float]] = {v: [] for v in names}
+        hosts: dict[str, list[float]] = {v: [] for v in names}
+        for r in range(repeats):
+            for variant in names[r % len(names):] + names[: r % len(names)]:
+                switch(variant)
                 c.barrier()
-                ms, host = _timed(fn, steps, dev)
-                samples.append(ms)
-                hosts.append(host)
-            row[variant] = samples
-            row[f"{variant}_host_ms"] = statistics.median(hosts)
+                ms, host = _timed(runs[variant], steps, dev)
+                samples[variant].append(ms)
+                hosts[variant].append(host)
+        for variant in names:
+            row[variant] = samples[variant]
+            row[f"{variant}_host_ms"] = statistics.median(hosts[variant])
         planner.lookahead = True
         planner.prefetch_next_step = False  # a CUDA graph captured later must find nothing pending
 
