@@ -115,3 +115,38 @@ def test_bench_step_mapped_variant_on_cpu_ranks_says_why_not(cluster_of):
 
     with pytest.raises(Exception, match="map_own_chunk=True needs our NCCL communicator"):
         cluster_of(2).run(step_bench_rank, "tiny", [1], steps=1, warmup=0, fsdp=False, mapped=True)
+
+
+def test_driver_tables_bind_through_one_loader():
+    """Both ctypes tables (the hot path's, the virtual memory's) bind through ``bind_functions``:
+    typed functions, a CUresult each (here against libc, which every machine has)."""
+    import ctypes
+
+    from wsharding.comm.cuda_driver import DriverFn, bind_functions
+
+    class Target:
+        pass
+
+    t = Target()
+    bind_functions(t, (DriverFn("abs", (ctypes.c_int,), "a function every libc has"),), "libc.so.6")
+    assert t._abs(-7) == 7 and tuple(t._abs.argtypes) == (ctypes.c_int,) and t._abs.restype is ctypes.c_int
+
+
+def test_virtual_memory_calls_in_order_and_name_the_one_that_fails():
+    from wsharding.comm.cuda_driver import CudaDriverError
+    from wsharding.comm.cuda_vmm import AccessDesc, VirtualMemory
+
+    calls: list[str] = []
+    vm = object.__new__(VirtualMemory)  # no libcuda here: the driver's functions are stand-ins
+    vm._access = AccessDesc()
+    for name in ("cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"):
+        setattr(vm, "_" + name, lambda *a, name=name: calls.append(name) or 0)
+    vm.map(0x200000, 4 << 20, 0x77)
+    vm.unmap(0x200000, 4 << 20)
+    vm.free_range(0x200000, 4 << 20)
+    vm.release(0x77)
+    # access is granted right after each mapping: a range mapped without it faults on first use
+    assert calls == ["cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"]
+    vm._cuMemMap = lambda *a: 2  # CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(CudaDriverError, match=r"cuMemMap\(0x200000, 4194304\) failed with CUresult 2"):
+        vm.map(0x200000, 4 << 20, 0x77)

@@ -51,17 +51,23 @@ class CudaDriverError(RuntimeError):
     """A driver call returned an error code."""
 
 
+def bind_functions(target: object, table: tuple[DriverFn, ...], path: str = "libcuda.so.1") -> None:
+    """Set ``target._<name>`` to each function of ``table`` from the driver library at ``path``,
+    typed by ctypes (every driver function returns a CUresult)."""
+    lib = ctypes.CDLL(path)
+    for fn in table:
+        f = getattr(lib, fn.name)
+        f.restype = CUresult
+        f.argtypes = fn.argtypes
+        setattr(target, "_" + fn.name, f)
+
+
 class CudaDriver:
     """The functions of :data:`FUNCTIONS`, type-checked by ctypes, each returning None or raising."""
 
     def __init__(self, path: str = "libcuda.so.1") -> None:
         self.path = path
-        lib = ctypes.CDLL(path)
-        for fn in FUNCTIONS:
-            f = getattr(lib, fn.name)
-            f.restype = CUresult
-            f.argtypes = fn.argtypes
-            setattr(self, "_" + fn.name, f)
+        bind_functions(self, FUNCTIONS, path)
 
     def event_record(self, event: int, stream: int) -> None:
         rc = self._cuEventRecord(event, stream)

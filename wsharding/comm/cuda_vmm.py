@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import ctypes
 from ctypes import POINTER, c_int, c_size_t, c_uint64, c_void_p
-from dataclasses import dataclass
 
-from wsharding.comm.cuda_driver import CudaDriverError
+from wsharding.comm.cuda_driver import CudaDriverError, DriverFn, bind_functions
 
 CUdeviceptr = c_uint64
 CUmemHandle = c_uint64  # CUmemGenericAllocationHandle
@@ -56,29 +55,21 @@ MEM_ACCESS_READWRITE = 3
 GRANULARITY_MINIMUM = 0
 
 
-@dataclass(frozen=True)
-class VmmFn:
-    """One row of the binding table: the C name, its argument types, and why we need it."""
-
-    name: str
-    argtypes: tuple
-    doc: str
-
-
-FUNCTIONS: tuple[VmmFn, ...] = (
-    VmmFn("cuMemGetAllocationGranularity", (POINTER(c_size_t), POINTER(AllocationProp), c_int),
+#: The virtual-memory functions, rows of the same table shape as the hot path's (``cuda_driver``).
+FUNCTIONS: tuple[DriverFn, ...] = (
+    DriverFn("cuMemGetAllocationGranularity", (POINTER(c_size_t), POINTER(AllocationProp), c_int),
           "the page size that every mapping is a multiple of"),
-    VmmFn("cuMemAddressReserve", (POINTER(CUdeviceptr), c_size_t, c_size_t, CUdeviceptr, c_uint64),
+    DriverFn("cuMemAddressReserve", (POINTER(CUdeviceptr), c_size_t, c_size_t, CUdeviceptr, c_uint64),
           "reserve a layer view's address range (no memory yet)"),
-    VmmFn("cuMemAddressFree", (CUdeviceptr, c_size_t), "give the range back"),
-    VmmFn("cuMemMap", (CUdeviceptr, c_size_t, c_size_t, CUmemHandle, c_uint64),
+    DriverFn("cuMemAddressFree", (CUdeviceptr, c_size_t), "give the range back"),
+    DriverFn("cuMemMap", (CUdeviceptr, c_size_t, c_size_t, CUmemHandle, c_uint64),
           "place an allocation's pages at an address of the range"),
-    VmmFn("cuMemUnmap", (CUdeviceptr, c_size_t), "take them out again"),
-    VmmFn("cuMemSetAccess", (CUdeviceptr, c_size_t, POINTER(AccessDesc), c_size_t),
+    DriverFn("cuMemUnmap", (CUdeviceptr, c_size_t), "take them out again"),
+    DriverFn("cuMemSetAccess", (CUdeviceptr, c_size_t, POINTER(AccessDesc), c_size_t),
           "let the device read and write the mapped range"),
-    VmmFn("cuMemRetainAllocationHandle", (POINTER(CUmemHandle), c_void_p),
+    DriverFn("cuMemRetainAllocationHandle", (POINTER(CUmemHandle), c_void_p),
           "the handle of the allocation behind an address (ncclMemAlloc's memory)"),
-    VmmFn("cuMemRelease", (CUmemHandle,), "drop a retained handle (the pages live while mapped)"),
+    DriverFn("cuMemRelease", (CUmemHandle,), "drop a retained handle (the pages live while mapped)"),
 )
 
 
@@ -86,12 +77,7 @@ class VirtualMemory:
     """The calls of :data:`FUNCTIONS` for one device, each raising :class:`CudaDriverError`."""
 
     def __init__(self, device_index: int, path: str = "libcuda.so.1") -> None:
-        lib = ctypes.CDLL(path)
-        for fn in FUNCTIONS:
-            f = getattr(lib, fn.name)
-            f.restype = c_int
-            f.argtypes = fn.argtypes
-            setattr(self, "_" + fn.name, f)
+        bind_functions(self, FUNCTIONS, path)
         self.device_index = device_index
         where = MemLocation(MEM_LOCATION_DEVICE, device_index)
         self._access = AccessDesc(where, MEM_ACCESS_READWRITE)
