@@ -34,6 +34,7 @@ import torch
 
 from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
 from wsharding.cuda_graph import capture_graph
+from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import link_floor
 from wsharding.lab.cliargs import (
     MAX_CPU_RANKS,
@@ -73,6 +74,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: The demo's timed variants, in the order of its table.
+TIMED_VARIANTS = ("replicated", "sharded", "sharded_no_lookahead")
+
+
 def _time_steps(fn, steps: int, device: torch.device) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -89,14 +94,13 @@ def side_by_side(variants: dict[str, Any], planner: Any, comm: Any, steps: int, 
     report takes the median. A variant named ``sharded_no_lookahead`` runs with lookahead off."""
     names = list(variants)
     samples: dict[str, list[float]] = {k: [] for k in names}
-    # One untimed pass of every variant first: on an H200 the first round ran ~50 % slow for all three
-    # (k3-like, 2026-12-01), which a single timed pass puts on whichever variant comes first.
+    # One untimed pass of every variant first: the first round runs slow for all (wsharding.lab.bench.rounds).
     for k in names:
         planner.lookahead = k != "sharded_no_lookahead"
         for s in range(steps):
             variants[k](s)
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[: r % len(names)]:
+    for order in round_orders(names, rounds):
+        for k in order:
             planner.lookahead = k != "sharded_no_lookahead"
             comm.barrier()
             samples[k].append(_time_steps(variants[k], steps, comm.device))
@@ -233,12 +237,12 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "outputs_equal": all(all(r["equal"]) for r in reports),
         "gathers_per_step": r0["gathers"][0],
         "gathers_per_step_all": [r["gathers"] for r in reports],
-        "step_ms": {k: mean(k) for k in ("replicated", "sharded", "sharded_no_lookahead")},
+        "step_ms": {k: mean(k) for k in TIMED_VARIANTS},
         "step_ms_per_rank": [r["step_ms"] for r in reports],
         # per variant and round, the mean over ranks (the table's median is taken per rank)
         "step_ms_samples": {k: [sum(col) / len(col) for col in zip(*(r["step_ms_samples"][k] for r in reports),
                                                                   strict=True)]
-                            for k in ("replicated", "sharded", "sharded_no_lookahead")},
+                            for k in TIMED_VARIANTS},
         "exposed_gather_fraction": sum(r["exposed_gather_fraction"] for r in reports) / len(reports),
         "tokens_per_rank": [r["tokens"] for r in reports],
         "trace": [rec for r in reports for rec in r["trace"]["lookahead"]],

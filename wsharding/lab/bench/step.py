@@ -37,6 +37,7 @@ from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
 from wsharding.cuda_graph import capture_graph
 from wsharding.lab.bench.report import save_report
+from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import checked_text, int_at_least, number_list
 from wsharding.lab.tasks.model import graph_unsupported, shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
@@ -216,8 +217,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
         planner.prefetch_next_step = variant == "sharded_next_step"
 
     def measure(row: dict[str, Any], runs: dict[str, Callable[[], Any]]) -> None:
-        # Every variant warmed up, then the repeats in rounds, each round in a rotated order: what
-        # drifts during a run (clocks, the host) falls on every variant alike, not on the last ones.
+        # Every variant warmed up, then the repeats in rounds of rotating order (wsharding.lab.bench.rounds).
         names = list(runs)
         for variant in names:
             switch(variant)
@@ -225,8 +225,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                 runs[variant]()
         samples: dict[str, list[float]] = {v: [] for v in names}
         hosts: dict[str, list[float]] = {v: [] for v in names}
-        for r in range(repeats):
-            for variant in names[r % len(names):] + names[: r % len(names)]:
+        for order in round_orders(names, repeats):
+            for variant in order:
                 switch(variant)
                 c.barrier()
                 ms, host = _timed(runs[variant], steps, dev)
