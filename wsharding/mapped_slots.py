@@ -35,6 +35,8 @@ pages are untouched, no kernel runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from wsharding.comm.base import Communicator
@@ -164,4 +166,5 @@ class MappedSlotPool(SlotPool):
 def slot_pool_for(comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str,
                   map_own_chunk: bool) -> SlotPool:
     """The pool a sharding gathers into: mapped layer views, or plain slots."""
-    return (MappedSlotPool if map_own_chunk else SlotPool)(comm, layouts, tag=tag)
+    make: Callable[..., SlotPool] = MappedSlotPool if map_own_chunk else SlotPool
+    return make(comm, layouts, tag=tag)
