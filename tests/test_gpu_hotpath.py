@@ -30,8 +30,12 @@ def test_gpu_forward_returns_while_the_gpu_still_sleeps(comm, lookahead, model):
         pytest.skip("needs a GPU")
     if comm == "nccl" and not _ours():
         pytest.skip("needs NCCL >= 2.28.3 with symmetric windows")
-    n = min(_gpus(), 2)
-    with RankCluster(n, backend="nccl", task_timeout=300) as c:
+    if comm == "nccl" and _gpus() < 2 and multi_rank_per_gpu_supported():
+        # two ranks on the one GPU: the gathers have a peer, so they launch their captured graphs
+        cluster = RankCluster(2, backend="gloo", task_timeout=300)
+    else:
+        cluster = RankCluster(min(_gpus(), 2), backend="nccl", task_timeout=300)
+    with cluster as c:
         for r in c.run(host_not_held, comm, lookahead, model):
             # deterministic: the sleep queued in front takes ~1 s of GPU time; a host wait anywhere in
             # the forward (a sync, a poll, a .item()) would have let it finish first
@@ -55,3 +59,21 @@ def test_gpu_missing_rank_mid_forward_is_an_error_within_the_timeout(blocking):
     assert r1["error"] is None and r0["blocking"] is blocking
     assert r0["error"] is not None and "rank 0" in r0["error"] and "layer" in r0["error"], r0
     assert r0["seconds"] < 30, r0  # the timeout (5 s) plus the watchdog's period, never a hang
+
+
+def test_gpu_gathers_launched_as_graphs_equal_direct_calls_and_go_with_the_sharding():
+    if _gpus() >= 2 and _ours():
+        cluster = RankCluster(2, backend="nccl", task_timeout=300)
+    elif multi_rank_per_gpu_supported():
+        cluster = RankCluster(2, backend="gloo", task_timeout=300)
+    else:
+        pytest.skip("needs 2 GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 for 2 ranks on one GPU")
+    from wsharding.lab.tasks.hotpath import launch_modes_equal
+
+    with cluster as c:
+        for r in c.run(launch_modes_equal, "small"):
+            assert r["gather_launch"] == "graph" and r["launch"] == ["graph"]
+            assert r["graphs_while_open"] == r["sharded_layers"] > 0
+            assert r["equal"] == [(how, [True] * 3) for how in ("graph", "direct", "graph")], r
+            # the graphs go before the sharding's windows: NCCL's destroy would wait for them forever
+            assert r["graphs_after_close"] == 0

@@ -108,6 +108,7 @@ def _bare_comm(binding) -> C.NcclCommunicator:
     c = object.__new__(C.NcclCommunicator)
     c.handle, c.aborted, c.closed, c.rank = 0x1234, False, False, 0
     c._abort_thread, c.watchdog, c.nccl, c.pool, c._on_close = None, None, binding, _Pool(), []
+    c._graphs, c.gather_launch = [], "direct"
     c.abort_wait_s = 0.2
     return c
 
@@ -327,6 +328,8 @@ def _prepared(comm) -> object:
     g._copied_ev = g._ready_ev = 0xE
     g._copy_stream, g._gather_stream, g._cu = 1, 2, _Driver()
     g.copied = g.ready = _Event()
+    g._graph = g._launch_graph = None
+    g._peers_only = False
     comm.watchdog = Watchdog(lambda: None, lambda m: None, timeout_s=5.0, period_s=3600)
     comm.copy_stream = comm.stream = None
     comm.gathers_issued = 0
@@ -396,3 +399,184 @@ def test_nccl_log_helpers(tmp_path, monkeypatch):
     log.write_text("x:1:1 NCCL INFO Comm config CTA policy flags set to 2\nother\n"
                    "x:1:1 NCCL INFO Comm config CTA policy flags set to 0\n")
     assert probe.policies_in_log(probe.own_log_text()) == [2, 0]
+
+
+# ---- [Note: a gather launched as a graph] (no GPU: a scripted graph driver) ---------------------------
+class _GraphDriver:
+    """The driver's graph calls, scripted: results by name, every call logged."""
+
+    def __init__(self, log: list[str], fail: dict[str, int] | None = None) -> None:
+        self.log, self.fail = log, fail or {}
+        from wsharding.comm.captured_launch import GRAPH_FUNCTIONS
+
+        for fn in GRAPH_FUNCTIONS:
+            setattr(self, "_" + fn.name, self._call(fn.name))
+
+    def _call(self, name: str):
+        def call(*args) -> int:
+            self.log.append(name)
+            if name == "cuStreamEndCapture":
+                args[1]._obj.value = 0x6A
+            if name == "cuGraphInstantiateWithFlags":
+                args[0]._obj.value = 0xE7
+            return self.fail.get(name, 0)
+
+        return call
+
+    def check(self, rc: int, what: str) -> None:
+        from wsharding.comm.cuda_driver import CudaDriverError
+
+        if rc:
+            raise CudaDriverError(f"{what} failed with CUresult {rc}")
+
+
+def test_a_captured_launch_records_once_and_launches_with_one_call():
+    from wsharding.comm.captured_launch import CapturedLaunch
+
+    log: list[str] = []
+    launch = CapturedLaunch(7, lambda stream: log.append(f"record on {stream}"), "layer 1: gather",
+                            driver=_GraphDriver(log))
+    assert log == ["cuStreamBeginCapture_v2", "record on 7", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
+                   "cuGraphUpload"]
+    log.clear()
+    launch.launch(7)
+    launch.launch(7)
+    assert log == ["cuGraphLaunch", "cuGraphLaunch"]  # the recorded work never runs again on the host
+    log.clear()
+    launch.destroy()
+    launch.destroy()
+    assert log == ["cuGraphExecDestroy", "cuGraphDestroy"] and not launch.alive
+
+
+def test_a_capture_whose_recording_fails_still_ends_the_capture():
+    from wsharding.comm.captured_launch import CapturedLaunch
+
+    log: list[str] = []
+
+    def refused(stream: int) -> None:
+        raise C.NcclError("layer 2: gather", 5, "invalid usage")
+
+    with pytest.raises(C.NcclError, match="layer 2: gather"):
+        CapturedLaunch(7, refused, "layer 2: gather", driver=_GraphDriver(log))
+    # without ending it, the stream would stay in capture mode and every later call on it would fail
+    assert log == ["cuStreamBeginCapture_v2", "cuStreamEndCapture"]
+
+
+def test_a_failed_graph_call_names_the_gather_and_the_call():
+    from wsharding.comm.captured_launch import CapturedLaunch
+    from wsharding.comm.cuda_driver import CudaDriverError
+
+    with pytest.raises(CudaDriverError, match=r"layer 3: gather: cuGraphInstantiate failed with CUresult 1"):
+        CapturedLaunch(7, lambda s: None, "layer 3: gather", driver=_GraphDriver([], {"cuGraphInstantiateWithFlags": 1}))
+    launch = CapturedLaunch(7, lambda s: None, "layer 3: gather", driver=_GraphDriver([], {"cuGraphLaunch": 700}))
+    with pytest.raises(CudaDriverError, match=r"layer 3: gather: cuGraphLaunch failed with CUresult 700"):
+        launch.launch(7)
+
+
+def _graph_gather(c, log, fail=None):
+    from wsharding.comm.captured_launch import CapturedLaunch
+
+    g = _prepared(c)
+    g._graph = g._launch_graph = CapturedLaunch(2, g._nccl_gather, g.what, driver=_GraphDriver(log, fail))
+    c._graphs.append(g._graph)
+    return g
+
+
+def test_a_gather_with_a_graph_launches_it_instead_of_calling_nccl(no_capture):
+    c = _scripted_comm()
+    log: list[str] = []
+    g = _graph_gather(c, log)
+    try:
+        assert c.nccl.gathers == 1 and g.launch == "graph"  # the one call, made during the capture
+        for _ in range(3):
+            g.start()
+        assert c.nccl.gathers == 1 and log.count("cuGraphLaunch") == 3 and c.gathers_issued == 3
+        g.launch = "direct"  # what bench step compares against
+        g.start()
+        assert c.nccl.gathers == 2 and log.count("cuGraphLaunch") == 3
+        g.launch = "graph"
+        g.close()
+        assert c._graphs == [] and log[-2:] == ["cuGraphExecDestroy", "cuGraphDestroy"] and g.launch == "direct"
+        with pytest.raises(ValueError, match="no captured graph to launch"):
+            g.launch = "graph"
+    finally:
+        c.watchdog.stop()
+
+
+def test_inside_a_capture_of_the_whole_step_the_gather_records_ncclAllGather(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    c = _scripted_comm()
+    log: list[str] = []
+    g = _graph_gather(c, log)
+    try:
+        g.start()  # a graph launched into a capture would nest; NCCL's own launch is what a capture records
+        assert c.nccl.gathers == 2 and "cuGraphLaunch" not in log
+    finally:
+        c.watchdog.stop()
+
+
+def test_a_failed_graph_launch_aborts_and_names_the_layer(no_capture):
+    c = _scripted_comm()
+    g = _graph_gather(c, [], {"cuGraphLaunch": 700})
+    try:
+        with pytest.raises(CommError, match=r"^layer 5: gather: cuGraphLaunch failed with CUresult 700 on rank 0; "
+                                            r"the NCCL communicator was aborted"):
+            g.start()
+        assert c.aborted and c.gathers_issued == 0
+    finally:
+        c.watchdog.stop()
+
+
+def test_in_place_with_peers_the_gather_stream_waits_for_the_gate_itself(no_capture):
+    c = _scripted_comm()
+    g = _prepared(c)
+    g.in_place = g._peers_only = True
+    try:
+        g.start(_Event())
+        # no copy stream at all: the wait for the gate, the gather, the ready record, all on stream 2
+        assert g._cu.calls == ["stream_wait_event", "event_record"] and c.nccl.gathers == 1
+    finally:
+        c.watchdog.stop()
+
+
+def test_the_graphs_go_before_the_communicator_at_close_and_at_abort(monkeypatch):
+    """NCCL's destroy and abort wait until no graph references the communicator: a graph left alive
+    would hold close (or the abort thread) forever."""
+    from wsharding.comm.captured_launch import CapturedLaunch
+
+    log: list[str] = []
+    c = _bare_comm(_StuckAbortBinding())
+    c.synchronize = lambda: None
+    c.exchange = lambda obj: [obj, obj]
+    c.pool.deregister_all = lambda: log.append("deregister windows")
+    c.nccl.ncclCommFinalize = lambda h: log.append("ncclCommFinalize") or 0
+    c.nccl.ncclCommDestroy = lambda h: log.append("ncclCommDestroy") or 0
+    c.complete = lambda rc, what: None
+    c.nccl.check = lambda rc, what: rc
+    import torch
+
+    c.device = torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    c._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", driver=_GraphDriver(log))]
+    log.clear()
+    c.close()
+    assert log == ["cuGraphExecDestroy", "cuGraphDestroy", "deregister windows", "ncclCommFinalize", "ncclCommDestroy"]
+
+    binding = _StuckAbortBinding()
+    binding.release.set()
+    c2 = _bare_comm(binding)
+    log.clear()
+    c2._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", driver=_GraphDriver(log))]
+    real_abort = binding.ncclCommAbort
+    binding.ncclCommAbort = lambda h: log.append("ncclCommAbort") or real_abort(h)
+    log.clear()
+    c2.abort()
+    c2._abort_thread.join(5)
+    assert log == ["cuGraphExecDestroy", "cuGraphDestroy", "ncclCommAbort"] and c2._graphs == []
+
+
+def test_an_unknown_gather_launch_is_refused_before_anything_else():
+    with pytest.raises(CommError, match=r"gather_launch must be one of \('graph', 'direct'\), got 'eager'"):
+        C.NcclCommunicator(gather_launch="eager")

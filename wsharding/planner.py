@@ -417,6 +417,10 @@ class WeightShardPlanner:
             self._gathers[self.first_layer].wait(torch.cuda.current_stream(self.device) if self.cuda else None)
             if self.cuda:
                 torch.cuda.synchronize(self.device)
+        for g in self._gathers.values():
+            close = getattr(g, "close", None)  # optional in the protocol (base.py)
+            if close is not None:
+                close()  # a captured gather graph goes before the windows it references
         self.closed = True
         self._gathers.clear()
 

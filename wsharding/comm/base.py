@@ -58,6 +58,9 @@ class PreparedGather(Protocol):
         CPU: block until the gather completed."""
         ...
 
+    # Optional: ``close()``, to free what the gather holds beyond its buffers (our NCCL gather's
+    # captured graph); the planner calls it, when present, as the weight sharding closes.
+
 
 @runtime_checkable
 class Communicator(Protocol):

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from wsharding.comm.base import CommError, check_gather_args
+from wsharding.comm.captured_launch import CapturedLaunch
+from wsharding.comm.cuda_driver import CudaDriverError
 from wsharding.comm.groups import shard_group_ranks
 from wsharding.comm.nccl.binding import (
     CTA_POLICY_NAMES,
@@ -59,6 +61,9 @@ from wsharding.comm.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
 from wsharding.comm.nccl.watchdog import Watchdog
 from wsharding.fatal import end_process
 
+#: "graph": each prepared gather's ncclAllGather is captured once and launched as a CUDA graph
+#: (one driver call per layer); "direct": ncclAllGather is called per layer.
+GATHER_LAUNCHES = ("graph", "direct")
 #: The seed refuses to run without it: policy 2 ("zero") is the copy-engine path.
 CTA_POLICY_ZERO = 2
 SHARED_GPU_WORDS = "several ranks time-slice one GPU (NCCL multi-rank-per-GPU): timings are not those of N GPUs"
@@ -219,8 +224,15 @@ class NcclCommunicator:
         blocking: bool = True,
         library: NcclLibrary | None = None,
         name: str = "wsharding",
+        gather_launch: str = "graph",
     ) -> None:
         self.handle: int | None = None
+        if gather_launch not in GATHER_LAUNCHES:
+            raise CommError(f"gather_launch must be one of {GATHER_LAUNCHES}, got {gather_launch!r}")
+        #: How a prepared gather reaches NCCL per layer ([Note: a gather launched as a graph]).
+        self.gather_launch = gather_launch
+        #: Every graph captured on this communicator: destroyed before it (NCCL waits for them).
+        self._graphs: list[CapturedLaunch] = []
         self.aborted = False
         self._abort_thread: threading.Thread | None = None
         self.closed = False
@@ -472,6 +484,32 @@ class NcclCommunicator:
         self._check_open()
         return NcclPreparedGather(self, full, chunk, what)
 
+    def capture(self, stream: int, record, what: str) -> CapturedLaunch:
+        """Capture what ``record(stream)`` queues (NCCL calls on this communicator) into a graph that
+        this communicator owns and destroys before itself ([Note: a gather launched as a graph]).
+        Collective when ``record`` is: every rank captures the same calls in the same order."""
+        self._check_open()
+        with self.lock:
+            try:
+                launch = CapturedLaunch(stream, record, what)
+            except CudaDriverError as e:
+                raise CommError(f"{what}: capturing the gather into a CUDA graph failed on rank {self.rank}: {e}. "
+                                "Pass gather_launch='direct' to the communicator to call NCCL per layer "
+                                "instead") from e
+        self._graphs.append(launch)
+        return launch
+
+    def drop_graph(self, launch: CapturedLaunch) -> None:
+        """Destroy one captured graph (a closed weight sharding's gather)."""
+        if launch in self._graphs:
+            self._graphs.remove(launch)
+        launch.destroy()
+
+    def _destroy_graphs(self) -> None:
+        graphs, self._graphs = self._graphs, []
+        for launch in graphs:
+            launch.destroy()
+
     def release(self, tensors: list[torch.Tensor]) -> None:
         """Collective: deregister and free the buffers behind ``tensors`` (a closed weight sharding's
         chunks and slots)."""
@@ -580,10 +618,17 @@ class NcclCommunicator:
             self.aborted = True
             for b in self.pool.buffers:
                 b.window = None
-            self._abort_thread = threading.Thread(target=self.nccl.ncclCommAbort, args=(self.handle,),
+            self._abort_thread = threading.Thread(target=self._abort_now, args=(self.handle,),
                                                   name=f"wsharding-nccl-abort-r{self.rank}", daemon=True)
             self._abort_thread.start()
             self._abort_thread.join(self.abort_wait_s)
+
+    def _abort_now(self, handle: int) -> None:
+        # NCCL's abort, like its destroy, waits until no graph references the communicator.
+        try:
+            self._destroy_graphs()
+        finally:
+            self.nccl.ncclCommAbort(handle)
 
     @property
     def leaked(self) -> bool:
@@ -599,6 +644,7 @@ class NcclCommunicator:
             if self.handle and not self.aborted and not error:
                 try:
                     self.synchronize()
+                    self._destroy_graphs()  # they reference windows; NCCL's destroy waits for them
                     # Deregistration is collective, and on a blocking communicator it would wait for
                     # a peer that is gone with no timeout: agree over gloo first, whose failure (a
                     # dead peer closes its sockets) or timeout turns the close into an abort.
@@ -612,6 +658,7 @@ class NcclCommunicator:
                 self.abort()
             if not self.aborted:
                 torch.cuda.synchronize(self.device)  # no copy may still touch the memory we free
+                self._destroy_graphs()  # (when the deregistration above did not run)
             if not self.leaked:  # [Note: abort with a stuck gather]
                 self.pool.free_all()
             if self.handle and not self.aborted:
@@ -649,6 +696,7 @@ class NcclCommunicator:
         return {
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
             "blocking": self.blocking, "leaked": self.leaked, "emulation": self.emulation,
+            "gather_launch": self.gather_launch, "captured_graphs": len(self._graphs),
             "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
             "group_ranks": list(self.group_ranks),
             "cta_policy_name": CTA_POLICY_NAMES[self.cta_policy], "nccl": self.library.describe(),

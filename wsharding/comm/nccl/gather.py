@@ -16,6 +16,12 @@ Per layer, in order (streams: compute C, copy K, gather G)::
     G waits copied; G: ncclAllGather in place        ; record ready on G
     C waits ready (at the layer's start, in :meth:`wait`)
 
+When the own chunk already *is* its slice of the slot ([Note: the own chunk mapped, not copied] in
+``wsharding/mapped_slots.py``) there is nothing to copy: G waits for the gate itself and K is not
+used. The ncclAllGather itself is launched as a CUDA graph captured at init ([Note: a gather
+launched as a graph] in ``wsharding/comm/captured_launch.py``), except inside a capture of the
+whole step, which records NCCL's own launch.
+
 What the copy costs (measured on two H200s, 2026-11-30, ``scripts/gpu_probes/contention.py`` and
 ``local_copy.py``): a same-device copy runs on the SMs, not on a copy engine -- issued beside a
 persistent GEMM it waits for the GEMM to end, then takes every SM for its ~100 us (218 MB), and
@@ -37,8 +43,8 @@ from typing import Any
 
 import torch
 
-from wsharding.comm.base import check_gather_args, is_slice_of
-from wsharding.comm.cuda_driver import driver
+from wsharding.comm.base import CommError, check_gather_args, is_slice_of
+from wsharding.comm.cuda_driver import CudaDriverError, driver
 from wsharding.comm.nccl.binding import NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_UINT8
 
 
@@ -72,6 +78,41 @@ class NcclPreparedGather:
         self._cu = driver()
         #: Launches that NCCL finished on its own thread (non-blocking communicator), for the bench.
         self.in_progress_launches = 0
+        #: In place with peers: nothing to copy, so the gather stream waits for the gate itself and the
+        #: copy stream is not touched (two driver calls fewer per layer).
+        self._peers_only = self.in_place and comm.world_size > 1
+        #: [Note: a gather launched as a graph]: the NCCL call captured once, launched per layer.
+        self._graph = comm.capture(self._gather_stream, self._nccl_gather, what) if (
+            comm.world_size > 1 and comm.gather_launch == "graph") else None
+        self._launch_graph = self._graph
+
+    @property
+    def launch(self) -> str:
+        """How an eager :meth:`start` reaches NCCL: ``"graph"`` (the captured call) or ``"direct"``."""
+        return "graph" if self._launch_graph is not None else "direct"
+
+    @launch.setter
+    def launch(self, how: str) -> None:
+        if how not in ("graph", "direct"):
+            raise ValueError(f"launch must be 'graph' or 'direct', got {how!r}")
+        if how == "graph" and self._graph is None:
+            raise ValueError(f"{self.what}: no captured graph to launch (communicator gather_launch="
+                             f"{self.comm.gather_launch!r}, world size {self.comm.world_size})")
+        self._launch_graph = self._graph if how == "graph" else None
+
+    def _nccl_gather(self, stream: int) -> None:
+        """The in-place ncclAllGather on ``stream`` (eager, or recorded into the graph at init)."""
+        comm = self.comm
+        rc = comm.nccl.ncclAllGather(self._own_ptr, self._full_ptr, self.nbytes, NCCL_UINT8, comm.handle, stream)
+        if rc == NCCL_IN_PROGRESS:
+            # A non-blocking communicator may hand the launch to NCCL's own thread: the gather is
+            # on the stream only once the async state reads success, and `ready` must be recorded
+            # after it. The launch takes microseconds, so spin on the state (a sleep between polls
+            # would cost the step far more); the deadline still turns a stuck launch into an error.
+            comm.spin_until_launched(self.what)
+            self.in_progress_launches += 1
+        elif rc != NCCL_SUCCESS:
+            comm.fail(rc, self.what)
 
     def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
         comm = self.comm
@@ -81,32 +122,39 @@ class NcclPreparedGather:
         if capturing:
             comm.watchdog.pause_for_capture()
         cu = self._cu
-        k, g = self._copy_stream, self._gather_stream
-        if gate is not None:
-            cu.stream_wait_event(k, gate.cuda_event)
-        if marks is not None:
-            cu.event_record(marks[0].cuda_event, k)
-        if not self.in_place:
-            cu.memcpy_dtod_async(self._own_ptr, self._chunk_ptr, self.nbytes, k)
-        cu.event_record(self._copied_ev, k)
+        g = self._gather_stream
+        if self._peers_only:
+            if gate is not None:
+                cu.stream_wait_event(g, gate.cuda_event)
+            if marks is not None:
+                cu.event_record(marks[0].cuda_event, g)
+        else:
+            k = self._copy_stream
+            if gate is not None:
+                cu.stream_wait_event(k, gate.cuda_event)
+            if marks is not None:
+                cu.event_record(marks[0].cuda_event, k)
+            if not self.in_place:
+                cu.memcpy_dtod_async(self._own_ptr, self._chunk_ptr, self.nbytes, k)
+            cu.event_record(self._copied_ev, k)
+            if comm.world_size > 1:
+                cu.stream_wait_event(g, self._copied_ev)
         if comm.world_size > 1:
-            cu.stream_wait_event(g, self._copied_ev)
             with comm.lock:  # the watchdog may abort the communicator from its thread
                 if comm.handle is None or comm.aborted:
                     comm.raise_if_failed(self.what)
-                rc = comm.nccl.ncclAllGather(self._own_ptr, self._full_ptr, self.nbytes, NCCL_UINT8, comm.handle, g)
-            if rc == NCCL_IN_PROGRESS:
-                # A non-blocking communicator may hand the launch to NCCL's own thread: the gather is
-                # on the stream only once the async state reads success, and `ready` must be recorded
-                # after it. The launch takes microseconds, so spin on the state (a sleep between polls
-                # would cost the step far more); the deadline still turns a stuck launch into an error.
-                comm.spin_until_launched(self.what)
-                self.in_progress_launches += 1
-            elif rc != NCCL_SUCCESS:
-                comm.fail(rc, self.what)
+                graph = self._launch_graph
+                if graph is not None and not capturing:  # a capture records NCCL's own launch
+                    try:
+                        graph.launch(g)
+                    except CudaDriverError as e:
+                        comm.abort()  # the peers' gather is left unmatched: end it for them too
+                        raise CommError(f"{e} on rank {comm.rank}; the NCCL communicator was aborted") from e
+                else:
+                    self._nccl_gather(g)
             cu.event_record(self._ready_ev, g)
         if marks is not None:
-            cu.event_record(marks[1].cuda_event, g if comm.world_size > 1 else k)
+            cu.event_record(marks[1].cuda_event, g if comm.world_size > 1 else self._copy_stream)
         comm.gathers_issued += 1
         if not capturing:  # a captured gather runs at the graph's replay, not now
             comm.watchdog.watch(self.ready, self.what)
@@ -115,9 +163,16 @@ class NcclPreparedGather:
         s = stream if stream is not None else torch.cuda.current_stream(self.comm.device)
         self._cu.stream_wait_event(s.cuda_stream, self._ready_ev)
 
+    def close(self) -> None:
+        """Free the captured graph (idempotent); the communicator would otherwise at its close."""
+        if self._graph is not None:
+            self.comm.drop_graph(self._graph)
+            self._graph = self._launch_graph = None
+
     def is_completed(self) -> bool:
         return self.ready.query()
 
     def __repr__(self) -> str:
-        return f"NcclPreparedGather({self.what!r}, {self.nbytes} B per rank, in_place={self.in_place})"
+        return (f"NcclPreparedGather({self.what!r}, {self.nbytes} B per rank, in_place={self.in_place}, "
+                f"launch={self.launch!r})")
 

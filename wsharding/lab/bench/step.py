@@ -156,9 +156,15 @@ def bus_bandwidth(ws: WeightSharding, comm: Communicator, iters: int = 10) -> fl
         g.start()
         g.wait(torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
 
-    for _ in range(3):
-        once()
-    ms, _ = _timed(once, iters, dev)
+    try:
+        for _ in range(3):
+            once()
+        ms, _ = _timed(once, iters, dev)
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if hasattr(g, "close"):
+            g.close()
     return (n - 1) / n * size / (ms * 1e-3)
 
 
@@ -193,6 +199,21 @@ def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
     return total / (iters + 2) / len(ws.sharded_layer_ids) * 1e6
 
 
+def direct_launch_host_us(ws: WeightSharding) -> float | None:
+    """:func:`planner_host_us` with every gather calling ``ncclAllGather`` itself instead of launching
+    its captured graph ([Note: a gather launched as a graph]); None when no gather has a graph."""
+    gathers = [g for g in ws.planner.prepared_gathers.values() if getattr(g, "launch", None) == "graph"]
+    if not gathers:
+        return None
+    for g in gathers:
+        g.launch = "direct"
+    try:
+        return planner_host_us(ws)
+    finally:
+        for g in gathers:
+            g.launch = "graph"
+
+
 # ---- one rank ---------------------------------------------------------------------------------------------
 def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: int = 10, warmup: int = 3,
                     comm: str = "auto", fsdp: bool = True, graph: bool = False, repeats: int = 1,
@@ -210,6 +231,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     planner = ws.planner
     bw, floor_ms = link_floor(ws, c)
     planner_us = planner_host_us(ws)
+    planner_us_direct = direct_launch_host_us(ws)
     rows = []
 
     def switch(variant: str) -> None:
@@ -267,6 +289,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     # communicator says what is emulated
     return {"rank": ctx.rank, "mode": c.mode, "emulation": getattr(c, "emulation", "") if dev.type == "cuda" else ctx.emulation,
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
+            "planner_host_us_per_layer_direct": planner_us_direct,
+            "gather_launch": getattr(c, "gather_launch", None),
             "nccl_blocking": getattr(c, "blocking", None),
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
@@ -306,6 +330,9 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
             "graph_error": next((r["graph_error"] for r in results if r.get("graph_error")), None),
             "bus_bandwidth_GBps": min(r["bus_bandwidth_Bps"] for r in results) / 1e9,
             "planner_host_us_per_layer": max(r["planner_host_us_per_layer"] for r in results),
+            "planner_host_us_per_layer_direct": (max(r["planner_host_us_per_layer_direct"] for r in results)
+                                                 if results[0].get("planner_host_us_per_layer_direct") else None),
+            "gather_launch": results[0].get("gather_launch"),
             "nccl_blocking": results[0].get("nccl_blocking"),
             "replicated_bytes_per_rank": r0["replicated_bytes"],
             "sharded_resident_bytes_per_rank": r0["sharded_resident_bytes"], "rows": rows,
@@ -318,7 +345,10 @@ def format_table(report: dict[str, Any]) -> str:
             f"comm {report['comm']}")
     lines = [head] + ([f"  NOTE: {report['emulation']}"] if report["emulation"] else [])
     lines.append(f"  bus bandwidth {report['bus_bandwidth_GBps']:.1f} GB/s; planner + comm host time "
-                 f"{report['planner_host_us_per_layer']:.1f} us per sharded layer (bare loop, no compute)")
+                 f"{report['planner_host_us_per_layer']:.1f} us per sharded layer (bare loop, no compute"
+                 + (f"; gathers launched as graphs, {report['planner_host_us_per_layer_direct']:.1f} us with "
+                    "ncclAllGather called per layer" if report.get("planner_host_us_per_layer_direct") else "")
+                 + ")")
     cols = report["variants"]
     spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols if c in row) and not any(
         c.startswith("graph") for c in cols) and report["mode"].startswith("cpu")

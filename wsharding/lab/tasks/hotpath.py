@@ -85,3 +85,30 @@ def missing_rank(ctx: RankContext, timeout_s: float = 5.0, blocking: bool = True
             out["error"] = str(e)
         out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def launch_modes_equal(ctx: RankContext, model: str = "small", steps: int = 3) -> dict[str, Any]:
+    """[Note: a gather launched as a graph]: run a sharded model with every gather launched as its
+    captured graph, then with ``ncclAllGather`` called per layer, both against the replicated model
+    bit for bit; report the graphs the communicator holds before and after the sharding closes."""
+    c = shard_comm_for(ctx, "nccl")
+    replicated, net = build_pair(decoder_config(model), c)
+    ws = net.weight_sharding
+    gathers = list(ws.planner.prepared_gathers.values())
+    graphs_open = c.describe()["captured_graphs"]
+    out: dict[str, Any] = {"rank": ctx.rank, "mode": c.mode, "gather_launch": c.gather_launch,
+                           "sharded_layers": len(gathers), "graphs_while_open": graphs_open,
+                           "launch": sorted({g.launch for g in gathers})}
+    with torch.no_grad():
+        for how in ("graph", "direct", "graph"):
+            for g in gathers:
+                g.launch = how
+            equal = []
+            for step in range(steps):
+                x = torch.arange(3 + step + ctx.rank, device=c.device) % 50
+                equal.append(bool(torch.equal(replicated(x), net(x))))
+            out.setdefault("equal", []).append((how, equal))
+    torch.cuda.synchronize(c.device)
+    ws.close()
+    out["graphs_after_close"] = c.describe()["captured_graphs"]
+    return out

@@ -1,0 +1,129 @@
+"""Stream work captured once into a CUDA graph, then launched with one driver call.
+
+[Note: a gather launched as a graph]
+Each ``ncclAllGather`` call does its argument checks, plan building and enqueue on the host, every
+time: 19-20 us of host per in-place copy-engine gather on a blocking communicator (two H200s,
+``figures/device/hotpath_probes_2026-11-30.md``), twice the whole budget of 10 us per layer for the
+planner and communicator together. The gather of a layer is the same call every step (same
+pointers, same count, same stream), so it is captured into a CUDA graph once, at finalize, and each
+step launches the graph: one ``cuGraphLaunch`` instead of NCCL's host path.
+
+NCCL supports capturing every collective, with three rules that shape this file's users:
+* Whether a launch is captured is a collective property, and launching a graph that holds a captured
+  collective is a collective call: every rank captures the same gathers in the same order (they are
+  prepared at finalize, in layer order, on every rank) and launches them in the same order.
+* The graphs must be destroyed before the communicator: since NCCL 2.26, ``ncclCommDestroy`` waits
+  until every graph that references the communicator is gone, and would wait forever for one that a
+  Python object still holds. The communicator therefore owns every graph it captured and destroys
+  them first at teardown.
+* The capture runs in *relaxed* mode: the communicator's watchdog thread keeps querying events while
+  this thread captures, which the default (global) mode would turn into a failed capture.
+
+The capture records only the stream work; the event waits and records around it stay plain calls
+on the stream, so the gates of the planner keep their per-step meaning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from ctypes import c_int, c_uint64, c_void_p
+
+from wsharding.comm.cuda_driver import CudaDriverError, CUstream, DriverFn, bind_functions
+
+CUgraph = c_void_p
+CUgraphExec = c_void_p
+#: CUstreamCaptureMode: other threads may make any CUDA call while this one captures.
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
+
+#: The driver functions that capture, instantiate, launch and destroy a graph.
+GRAPH_FUNCTIONS: tuple[DriverFn, ...] = (
+    # CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+    DriverFn("cuStreamBeginCapture_v2", (CUstream, c_int), "start recording a stream's work into a graph"),
+    # CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+    DriverFn("cuStreamEndCapture", (CUstream, ctypes.POINTER(CUgraph)), "end the recording, get the graph"),
+    # CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+    DriverFn("cuGraphInstantiateWithFlags", (ctypes.POINTER(CUgraphExec), CUgraph, c_uint64),
+             "make the launchable form of a graph"),
+    # CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream)
+    DriverFn("cuGraphUpload", (CUgraphExec, CUstream), "move the graph to the GPU now, not at its first launch"),
+    # CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+    DriverFn("cuGraphLaunch", (CUgraphExec, CUstream), "the hot path: queue the whole graph on a stream"),
+    # CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+    DriverFn("cuGraphExecDestroy", (CUgraphExec,), "free the launchable graph"),
+    # CUresult cuGraphDestroy(CUgraph hGraph)
+    DriverFn("cuGraphDestroy", (CUgraph,), "free the captured graph"),
+)
+
+
+class GraphDriver:
+    """The functions of :data:`GRAPH_FUNCTIONS`, bound from ``libcuda.so.1`` on first use."""
+
+    def __init__(self, path: str = "libcuda.so.1") -> None:
+        bind_functions(self, GRAPH_FUNCTIONS, path)
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            raise CudaDriverError(f"{what} failed with CUresult {rc}")
+
+
+_GRAPH_DRIVER: GraphDriver | None = None
+
+
+def graph_driver() -> GraphDriver:
+    """The process's :class:`GraphDriver`, opened on first use."""
+    global _GRAPH_DRIVER
+    if _GRAPH_DRIVER is None:
+        _GRAPH_DRIVER = GraphDriver()
+    return _GRAPH_DRIVER
+
+
+class CapturedLaunch:
+    """What ``record(stream)`` queues on ``stream``, captured once; :meth:`launch` queues it again.
+
+    ``record`` must queue work only on ``stream`` (or on streams it joins back into ``stream``) and
+    must not wait on the host for the GPU: nothing it queues runs during the capture.
+    """
+
+    def __init__(self, stream: int, record: Callable[[int], None], what: str,
+                 driver: GraphDriver | None = None) -> None:
+        self.what = what
+        self._cu = driver or graph_driver()
+        self._graph = CUgraph()
+        self._exec = CUgraphExec()
+        cu = self._cu
+        cu.check(cu._cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_RELAXED), f"{what}: cuStreamBeginCapture")
+        try:
+            record(stream)
+        finally:
+            # End the capture even when `record` failed, so the stream is usable again.
+            rc = cu._cuStreamEndCapture(stream, ctypes.byref(self._graph))
+        cu.check(rc, f"{what}: cuStreamEndCapture")
+        cu.check(cu._cuGraphInstantiateWithFlags(ctypes.byref(self._exec), self._graph, 0),
+                 f"{what}: cuGraphInstantiate")
+        cu.check(cu._cuGraphUpload(self._exec, stream), f"{what}: cuGraphUpload")
+        #: The launch function and its graph, looked up once: the hot path is one ctypes call.
+        self._launch = cu._cuGraphLaunch
+        self._handle = self._exec.value
+
+    @property
+    def alive(self) -> bool:
+        return self._handle is not None
+
+    def launch(self, stream: int) -> None:
+        """Hot path: queue the captured work on ``stream``."""
+        rc = self._launch(self._handle, stream)
+        if rc:
+            raise CudaDriverError(f"{self.what}: cuGraphLaunch failed with CUresult {rc}")
+
+    def destroy(self) -> None:
+        """Free the graph (idempotent). A launch already queued still runs: CUDA defers the release."""
+        if self._handle is None:
+            return
+        self._handle = None
+        cu = self._cu
+        cu.check(cu._cuGraphExecDestroy(self._exec), f"{self.what}: cuGraphExecDestroy")
+        cu.check(cu._cuGraphDestroy(self._graph), f"{self.what}: cuGraphDestroy")
+
+    def __repr__(self) -> str:
+        return f"CapturedLaunch({self.what!r}, {'alive' if self.alive else 'destroyed'})"
