@@ -328,7 +328,7 @@ def _prepared(comm) -> object:
     g._copied_ev = g._ready_ev = 0xE
     g._copy_stream, g._gather_stream, g._cu = 1, 2, _Driver()
     g.copied = g.ready = _Event()
-    g._graph = g._launch_graph = None
+    g._graph = g._launch_graph = g._copy_graph = g._launch_copy_graph = None
     g._peers_only = False
     comm.watchdog = Watchdog(lambda: None, lambda m: None, timeout_s=5.0, period_s=3600)
     comm.copy_stream = comm.stream = None
@@ -499,6 +499,25 @@ def test_a_gather_with_a_graph_launches_it_instead_of_calling_nccl(no_capture):
         assert c._graphs == [] and log[-2:] == ["cuGraphExecDestroy", "cuGraphDestroy"] and g.launch == "direct"
         with pytest.raises(ValueError, match="no captured graph to launch"):
             g.launch = "graph"
+    finally:
+        c.watchdog.stop()
+
+
+def test_the_own_chunk_copy_is_launched_as_its_graph_too(no_capture):
+    from wsharding.comm.captured_launch import CapturedLaunch
+
+    c = _scripted_comm()
+    log: list[str] = []
+    g = _prepared(c)
+    g._copy_graph = g._launch_copy_graph = CapturedLaunch(1, g._copy_own_chunk, g.what, driver=_GraphDriver(log))
+    try:
+        assert g._cu.calls == ["memcpy_dtod_async"]  # recorded once, into the graph, on the copy stream
+        g.start()
+        assert g._cu.calls[1:] == ["event_record", "stream_wait_event", "event_record"]  # no copy call
+        assert log.count("cuGraphLaunch") == 1 and g.launch == "graph"
+        g.launch = "direct"
+        g.start()
+        assert g._cu.calls[4] == "memcpy_dtod_async" and log.count("cuGraphLaunch") == 1
     finally:
         c.watchdog.stop()
 

@@ -15,6 +15,7 @@ ctypes calls it is made of.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import sys
@@ -33,6 +34,7 @@ ROUNDS = 7
 
 
 def per_call_us(fn, n: int = 200) -> float:
+    """Host time of cheap calls that queue no GPU work: ``n`` back to back, per call."""
     samples = []
     for _ in range(ROUNDS):
         torch.cuda.synchronize()
@@ -42,6 +44,41 @@ def per_call_us(fn, n: int = 200) -> float:
         samples.append((time.perf_counter() - t0) / n * 1e6)
         torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def per_launch_us(fn, n: int = 40) -> float:
+    """Host time of calls that queue GPU work (a gather): each call timed alone, the GPU drained
+    between calls (outside the timing), so a full launch queue never counts."""
+    samples = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "event wait",
+              7: "event record", 8: "semaphore signal", 9: "semaphore wait", 10: "mem alloc", 11: "mem free",
+              12: "batch mem op", 13: "conditional"}
+
+
+def graph_nodes(launch) -> dict[str, int]:
+    """The node types of a captured gather's graph, counted."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    count = ctypes.c_size_t(0)
+    assert lib.cuGraphGetNodes(launch._graph, None, ctypes.byref(count)) == 0
+    nodes = (ctypes.c_void_p * count.value)()
+    assert lib.cuGraphGetNodes(launch._graph, nodes, ctypes.byref(count)) == 0
+    kinds: dict[str, int] = {}
+    for node in nodes:
+        t = ctypes.c_int(-1)
+        assert lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t)) == 0
+        name = NODE_TYPES.get(t.value, str(t.value))
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
 
 
 def loop_us(ws) -> float:
@@ -90,8 +127,13 @@ def main() -> None:
     calls: dict[str, float] = {}
     for how in ("graph", "direct") if world > 1 else ("direct",):
         g0.launch = how
-        dist.barrier()
-        calls[f"gather start+wait ({how})"] = per_call_us(lambda: (g0.start(), g0.wait(compute)))
+        calls[f"gather start+wait ({how})"] = per_launch_us(lambda: (g0.start(), g0.wait(compute)))
+    if world > 1:
+        g0.launch = "graph"
+        graph = g0._graph
+        calls["cuGraphLaunch alone"] = per_launch_us(lambda: graph.launch(g0._gather_stream))
+        calls["ncclAllGather alone"] = per_launch_us(lambda: g0._nccl_gather(g0._gather_stream))
+        out["graph_nodes"] = graph_nodes(graph)
     cu = g0._cu
     ev, s = g0._ready_ev, g0._gather_stream
     calls["cuEventRecord"] = per_call_us(lambda: cu.event_record(ev, s))

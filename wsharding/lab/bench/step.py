@@ -227,11 +227,12 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     graph_error = graph_unsupported(c) if graph else None
     graph = graph and graph_error is None
     replicated, sharded, ws, make_input, fsdp_model = _models(ctx, model, c, fsdp)
-    sharded_mapped = _sharded_twin(model, c, map_own_chunk=True)[0] if mapped else None
+    sharded_mapped, ws_mapped = _sharded_twin(model, c, map_own_chunk=True) if mapped else (None, None)
     planner = ws.planner
     bw, floor_ms = link_floor(ws, c)
     planner_us = planner_host_us(ws)
     planner_us_direct = direct_launch_host_us(ws)
+    planner_us_mapped = planner_host_us(ws_mapped) if ws_mapped is not None else None
     rows = []
 
     def switch(variant: str) -> None:
@@ -290,6 +291,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     return {"rank": ctx.rank, "mode": c.mode, "emulation": getattr(c, "emulation", "") if dev.type == "cuda" else ctx.emulation,
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
             "planner_host_us_per_layer_direct": planner_us_direct,
+            "planner_host_us_per_layer_mapped": planner_us_mapped,
             "gather_launch": getattr(c, "gather_launch", None),
             "nccl_blocking": getattr(c, "blocking", None),
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
@@ -332,6 +334,8 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
             "planner_host_us_per_layer": max(r["planner_host_us_per_layer"] for r in results),
             "planner_host_us_per_layer_direct": (max(r["planner_host_us_per_layer_direct"] for r in results)
                                                  if results[0].get("planner_host_us_per_layer_direct") else None),
+            "planner_host_us_per_layer_mapped": (max(r["planner_host_us_per_layer_mapped"] for r in results)
+                                                 if results[0].get("planner_host_us_per_layer_mapped") else None),
             "gather_launch": results[0].get("gather_launch"),
             "nccl_blocking": results[0].get("nccl_blocking"),
             "replicated_bytes_per_rank": r0["replicated_bytes"],
@@ -348,6 +352,8 @@ def format_table(report: dict[str, Any]) -> str:
                  f"{report['planner_host_us_per_layer']:.1f} us per sharded layer (bare loop, no compute"
                  + (f"; gathers launched as graphs, {report['planner_host_us_per_layer_direct']:.1f} us with "
                     "ncclAllGather called per layer" if report.get("planner_host_us_per_layer_direct") else "")
+                 + (f"; {report['planner_host_us_per_layer_mapped']:.1f} us with map_own_chunk"
+                    if report.get("planner_host_us_per_layer_mapped") else "")
                  + ")")
     cols = report["variants"]
     spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols if c in row) and not any(

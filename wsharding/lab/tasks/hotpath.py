@@ -98,6 +98,7 @@ def launch_modes_equal(ctx: RankContext, model: str = "small", steps: int = 3) -
     graphs_open = c.describe()["captured_graphs"]
     out: dict[str, Any] = {"rank": ctx.rank, "mode": c.mode, "gather_launch": c.gather_launch,
                            "sharded_layers": len(gathers), "graphs_while_open": graphs_open,
+                           "copying_gathers": sum(not g.in_place for g in gathers),
                            "launch": sorted({g.launch for g in gathers})}
     with torch.no_grad():
         for how in ("graph", "direct", "graph"):
