@@ -108,7 +108,8 @@ def main() -> None:
             g.launch = how
 
     loops: dict[str, list[float]] = {}
-    for how in ("graph", "direct", "graph", "direct") if world > 1 else ("direct",):
+    graphs = "graph" in out["launch"]
+    for how in ("graph", "direct") * 3 if graphs else ("direct",):  # alternating: drift hits both
         set_launch(how)
         dist.barrier()
         loops.setdefault(how, []).append(loop_us(ws))
@@ -125,9 +126,13 @@ def main() -> None:
     g0 = gathers[0]
     compute = torch.cuda.current_stream()
     calls: dict[str, float] = {}
-    for how in ("graph", "direct") if world > 1 else ("direct",):
+    for how in ("graph", "direct") if graphs else ("direct",):
         g0.launch = how
         calls[f"gather start+wait ({how})"] = per_launch_us(lambda: (g0.start(), g0.wait(compute)))
+    if g0._copy_graph is not None:
+        copy = g0._copy_graph
+        calls["own chunk copy graph launch alone"] = per_launch_us(lambda: copy.launch(g0._copy_stream))
+        calls["cuMemcpyDtoDAsync of the own chunk alone"] = per_launch_us(lambda: g0._copy_own_chunk(g0._copy_stream))
     if world > 1:
         g0.launch = "graph"
         graph = g0._graph
