@@ -94,6 +94,12 @@ def _mapped_old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return WeightSharding(Ours(), map_own_chunk=True)
 
 
+def _gather_launch(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.comm.nccl.communicator import NcclCommunicator
+
+    return NcclCommunicator(gather_launch="eager")
+
+
 def _cta_policy_env(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.comm.nccl import library
     from wsharding.comm.nccl.communicator import NcclCommunicator
@@ -250,6 +256,11 @@ CASES: dict[str, Case] = {
         ("map_own_chunk", "NCCL >= 2.30.0", "NCCL 2.28.9"),
         "point WSHARDING_NCCL_LIBRARY at NCCL >= 2.30 (2.28 would share only the first allocation of a mapped "
         "view with the peers), or leave map_own_chunk off", _mapped_old_nccl),
+    "gather launch": Case(
+        "asked our NCCL communicator for a gather launch it does not have", "wsharding.comm.base:CommError",
+        ("gather_launch", "'graph', 'direct'", "'eager'"),
+        "use gather_launch='graph' (the default: each gather captured once, launched as a CUDA graph) or "
+        "'direct' (ncclAllGather called per layer)", _gather_launch),
     "cta policy": Case(
         "set NCCL_CTA_POLICY to another policy than the communicator asks for", "wsharding.comm.base:CommError",
         ("NCCL_CTA_POLICY=0", "policy 2"), "unset NCCL_CTA_POLICY or set it to the communicator's policy",

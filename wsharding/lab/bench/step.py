@@ -53,7 +53,7 @@ LEGEND = {"sharded_next_step": "sharded, with the next step's first gather issue
                                "(planner.prefetch_next_step)",
           "sharded_mapped": "a second sharding of the model whose layers gather into views mapped over their chunks: "
                             "no own-chunk copy (map_own_chunk=True, NCCL >= 2.30)"}
-GRAPH = ("graph_replicated", "graph_sharded")
+GRAPH = ("graph_replicated", "graph_sharded", "graph_sharded_mapped")
 MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 #: Largest tokens per rank that --graph captures (decode sizes).
 GRAPH_MAX_TOKENS = 256
@@ -282,6 +282,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             try:
                 runs = {"graph_replicated": capture_graph(_call(replicated, x), dev)[0].replay,
                         "graph_sharded": capture_graph(_call(sharded, x), dev)[0].replay}
+                if sharded_mapped is not None:
+                    runs["graph_sharded_mapped"] = capture_graph(_call(sharded_mapped, x), dev)[0].replay
             except RuntimeError as e:
                 graph_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 break

@@ -9,7 +9,8 @@ import plotly.graph_objects as go
 #: One color per variant, the same in every figure.
 COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c", "sharded_no_lookahead": "#ff7f0e",
           "sharded_next_step": "#8c564b", "sharded_mapped": "#bcbd22", "fsdp2": "#d62728",
-          "graph_replicated": "#17becf", "graph_sharded": "#9467bd", "floor_ms": "#7f7f7f"}
+          "graph_replicated": "#17becf", "graph_sharded": "#9467bd", "graph_sharded_mapped": "#e377c2",
+          "floor_ms": "#7f7f7f"}
 
 
 def step_figure(report: dict[str, Any]) -> go.Figure:
