@@ -80,3 +80,19 @@ def test_check_yourself():
         check("bytes", 64, 48, why="padding")
     with pytest.raises(AssertionError, match=r"within 10%"):
         check("tokens", 3000, 3457, rel=0.1)
+
+
+def test_host_breakdown_figure_draws_the_saved_probes_and_says_what_is_emulated():
+    import json
+    from pathlib import Path
+
+    from wsharding.lab.viz.bench import host_breakdown_figure
+
+    folder = Path(__file__).resolve().parent.parent / "figures" / "device"
+    probes = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("host_breakdown_*.json"))}
+    assert len(probes) >= 2
+    fig = host_breakdown_figure(probes)
+    graph = next(t for t in fig.data if t.name == "gathers launched as graphs")
+    assert list(graph.y) == [p["bare_loop_us_per_layer"]["graph"] for p in probes.values()]
+    assert "emulated" in fig.layout.title.text  # the 2-rank probe shares one GPU
+    assert fig.layout.yaxis.range[1] > max(max(t.y) for t in fig.data)

@@ -52,3 +52,32 @@ def against_figure(report: dict[str, Any], base: str = "replicated") -> go.Figur
                       title=f"Step time against {name} ({report['mode']}, {report['world_size']} ranks, "
                             f"{report.get('model', '')}, comm {report.get('comm', '')})")
     return fig
+
+
+#: The bare-loop measurements of ``scripts/gpu_probes/host_breakdown.py``, in drawing order.
+HOST_LOOPS = {"direct": "ncclAllGather called per layer", "graph": "gathers launched as graphs",
+              "planner_only": "the planner's own Python (gathers do nothing)"}
+
+
+def host_breakdown_figure(probes: dict[str, dict[str, Any]]) -> go.Figure:
+    """Host microseconds per sharded layer of the planner loop without compute, one group of bars per
+    saved probe (``host_breakdown.py``, by name), one bar per way of launching the gathers."""
+    fig = go.Figure()
+    names = list(probes)
+    for key, words in HOST_LOOPS.items():
+        ys = [probes[n]["bare_loop_us_per_layer"].get(key) for n in names]
+        fig.add_trace(go.Bar(x=[_probe_label(probes[n]) for n in names], y=ys, name=words,
+                             text=[f"{y:.1f}" if y is not None else "" for y in ys], textposition="outside"))
+    emulated = any(p.get("emulation") for p in probes.values())
+    top = max((v for p in probes.values() for v in p["bare_loop_us_per_layer"].values()), default=1.0)
+    fig.update_layout(barmode="group", height=420, yaxis_title="host us per sharded layer",
+                      yaxis_range=[0, top * 1.18],  # room for the labels above the bars
+                      title="Host time of the planner and communicator per layer, no compute"
+                            + ("<br><sub>ranks sharing one GPU: emulated, not the timings of N GPUs</sub>"
+                               if emulated else ""))
+    return fig
+
+
+def _probe_label(probe: dict[str, Any]) -> str:
+    return (f"{probe['world_size']} rank(s) on {probe['gpus']} GPU(s), NCCL {probe['nccl']['version']}, "
+            f"{probe['model']}")
