@@ -4,14 +4,16 @@
 
 Why: the CUDA branches of the planner and of our NCCL communicator only run on GPUs, which CI does
 not have. A GPU run (``scripts/gpu_coverage.sh`` on the GPU machine) saves its executed lines as
-coverage's JSON with the commit it ran; here they count for a module only if that module is
-unchanged since that commit (``git diff --quiet COMMIT -- FILE``), since line numbers move with
-every edit. Prints one row per module: statements, CPU %, CPU + GPU %, and where the GPU lines
-came from.
+coverage's JSON with the commit it ran. Line numbers move with every edit, so a module changed
+since that commit has its GPU lines carried over line by line: a line counts only where it lies in
+a run of lines whose text is the same then and now (``difflib`` over the file at the commit and the
+file now); an edited or new line gets no GPU credit. Prints one row per module: statements, CPU %,
+CPU + GPU %, and where the GPU lines came from (with how many were carried over an edit).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import subprocess
 import sys
@@ -19,9 +21,26 @@ from pathlib import Path
 
 
 def unchanged_since(commit: str, path: str, repo: Path) -> bool:
-    """True when ``path`` in the working tree is what it was at ``commit``."""
+    """True when ``path`` in the working tree is what it was at ``commit`` (a file that did not exist
+    at ``commit`` is not: ``git diff`` alone would call an untracked file unchanged)."""
+    at_commit = subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=repo, capture_output=True)
     r = subprocess.run(["git", "diff", "--quiet", commit, "--", path], cwd=repo, capture_output=True)
-    return r.returncode == 0
+    return at_commit.returncode == 0 and r.returncode == 0
+
+
+def line_map(commit: str, path: str, repo: Path) -> dict[int, int] | None:
+    """Line number at ``commit`` -> line number now, for the lines inside runs of identical text
+    (1-based); None when the file did not exist at ``commit``."""
+    r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=repo, capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    old = r.stdout.splitlines()
+    new = (repo / path).read_text().splitlines()
+    mapping = {}
+    for a, b, size in difflib.SequenceMatcher(None, old, new, autojunk=False).get_matching_blocks():
+        for k in range(size):
+            mapping[a + k + 1] = b + k + 1
+    return mapping
 
 
 def union(cpu: dict, gpu_runs: list[dict], repo: Path) -> list[dict]:
@@ -36,11 +55,19 @@ def union(cpu: dict, gpu_runs: list[dict], repo: Path) -> list[dict]:
             g = run["files"].get(path)
             if g is None:
                 continue
-            if not unchanged_since(run["meta"]["wsharding_commit"], path, repo):
-                sources.append(f"{run['meta']['name']} (file changed since: not counted)")
+            commit = run["meta"]["wsharding_commit"]
+            if unchanged_since(commit, path, repo):
+                both |= set(g["executed_lines"]) & statements
+                sources.append(run["meta"]["name"])
                 continue
-            both |= set(g["executed_lines"]) & statements
-            sources.append(run["meta"]["name"])
+            mapping = line_map(commit, path, repo)
+            if mapping is None:
+                sources.append(f"{run['meta']['name']} (file not at its commit: not counted)")
+                continue
+            carried = {mapping[n] for n in g["executed_lines"] if n in mapping} & statements
+            both |= carried
+            sources.append(f"{run['meta']['name']} (file edited since: {len(carried)} of its "
+                           f"{len(g['executed_lines'])} lines on unchanged text)")
         n = len(statements)
         rows.append({"file": path, "statements": n, "cpu": 100.0 * len(executed) / n if n else 100.0,
                      "cpu_gpu": 100.0 * len(both) / n if n else 100.0, "gpu_runs": sources})

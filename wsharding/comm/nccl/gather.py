@@ -94,7 +94,10 @@ class NcclPreparedGather:
 
     @property
     def launch(self) -> str:
-        """How an eager :meth:`start` reaches NCCL: ``"graph"`` (the captured call) or ``"direct"``."""
+        """How an eager :meth:`start` reaches NCCL: ``"graph"`` (the captured call) or ``"direct"``.
+
+        Set it the same on every rank, between steps: NCCL treats whether a collective runs from a
+        graph as part of the collective, and ranks that disagree do not meet."""
         return "graph" if self._launch_graph is not None or self._launch_copy_graph is not None else "direct"
 
     @launch.setter
