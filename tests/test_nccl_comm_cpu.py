@@ -448,6 +448,28 @@ def test_a_captured_launch_records_once_and_launches_with_one_call():
     assert log == ["cuGraphExecDestroy", "cuGraphDestroy"] and not launch.alive
 
 
+def test_two_threads_destroying_one_graph_free_it_once():
+    """A sharding closing while the abort thread frees every graph: a double cuGraphExecDestroy would be
+    undefined behaviour in the driver. The check and the release happen under one lock: a second thread
+    waits for it (shown by holding the lock here), then finds the graph gone."""
+    import threading
+    import time
+
+    from wsharding.comm.captured_launch import CapturedLaunch
+
+    log: list[str] = []
+    launch = CapturedLaunch(7, lambda s: None, "layer 4: gather", driver=_GraphDriver(log))
+    log.clear()
+    with launch._destroy_lock:  # another thread inside destroy()
+        t = threading.Thread(target=launch.destroy)
+        t.start()
+        time.sleep(0.05)
+        assert log == []  # without the lock it would have freed the graph already, under the other's feet
+    t.join(5)
+    launch.destroy()
+    assert log == ["cuGraphExecDestroy", "cuGraphDestroy"]
+
+
 def test_a_capture_whose_recording_fails_still_ends_the_capture():
     from wsharding.comm.captured_launch import CapturedLaunch
 

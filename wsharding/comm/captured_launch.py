@@ -26,6 +26,7 @@ on the stream, so the gates of the planner keep their per-step meaning.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 from ctypes import c_int, c_uint64, c_void_p
 
@@ -88,6 +89,7 @@ class CapturedLaunch:
     def __init__(self, stream: int, record: Callable[[int], None], what: str,
                  driver: GraphDriver | None = None) -> None:
         self.what = what
+        self._destroy_lock = threading.Lock()
         self._cu = driver or graph_driver()
         self._graph = CUgraph()
         self._exec = CUgraphExec()
@@ -117,10 +119,13 @@ class CapturedLaunch:
             raise CudaDriverError(f"{self.what}: cuGraphLaunch failed with CUresult {rc}")
 
     def destroy(self) -> None:
-        """Free the graph (idempotent). A launch already queued still runs: CUDA defers the release."""
-        if self._handle is None:
-            return
-        self._handle = None
+        """Free the graph (idempotent, and safe from two threads: a sharding closing while the
+        communicator's abort thread frees every graph). A launch already queued still runs: CUDA
+        defers the release."""
+        with self._destroy_lock:
+            if self._handle is None:
+                return
+            self._handle = None
         cu = self._cu
         cu.check(cu._cuGraphExecDestroy(self._exec), f"{self.what}: cuGraphExecDestroy")
         cu.check(cu._cuGraphDestroy(self._graph), f"{self.what}: cuGraphDestroy")
