@@ -43,14 +43,18 @@ def test_gpu_forward_returns_while_the_gpu_still_sleeps(comm, lookahead, model):
             assert r["gathers"] > 0
 
 
+def _two_ranks_of_ours(task_timeout: float) -> RankCluster:
+    """Two ranks for our NCCL communicator: one per GPU, or both on one GPU (NCCL >= 2.30)."""
+    if _gpus() >= 2 and _ours():
+        return RankCluster(2, backend="nccl", task_timeout=task_timeout)
+    if multi_rank_per_gpu_supported():
+        return RankCluster(2, backend="gloo", task_timeout=task_timeout)
+    pytest.skip("needs 2 GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 for 2 ranks on one GPU")
+
+
 @pytest.mark.parametrize("blocking", [True, False])
 def test_gpu_missing_rank_mid_forward_is_an_error_within_the_timeout(blocking):
-    if _gpus() >= 2 and _ours():
-        cluster = RankCluster(2, backend="nccl", task_timeout=90)
-    elif multi_rank_per_gpu_supported():
-        cluster = RankCluster(2, backend="gloo", task_timeout=90)
-    else:
-        pytest.skip("needs 2 GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 for 2 ranks on one GPU")
+    cluster = _two_ranks_of_ours(90)
     # Rank 0 steps back to back. Without the watchdog it would step for the whole 60 s and report no
     # error; without the planner's backpressure it would fill the launch queue and hang in a launch
     # (TaskTimeout here).
@@ -62,12 +66,7 @@ def test_gpu_missing_rank_mid_forward_is_an_error_within_the_timeout(blocking):
 
 
 def test_gpu_gathers_launched_as_graphs_equal_direct_calls_and_go_with_the_sharding():
-    if _gpus() >= 2 and _ours():
-        cluster = RankCluster(2, backend="nccl", task_timeout=300)
-    elif multi_rank_per_gpu_supported():
-        cluster = RankCluster(2, backend="gloo", task_timeout=300)
-    else:
-        pytest.skip("needs 2 GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 for 2 ranks on one GPU")
+    cluster = _two_ranks_of_ours(300)
     from wsharding.lab.tasks.hotpath import launch_modes_equal
 
     with cluster as c:

@@ -407,7 +407,7 @@ class _GraphDriver:
 
     def __init__(self, log: list[str], fail: dict[str, int] | None = None) -> None:
         self.log, self.fail = log, fail or {}
-        from wsharding.comm.captured_launch import GRAPH_FUNCTIONS
+        from wsharding.comm.cuda_driver import GRAPH_FUNCTIONS
 
         for fn in GRAPH_FUNCTIONS:
             setattr(self, "_" + fn.name, self._call(fn.name))
@@ -423,11 +423,9 @@ class _GraphDriver:
 
         return call
 
-    def check(self, rc: int, what: str) -> None:
-        from wsharding.comm.cuda_driver import CudaDriverError
+    from wsharding.comm.cuda_driver import CudaDriver
 
-        if rc:
-            raise CudaDriverError(f"{what} failed with CUresult {rc}")
+    check = CudaDriver.check  # the real driver's result check
 
 
 def test_a_captured_launch_records_once_and_launches_with_one_call():
@@ -435,7 +433,7 @@ def test_a_captured_launch_records_once_and_launches_with_one_call():
 
     log: list[str] = []
     launch = CapturedLaunch(7, lambda stream: log.append(f"record on {stream}"), "layer 1: gather",
-                            driver=_GraphDriver(log))
+                            cu=_GraphDriver(log))
     assert log == ["cuStreamBeginCapture_v2", "record on 7", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
                    "cuGraphUpload"]
     log.clear()
@@ -458,7 +456,7 @@ def test_two_threads_destroying_one_graph_free_it_once():
     from wsharding.comm.captured_launch import CapturedLaunch
 
     log: list[str] = []
-    launch = CapturedLaunch(7, lambda s: None, "layer 4: gather", driver=_GraphDriver(log))
+    launch = CapturedLaunch(7, lambda s: None, "layer 4: gather", cu=_GraphDriver(log))
     log.clear()
     with launch._destroy_lock:  # another thread inside destroy()
         t = threading.Thread(target=launch.destroy)
@@ -479,7 +477,7 @@ def test_a_capture_whose_recording_fails_still_ends_the_capture():
         raise C.NcclError("layer 2: gather", 5, "invalid usage")
 
     with pytest.raises(C.NcclError, match="layer 2: gather"):
-        CapturedLaunch(7, refused, "layer 2: gather", driver=_GraphDriver(log))
+        CapturedLaunch(7, refused, "layer 2: gather", cu=_GraphDriver(log))
     # without ending it, the stream would stay in capture mode and every later call on it would fail
     assert log == ["cuStreamBeginCapture_v2", "cuStreamEndCapture"]
 
@@ -489,8 +487,8 @@ def test_a_failed_graph_call_names_the_gather_and_the_call():
     from wsharding.comm.cuda_driver import CudaDriverError
 
     with pytest.raises(CudaDriverError, match=r"layer 3: gather: cuGraphInstantiate failed with CUresult 1"):
-        CapturedLaunch(7, lambda s: None, "layer 3: gather", driver=_GraphDriver([], {"cuGraphInstantiateWithFlags": 1}))
-    launch = CapturedLaunch(7, lambda s: None, "layer 3: gather", driver=_GraphDriver([], {"cuGraphLaunch": 700}))
+        CapturedLaunch(7, lambda s: None, "layer 3: gather", cu=_GraphDriver([], {"cuGraphInstantiateWithFlags": 1}))
+    launch = CapturedLaunch(7, lambda s: None, "layer 3: gather", cu=_GraphDriver([], {"cuGraphLaunch": 700}))
     with pytest.raises(CudaDriverError, match=r"layer 3: gather: cuGraphLaunch failed with CUresult 700"):
         launch.launch(7)
 
@@ -499,7 +497,7 @@ def _graph_gather(c, log, fail=None):
     from wsharding.comm.captured_launch import CapturedLaunch
 
     g = _prepared(c)
-    g._graph = g._launch_graph = CapturedLaunch(2, g._nccl_gather, g.what, driver=_GraphDriver(log, fail))
+    g._graph = g._launch_graph = CapturedLaunch(2, g._nccl_gather, g.what, cu=_GraphDriver(log, fail))
     c._graphs.append(g._graph)
     return g
 
@@ -531,7 +529,7 @@ def test_the_own_chunk_copy_is_launched_as_its_graph_too(no_capture):
     c = _scripted_comm()
     log: list[str] = []
     g = _prepared(c)
-    g._copy_graph = g._launch_copy_graph = CapturedLaunch(1, g._copy_own_chunk, g.what, driver=_GraphDriver(log))
+    g._copy_graph = g._launch_copy_graph = CapturedLaunch(1, g._copy_own_chunk, g.what, cu=_GraphDriver(log))
     try:
         assert g._cu.calls == ["memcpy_dtod_async"]  # recorded once, into the graph, on the copy stream
         g.start()
@@ -600,7 +598,7 @@ def test_the_graphs_go_before_the_communicator_at_close_and_at_abort(monkeypatch
 
     c.device = torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    c._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", driver=_GraphDriver(log))]
+    c._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", cu=_GraphDriver(log))]
     log.clear()
     c.close()
     assert log == ["cuGraphExecDestroy", "cuGraphDestroy", "deregister windows", "ncclCommFinalize", "ncclCommDestroy"]
@@ -609,7 +607,7 @@ def test_the_graphs_go_before_the_communicator_at_close_and_at_abort(monkeypatch
     binding.release.set()
     c2 = _bare_comm(binding)
     log.clear()
-    c2._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", driver=_GraphDriver(log))]
+    c2._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", cu=_GraphDriver(log))]
     real_abort = binding.ncclCommAbort
     binding.ncclCommAbort = lambda h: log.append("ncclCommAbort") or real_abort(h)
     log.clear()

@@ -28,55 +28,11 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from ctypes import c_int, c_uint64, c_void_p
 
-from wsharding.comm.cuda_driver import CudaDriverError, CUstream, DriverFn, bind_functions
+from wsharding.comm.cuda_driver import CudaDriver, CudaDriverError, CUgraph, CUgraphExec, driver
 
-CUgraph = c_void_p
-CUgraphExec = c_void_p
 #: CUstreamCaptureMode: other threads may make any CUDA call while this one captures.
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
-
-#: The driver functions that capture, instantiate, launch and destroy a graph.
-GRAPH_FUNCTIONS: tuple[DriverFn, ...] = (
-    # CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
-    DriverFn("cuStreamBeginCapture_v2", (CUstream, c_int), "start recording a stream's work into a graph"),
-    # CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
-    DriverFn("cuStreamEndCapture", (CUstream, ctypes.POINTER(CUgraph)), "end the recording, get the graph"),
-    # CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
-    DriverFn("cuGraphInstantiateWithFlags", (ctypes.POINTER(CUgraphExec), CUgraph, c_uint64),
-             "make the launchable form of a graph"),
-    # CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream)
-    DriverFn("cuGraphUpload", (CUgraphExec, CUstream), "move the graph to the GPU now, not at its first launch"),
-    # CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
-    DriverFn("cuGraphLaunch", (CUgraphExec, CUstream), "the hot path: queue the whole graph on a stream"),
-    # CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
-    DriverFn("cuGraphExecDestroy", (CUgraphExec,), "free the launchable graph"),
-    # CUresult cuGraphDestroy(CUgraph hGraph)
-    DriverFn("cuGraphDestroy", (CUgraph,), "free the captured graph"),
-)
-
-
-class GraphDriver:
-    """The functions of :data:`GRAPH_FUNCTIONS`, bound from ``libcuda.so.1`` on first use."""
-
-    def __init__(self, path: str = "libcuda.so.1") -> None:
-        bind_functions(self, GRAPH_FUNCTIONS, path)
-
-    def check(self, rc: int, what: str) -> None:
-        if rc:
-            raise CudaDriverError(f"{what} failed with CUresult {rc}")
-
-
-_GRAPH_DRIVER: GraphDriver | None = None
-
-
-def graph_driver() -> GraphDriver:
-    """The process's :class:`GraphDriver`, opened on first use."""
-    global _GRAPH_DRIVER
-    if _GRAPH_DRIVER is None:
-        _GRAPH_DRIVER = GraphDriver()
-    return _GRAPH_DRIVER
 
 
 class CapturedLaunch:
@@ -87,10 +43,10 @@ class CapturedLaunch:
     """
 
     def __init__(self, stream: int, record: Callable[[int], None], what: str,
-                 driver: GraphDriver | None = None) -> None:
+                 cu: CudaDriver | None = None) -> None:
         self.what = what
         self._destroy_lock = threading.Lock()
-        self._cu = driver or graph_driver()
+        self._cu = cu or driver()
         self._graph = CUgraph()
         self._exec = CUgraphExec()
         cu = self._cu

@@ -1,4 +1,6 @@
-"""Three CUDA driver calls for the per-layer hot path, bound with ctypes.
+"""The CUDA driver calls of the per-layer hot path, bound with ctypes: three for events, stream waits
+and the own-chunk copy, and the graph calls that capture a gather once and launch it per layer
+([Note: a gather launched as a graph] in ``wsharding/comm/captured_launch.py``).
 
 Why not torch's own wrappers: the gather of one layer needs an event record, two stream waits and a
 device-to-device copy on streams other than the current one. Measured on an H200 (torch 2.11, host
@@ -46,6 +48,28 @@ FUNCTIONS: tuple[DriverFn, ...] = (
              "copy a rank's own chunk into its place in the slot, on the copy stream"),
 )
 
+CUgraph = c_void_p
+CUgraphExec = c_void_p
+
+#: The driver functions that capture, instantiate, launch and destroy a graph (``captured_launch``).
+GRAPH_FUNCTIONS: tuple[DriverFn, ...] = (
+    # CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+    DriverFn("cuStreamBeginCapture_v2", (CUstream, c_int), "start recording a stream's work into a graph"),
+    # CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+    DriverFn("cuStreamEndCapture", (CUstream, ctypes.POINTER(CUgraph)), "end the recording, get the graph"),
+    # CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+    DriverFn("cuGraphInstantiateWithFlags", (ctypes.POINTER(CUgraphExec), CUgraph, ctypes.c_uint64),
+             "make the launchable form of a graph"),
+    # CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream)
+    DriverFn("cuGraphUpload", (CUgraphExec, CUstream), "move the graph to the GPU now, not at its first launch"),
+    # CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+    DriverFn("cuGraphLaunch", (CUgraphExec, CUstream), "the hot path: queue the whole graph on a stream"),
+    # CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+    DriverFn("cuGraphExecDestroy", (CUgraphExec,), "free the launchable graph"),
+    # CUresult cuGraphDestroy(CUgraph hGraph)
+    DriverFn("cuGraphDestroy", (CUgraph,), "free the captured graph"),
+)
+
 
 class CudaDriverError(RuntimeError):
     """A driver call returned an error code."""
@@ -63,11 +87,16 @@ def bind_functions(target: object, table: tuple[DriverFn, ...], path: str = "lib
 
 
 class CudaDriver:
-    """The functions of :data:`FUNCTIONS`, type-checked by ctypes, each returning None or raising."""
+    """The functions of :data:`FUNCTIONS`, type-checked by ctypes, each returning None or raising;
+    those of :data:`GRAPH_FUNCTIONS` as bound (``_cuGraphLaunch``...), checked with :meth:`check`."""
 
     def __init__(self, path: str = "libcuda.so.1") -> None:
         self.path = path
-        bind_functions(self, FUNCTIONS, path)
+        bind_functions(self, FUNCTIONS + GRAPH_FUNCTIONS, path)
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            raise CudaDriverError(f"{what} failed with CUresult {rc}")
 
     def event_record(self, event: int, stream: int) -> None:
         rc = self._cuEventRecord(event, stream)
