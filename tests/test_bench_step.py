@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from wsharding.lab.bench.step import format_table, step_bench_rank, summarize
+from wsharding.lab.bench import step as step_bench
+from wsharding.lab.bench.step import format_table, paired_host_us, step_bench_rank, summarize
 from wsharding.models import PRESETS
 from wsharding.models.blocks import BLOCK_PRESETS
 
@@ -23,7 +25,10 @@ def test_step_bench_measures_every_variant(cluster_of, model):
         # the floor: (N-1)/N of every layer over the bandwidth measured in the same run
         assert row["floor_ms"] > 0 and row["sharded_vs_floor"] == row["sharded"] / row["floor_ms"]
     assert report["planner_host_us_per_layer"] > 0 and report["bus_bandwidth_GBps"] > 0
+    for row in report["rows"]:  # paired host overhead: median between its quartiles
+        assert row["host_overhead_us_per_layer_q1"] <= row["host_overhead_us_per_layer"] <= row["host_overhead_us_per_layer_q3"]
     text = format_table(report)
+    assert "host +us/layer: what the sharded forward adds to the host" in text
     assert "emulated" in text and "fsdp2" in text and "floor" in text
     assert "sharded_next_step: sharded, with the next step's first gather issued" in text
 
@@ -41,3 +46,23 @@ def test_step_bench_bytes_are_exact(cluster_of):
 def test_blocks_preset_bytes():
     # the FSDP2 baseline's block: q/k/v/o 4096->4096/1024/1024/4096, gate_up 4096->2*14336, down 14336->4096
     assert BLOCK_PRESETS["llama8b-blocks"].bytes_per_block() == 436_207_616
+
+
+def test_paired_host_us_subtracts_pair_by_pair(monkeypatch):
+    # A clock that only the calls advance: the base call takes 2 s, the other 5 s plus a drift that grows
+    # every pair (a host slowing down). Pair by pair the difference stays 3 s + the drift of one call.
+    clock = [0.0]
+    order = []
+    monkeypatch.setattr(step_bench.time, "perf_counter", lambda: clock[0])
+
+    def base():
+        order.append("base")
+        clock[0] += 2.0
+
+    def other():
+        order.append("other")
+        clock[0] += 5.0
+
+    median, q1, q3 = paired_host_us(base, other, layers=3, pairs=6, device=torch.device("cpu"))
+    assert (median, q1, q3) == (1e6, 1e6, 1e6)  # 3 s over 3 layers, in microseconds
+    assert order[:4] == ["base", "other", "other", "base"]  # who goes first alternates

@@ -14,7 +14,7 @@ import torch
 
 from wsharding.comm.nccl.watchdog import Watchdog
 from wsharding.lab.tasks.planner import ReadTwiceBlock
-from wsharding.runner import run_layers, shard_blocks
+from wsharding.runner import PlannedBlockForward, run_layers, shard_blocks
 from wsharding.shard import ShardingError, WeightSharding
 
 
@@ -298,3 +298,84 @@ def test_a_host_held_inside_nccl_still_gets_the_process_ended():
         release.set()
         dog.stop()
         t.join(5)
+
+
+class RecordingPlanner:
+    """The three per-layer calls of a planner, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def maybe_dispatch(self, layer):
+        self.calls.append(("dispatch", layer))
+
+    def wait_ready_once(self, layer):
+        self.calls.append(("wait", layer))
+
+    def update_done_event(self, layer, module=None):
+        self.calls.append(("done", layer))
+
+
+def test_planned_block_forward_wraps_and_unwraps():
+    block = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    want = block(x)
+    planner = RecordingPlanner()
+    handle = PlannedBlockForward(block, 3, planner)
+    assert torch.equal(block(x), want) and torch.equal(block.forward(x), want)
+    # the hooks' sequence, for a call through the module and through .forward alike
+    assert planner.calls == [("dispatch", 4), ("wait", 3), ("done", 3)] * 2
+    assert not block._forward_pre_hooks and not block._forward_hooks  # torch's fast path stays
+    handle.remove()
+    assert "forward" not in block.__dict__  # the class's forward again
+    block(x)
+    assert len(planner.calls) == 6
+
+
+def test_planned_block_forward_keeps_other_wrappers():
+    block = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    seen = []
+    theirs_inner = block.forward
+
+    def theirs(*a):
+        seen.append("theirs")
+        return theirs_inner(*a)
+
+    block.forward = theirs  # someone wrapped the block before us: called inside ours, restored after
+    planner = RecordingPlanner()
+    ours = PlannedBlockForward(block, 0, planner)
+    block(x)
+    assert seen == ["theirs"] and planner.calls == [("dispatch", 1), ("wait", 0), ("done", 0)]
+    ours.remove()
+    assert block.__dict__["forward"] is theirs
+    # someone wraps after us: ours cannot come off the chain, so it stays in it doing nothing
+    ours = PlannedBlockForward(block, 0, planner)
+    ours_inner = block.forward
+    block.forward = lambda *a: ours_inner(*a)
+    ours.remove()
+    planner.calls.clear()
+    assert torch.equal(block(x), theirs_inner(x))
+    assert planner.calls == []
+
+
+def block_called_alone(ctx):
+    # 3 blocks, 2 slots: after a step block 0's slot holds block 2. Called on its own, through its
+    # forward, block 0 gathers its weights again (with module hooks, .forward skipped the planner and
+    # computed with block 2's weights).
+    model, ref = Blocks(), Blocks()
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(ctx.rank))
+    ws = shard_blocks(model, "layers", ["*"], ctx.comm)
+    with torch.no_grad():
+        full = torch.equal(model(x), ref(x))
+        alone = torch.equal(model.layers[0].forward(x), ref.layers[0](x))
+    regathers = ws.planner.regathers
+    ws.close()
+    return full, alone, regathers, "forward" in model.layers[0].__dict__
+
+
+def test_a_block_called_through_its_forward_is_gathered_again(cluster_of):
+    for full, alone, regathers, wrapped_after_close in cluster_of(2).run(block_called_alone):
+        assert full and alone
+        assert regathers == 1
+        assert not wrapped_after_close

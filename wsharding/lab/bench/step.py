@@ -57,6 +57,8 @@ GRAPH = ("graph_replicated", "graph_sharded", "graph_sharded_mapped")
 MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 #: Largest tokens per rank that --graph captures (decode sizes).
 GRAPH_MAX_TOKENS = 256
+#: Paired calls behind the host overhead per layer at decode sizes on GPUs (paired_host_us).
+HOST_PAIRS = 200
 
 
 # ---- the models ---------------------------------------------------------------------------------------
@@ -133,6 +135,32 @@ def _timed(fn: Callable[[], Any], steps: int, device: torch.device) -> tuple[flo
         fn()
     ms = (time.perf_counter() - t0) / steps * 1e3
     return ms, ms
+
+
+def paired_host_us(base: Callable[[], Any], other: Callable[[], Any], layers: int, pairs: int,
+                   device: torch.device) -> tuple[float, float, float]:
+    """Host microseconds per layer that ``other`` costs over ``base``: (median, lower and upper quartile).
+
+    The host time of one forward drifts by up to 2x between calls on a shared machine (clocks, other
+    tenants), far more than the planner's few microseconds per layer; two separate medians subtracted
+    measure mostly that drift. So the two are timed in pairs, one call each, back to back (which one
+    goes first alternates), the GPU drained before each call outside the timing, and the per-pair
+    differences give the median. On CPU ranks the host time is the step's wall time."""
+    cuda = device.type == "cuda"
+    diffs = []
+    for k in range(pairs):
+        took = {}
+        for name, fn in ((("base", base), ("other", other)) if k % 2 == 0 else (("other", other), ("base", base))):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            took[name] = time.perf_counter() - t0
+        diffs.append((took["other"] - took["base"]) * 1e6 / layers)
+    if cuda:
+        torch.cuda.synchronize(device)
+    q1, median, q3 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else (diffs[0],) * 3
+    return median, q1, q3
 
 
 def _call(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], Any]:
@@ -258,6 +286,16 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
         for variant in names:
             row[variant] = samples[variant]
             row[f"{variant}_host_ms"] = statistics.median(hosts[variant])
+        # what the sharded forward adds to the host per sharded layer: hooks, planner, communicator
+        layers = len(ws.sharded_layer_ids)
+        # the same count on every rank (the sharded forward is collective); at decode sizes, where the
+        # host time matters, enough pairs that the median settles (the quartiles span ~20 us per layer)
+        pairs = HOST_PAIRS if dev.type == "cuda" and row["tokens_per_rank"] <= GRAPH_MAX_TOKENS else max(steps * repeats, 8)
+        for variant, key in (("sharded", "host_overhead"), ("sharded_mapped", "host_overhead_mapped")):
+            if "replicated" in runs and variant in runs:
+                switch(variant)
+                c.barrier()
+                row[f"{key}_us_per_layer"] = paired_host_us(runs["replicated"], runs[variant], layers, pairs, dev)
         planner.lookahead = True
         planner.prefetch_next_step = False  # a CUDA graph captured later must find nothing pending
 
@@ -327,7 +365,10 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
         merged["floor_ms"] = floor
         if floor:
             merged["sharded_vs_floor"] = merged["sharded"] / floor
-        merged["host_overhead_us_per_layer"] = (merged["sharded_host_ms"] - merged["replicated_host_ms"]) * 1e3 / layers
+        for key in ("host_overhead_us_per_layer", "host_overhead_mapped_us_per_layer"):
+            if key in row:  # the slowest rank's (median, q1, q3) of paired differences (paired_host_us)
+                merged[key], merged[f"{key}_q1"], merged[f"{key}_q3"] = max((r["rows"][i][key] for r in results),
+                                                                            key=lambda m: m[0])
         rows.append(merged)
     return {"bench": "step", "model": model, "comm": comm, "mode": r0["mode"], "emulation": r0["emulation"],
             "world_size": len(results), "variants": variants, "sharded_layers": layers,
@@ -360,7 +401,7 @@ def format_table(report: dict[str, Any]) -> str:
     cols = report["variants"]
     spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols if c in row) and not any(
         c.startswith("graph") for c in cols) and report["mode"].startswith("cpu")
-    lines.append("  tokens/rank " + "".join(f"{c:>24}" for c in cols) + f"{'floor':>11}{'host us/layer':>15}  equal")
+    lines.append("  tokens/rank " + "".join(f"{c:>24}" for c in cols) + f"{'floor':>11}{'host +us/layer':>22}  equal")
     for row in report["rows"]:
         cells = []
         for c in cols:
@@ -375,11 +416,28 @@ def format_table(report: dict[str, Any]) -> str:
             cells.append(cell)
         floor = f"{row['floor_ms']:7.3f} ms" if row["floor_ms"] else "   (N=1)  "
         lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>24}" for c in cells)
-                     + f"{floor:>11}{row['host_overhead_us_per_layer']:>15.1f}  {row['equal']}")
+                     + f"{floor:>11}  {_host_cell(row, 'host_overhead_us_per_layer'):>24}  {row['equal']}")
     lines += [f"  {c}: {LEGEND[c]}" for c in cols if c in LEGEND]
+    first = report["rows"][0] if report["rows"] else {}
+    if "host_overhead_us_per_layer_q1" in first:
+        layers = report["sharded_layers"]
+        lines.append("  host +us/layer: what the sharded forward adds to the host per sharded layer (hooks, planner, "
+                     "communicator) over the replicated forward, median (quartiles) of paired calls; the replicated "
+                     f"forward itself takes {first['replicated_host_ms'] * 1e3 / layers:.0f} us of host per layer"
+                     + ("; on CPU ranks host time is the step's wall time, waits for the gathers included"
+                        if report["mode"].startswith("cpu") else "")
+                     + ("; with map_own_chunk: "
+                        + ", ".join(_host_cell(row, "host_overhead_mapped_us_per_layer") for row in report["rows"])
+                        if "host_overhead_mapped_us_per_layer" in first else ""))
     if report.get("graph_error"):
         lines.append(f"  CUDA graph: not measured ({report['graph_error']})")
     return "\n".join(lines)
+
+
+def _host_cell(row: dict[str, Any], key: str) -> str:
+    if f"{key}_q1" not in row:  # reports saved before the paired measurement: one difference of medians
+        return f"{row[key]:.1f}"
+    return f"{row[key]:.1f} ({row[key + '_q1']:.1f}..{row[key + '_q3']:.1f})"
 
 
 def saved_reports(folder: str | Path = "figures/device", pattern: str = "bench_step_*.json") -> dict[str, dict[str, Any]]:
