@@ -96,3 +96,22 @@ def test_host_breakdown_figure_draws_the_saved_probes_and_says_what_is_emulated(
     assert list(graph.y) == [p["bare_loop_us_per_layer"]["graph"] for p in probes.values()]
     assert "emulated" in fig.layout.title.text  # the 2-rank probe shares one GPU
     assert fig.layout.yaxis.range[1] > max(max(t.y) for t in fig.data)
+
+
+def test_forward_host_figure_draws_medians_with_quartiles():
+    import json
+    from pathlib import Path
+
+    from wsharding.lab.viz.bench import forward_host_figure
+
+    folder = Path(__file__).resolve().parent.parent / "figures" / "device"
+    probe = json.loads((folder / "forward_host_h200_1gpu_2026-12-01.json").read_text())
+    fig = forward_host_figure(probe)
+    whole, actions = fig.data
+    added = probe["added_host_us_per_layer"]
+    assert list(whole.x) == list(added) and list(whole.y) == [v["median"] for v in added.values()]
+    # the whiskers reach the quartiles
+    assert [m + up for m, up in zip(whole.y, whole.error_y.array, strict=True)] == pytest.approx(
+        [v["q3"] for v in added.values()])
+    assert "side graph copy + compute waits it" in list(actions.x)
+    assert f"{probe['pairs']} pairs" in fig.layout.title.text

@@ -81,3 +81,27 @@ def host_breakdown_figure(probes: dict[str, dict[str, Any]]) -> go.Figure:
 def _probe_label(probe: dict[str, Any]) -> str:
     return (f"{probe['world_size']} rank(s) on {probe['gpus']} GPU(s), NCCL {probe['nccl']['version']}, "
             f"{probe['model']}")
+
+
+def forward_host_figure(probe: dict[str, Any]) -> go.Figure:
+    """What each variant (left) and each single action before a block (right) adds to the replicated
+    forward's host time, us per layer: medians of paired calls, whiskers to the quartiles
+    (``scripts/gpu_probes/forward_host.py``)."""
+    fig = go.Figure()
+    for group, key in (("whole forwards", "added_host_us_per_layer"), ("one action before each block",
+                                                                      "actions_host_us_per_block")):
+        items = probe.get(key, {})
+        names = list(items)
+        med = [items[n]["median"] for n in names]
+        fig.add_trace(go.Bar(
+            x=names, y=med, name=group, text=[f"{m:.1f}" for m in med], textposition="outside",
+            error_y={"type": "data", "symmetric": False,
+                     "array": [items[n]["q3"] - items[n]["median"] for n in names],
+                     "arrayminus": [items[n]["median"] - items[n]["q1"] for n in names]}))
+    label = (f"{probe['world_size']} rank(s) on {probe['gpus']} GPU(s), {probe['model']}, "
+             f"{probe['tokens_per_rank']} tokens, {probe['pairs']} pairs")
+    if probe.get("emulation"):
+        label += " -- emulated, not the timings of N GPUs"
+    fig.update_layout(height=460, yaxis_title="host us per layer over the replicated forward",
+                      title=f"What the sharded forward adds to the host, and why<br><sub>{label}</sub>")
+    return fig
