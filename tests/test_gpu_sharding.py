@@ -171,14 +171,21 @@ def test_gpu_mapped_views_equal_replicated_and_copy_nothing_of_their_own(ranks):
     with RankCluster(ranks, backend="gloo", task_timeout=600) as c:
         for r in c.run(model_equality, "small", counts, comm="nccl", map_own_chunk=True, close=True):
             assert r["max_abs_diff"] == 0.0 and all(e in (True, None) for e in r["equal"]) and any(r["equal"])
-            assert r["resident_bytes"] == r["formula_bytes"]
+            assert r["resident_bytes"] == r["formula_bytes"] == r["pool_bytes_sharded"]
+            # after finalize a slot keeps only the peers' pages: 2 (N-1)/N max|T| instead of 2 max|T|
+            assert r["formula_bytes"] == sum(r["chunk_bytes"]) + 2 * (ranks - 1) * max(r["chunk_bytes"])
             assert r["gathers"] == [len(r["sharded_layers"])] * len(counts)
             # every gather sends the own slice of the layer's view: in place, nothing copied in
             assert r["in_place_gathers"] == len(r["sharded_layers"])
             before, after = r["pool_bytes"]
             assert after == before  # close gave back every page, chunk and mapped range
+            mapped_slots = r["pool_bytes_sharded"] - sum(r["chunk_bytes"])
         for r in c.run(model_equality, "small", counts, comm="nccl"):
             assert r["in_place_gathers"] == 0 and r["max_abs_diff"] == 0.0  # the plain slots copy the own chunk
+            assert r["resident_bytes"] == r["formula_bytes"] == r["pool_bytes_sharded"]
+            # the slots of the mapped sharding hold less, though its pieces are padded to 2 MiB pages
+            # (this model's layers are 7.5 MiB: 8 and 12 MiB of pages at 2 and 4 ranks, against 15)
+            assert mapped_slots < r["pool_bytes_sharded"] - sum(r["chunk_bytes"])
 
 
 def test_gpu_mapped_views_one_rank():
@@ -189,6 +196,8 @@ def test_gpu_mapped_views_one_rank():
     with RankCluster(1, backend="nccl", task_timeout=600) as c:
         (r,) = c.run(model_equality, "small", [[3], [6], [1]], comm="nccl", map_own_chunk=True, close=True)
         assert r["max_abs_diff"] == 0.0 and all(r["equal"]) and r["resident_bytes"] == r["formula_bytes"]
+        # alone, a rank has no peers' pages: after finalize the layer views are the chunks themselves
+        assert r["formula_bytes"] == r["pool_bytes_sharded"] == sum(r["chunk_bytes"])
         assert r["in_place_gathers"] == len(r["sharded_layers"]) and r["pool_bytes"][0] == r["pool_bytes"][1]
 
 

@@ -150,3 +150,89 @@ def test_virtual_memory_calls_in_order_and_name_the_one_that_fails():
     vm._cuMemMap = lambda *a: 2  # CUDA_ERROR_OUT_OF_MEMORY
     with pytest.raises(CudaDriverError, match=r"cuMemMap\(0x200000, 4194304\) failed with CUresult 2"):
         vm.map(0x200000, 4 << 20, 0x77)
+
+
+def test_free_unshared_frees_only_what_no_peer_maps(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    log: list[str] = []
+    keep: list = []
+    pool = SymmetricPool(_Owner(log))
+    page = _aligned(WINDOW_ALIGN, keep)
+    pool.buffers.append(SymmetricBuffer("ws0.slot.A.page.0", 0, page.numel(), page.numel(), page.data_ptr(), page,
+                                        wants_window=False))
+    shared = _aligned(WINDOW_ALIGN, keep)
+    pool.buffers.append(SymmetricBuffer("ws0.layer.1.chunk", 1, shared.numel(), shared.numel(), shared.data_ptr(),
+                                        shared))
+    # a buffer that is (or will be) a window: the peers map it, so only release() -- collective -- may free it
+    with pytest.raises(CommError, match=r"\['ws0.layer.1.chunk'\] are \(or will be\) symmetric windows"):
+        pool.free_unshared([page, shared])
+    assert log == []
+    pool.free_unshared([page])
+    assert log == [f"ncclMemFree {page.data_ptr():#x}"] and pool.buffers[0].freed
+    assert pool.allocated_bytes == shared.numel()
+
+
+class _TrimPool:
+    """The calls MappedSlotPool.trim makes on the communicator's pool, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def release(self, tensors):
+        self.calls.append(("release", [t.data_ptr() for t in tensors]))
+
+    def free_unshared(self, tensors):
+        self.calls.append(("free_unshared", [t.data_ptr() for t in tensors]))
+
+
+def _mapped_pool(rank: int, world: int):
+    from wsharding.mapped_slots import MappedSlotPool
+
+    pool = object.__new__(MappedSlotPool)  # no GPU: the bookkeeping only
+    pool.comm = type("Comm", (), {"rank": rank, "world_size": world, "pool": _TrimPool()})()
+    pool.layouts = {3: type("Layout", (), {"total_bytes": 64})(), 4: None}
+    pool.buffers = (torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8))
+    pool._pages = [[torch.zeros(8, dtype=torch.uint8) for _ in range(world)] for _ in range(2)]
+    pool._views = {}
+    return pool
+
+
+def test_trim_gives_back_the_slot_ranges_then_this_ranks_pages_and_refuses_a_second_finalize():
+    pool = _mapped_pool(rank=1, world=3)
+    slots, pages = list(pool.buffers), [list(p) for p in pool._pages]
+    with pytest.raises(ShardingError, match=r"layers \[3, 4\]: trim\(\) before finalize made their views"):
+        pool.trim()  # the views are made with the chunks, at finalize: the slots are still needed
+    pool._views = {3: torch.zeros(1), 4: torch.zeros(1)}
+    pool.trim()
+    # the windows over the slot ranges first (collective), then this rank's pages, which only they reached
+    assert pool.comm.pool.calls == [("release", [b.data_ptr() for b in slots]),
+                                    ("free_unshared", [pages[0][1].data_ptr(), pages[1][1].data_ptr()])]
+    assert [p.data_ptr() for p in pool.resident_buffers()] == [pages[s][r].data_ptr() for s in (0, 1) for r in (0, 2)]
+    pool.trim()  # once only
+    assert len(pool.comm.pool.calls) == 2
+    # finalize again would rebuild weights in a slot that is gone: refused, naming the layer
+    with pytest.raises(ShardingError, match="layer 3: the mapped slots were trimmed after finalize"):
+        pool.scratch_views(3)
+
+
+def test_release_checks_only_the_windows_and_frees_local_pages_after_them(monkeypatch):
+    """After trim each rank holds only the peers' pages (rank 0 page.1, rank 1 page.0): comparing them
+    across ranks as windows would refuse every close. They are left out of the check, and freed after
+    the windows over the ranges that map them."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    log: list[str] = []
+    keep: list = []
+    owner = _Owner(log)
+    sent = []
+    owner.exchange = lambda obj: sent.append(obj) or [obj, obj]
+    pool = SymmetricPool(owner)
+    page = _aligned(WINDOW_ALIGN, keep)
+    pool.buffers.append(SymmetricBuffer("ws0.slot.A.page.1", 0, page.numel(), page.numel(), page.data_ptr(), page,
+                                        wants_window=False))
+    view = _aligned(2 * WINDOW_ALIGN, keep)
+    pool.adopt(view, "ws0.slot.view.3", lambda: log.append("undo view"))
+    pool.register_all()
+    log.clear()
+    pool.release([page, view])
+    assert sent[-1] == [("ws0.slot.view.3", view.numel())]  # the page is no window: not compared
+    assert log == [f"deregister {view.data_ptr():#x}", "undo view", f"ncclMemFree {page.data_ptr():#x}"]

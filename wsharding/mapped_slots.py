@@ -13,9 +13,15 @@ instead of the bytes: each sharded layer gets its own address range of the layer
 so the range *is* the layer's gathered buffer once the peers' slices arrive. The gather runs in
 place -- the send buffer is the own slice of the range -- and moves only the peers' (N-1)/N of the
 layer over the copy engines; the weights are views of the range, as they were of the slot. Slots
-keep their role and their memory: a slot is N pages of the largest chunk each, mapped side by side
-into one range (finalize still packs rows and rebuilds full weights in it); the layers of one parity
-share its pages, so the gate rules are the slots' own ([Note: the gate] in ``wsharding/planner.py``).
+keep their role: a slot is N pages of the largest chunk each, mapped side by side into one range
+(finalize still packs rows and rebuilds full weights in it); the layers of one parity share its
+pages, so the gate rules are the slots' own ([Note: the gate] in ``wsharding/planner.py``).
+
+Once finalize is done, nothing reads a slot's own page any more -- every layer view maps its chunk
+there -- so :meth:`MappedSlotPool.trim` gives the two slot ranges back (their windows deregistered,
+collective) and frees the two own pages: each rank then holds ``R/N + 2 (N-1)/N max|T|`` (plus
+padding to whole pages), not ``R/N + 2 max|T|``. The pool has no full slot after that, so finalize
+cannot run on it again.
 
 What it needs, each checked before anything is allocated:
 
@@ -151,10 +157,32 @@ class MappedSlotPool(SlotPool):
 
     def scratch_views(self, layer: int) -> dict[str, torch.Tensor]:
         """Slot B's first bytes (the layer's view needs its chunk, which does not exist yet)."""
+        if not self.buffers:
+            raise ShardingError(f"layer {layer}: the mapped slots were trimmed after finalize (their own pages freed); "
+                                "there is no full slot to rebuild weights in. Shard a fresh model to finalize again")
         return self.layouts[layer].views(self.buffers[1].narrow(0, 0, self.layouts[layer].total_bytes))
 
+    def trim(self) -> None:
+        """Collective, once, after finalize: give back both slot ranges and this rank's page of each
+        (see the note). What stays: the layer views and the other ranks' pages under them."""
+        if not self.buffers:
+            return
+        missing = [i for i in self.layouts if i not in self._views]
+        if missing:
+            raise ShardingError(f"layers {missing}: trim() before finalize made their views; the slots are still needed")
+        rank = self.comm.rank
+        self.comm.pool.release(list(self.buffers))  # collective: the windows over the slot ranges
+        self.buffers = ()
+        own = [pages[rank] for pages in self._pages]
+        self.comm.pool.free_unshared(own)  # reached through no range any more
+        self._pages = [[p for r, p in enumerate(pages) if r != rank] for pages in self._pages]
+
+    def resident_buffers(self) -> list[torch.Tensor]:
+        """The slots' memory: all their pages before :meth:`trim`, the peers' pages after."""
+        return [p for pages in self._pages for p in pages]
+
     def owned_buffers(self) -> list[torch.Tensor]:
-        return [*self._views.values(), *self.buffers, *(p for pages in self._pages for p in pages)]
+        return [*self._views.values(), *self.buffers, *self.resident_buffers()]
 
     def bound_storage_ptrs(self) -> set[int]:
         return super().bound_storage_ptrs() | {v.untyped_storage().data_ptr() for v in self._views.values()}

@@ -360,6 +360,9 @@ class WeightSharding:
                                f"ws{k}.layer.{i}.chunk", seen)
         if register_all is not None:
             register_all()  # the chunks: the next gathers read them
+        trim = getattr(self.slots, "trim", None)
+        if trim is not None:
+            trim()  # mapped slots: nothing reads a slot's own page any more ([Note: the own chunk mapped, not copied])
         self.planner = WeightShardPlanner(
             comm,
             {i: ShardedLayer(i, self.layouts[i], self.slots.gather_chunk(i, self.chunks[i])) for i in self.targets},
@@ -477,11 +480,15 @@ class WeightSharding:
         """``R/N + padding/N + 2 * max_l |T_l|``: what each rank must hold after finalize.
 
         A backend that allocates in units (our NCCL binding rounds every window to 4096 B, its
-        ``alloc_granularity``) rounds each chunk and slot up to that unit.
+        ``alloc_granularity``) rounds each chunk and slot up to that unit. With ``map_own_chunk`` a
+        slot keeps only the peers' pages after finalize: ``2 * (N-1)/N * max_l |T_l|``.
         """
         g = getattr(self.comm, "alloc_granularity", 1)
-        slot = align_up(max(lay.total_bytes for lay in self.layouts.values()), g)
-        return sum(align_up(lay.chunk_bytes, g) for lay in self.layouts.values()) + 2 * slot
+        chunks = sum(align_up(lay.chunk_bytes, g) for lay in self.layouts.values())
+        if self.map_own_chunk:
+            n = self.comm.world_size
+            return chunks + 2 * (n - 1) * align_up(max(lay.chunk_bytes for lay in self.layouts.values()), g)
+        return chunks + 2 * align_up(max(lay.total_bytes for lay in self.layouts.values()), g)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of sharded weights this rank holds now, from the storages: ``"weights"`` (row shards,
@@ -497,7 +504,7 @@ class WeightSharding:
         return {
             "weights": sum(weights.values()),
             "chunks": sum(c.untyped_storage().nbytes() for c in self.chunks.values()),
-            "slots": sum(b.untyped_storage().nbytes() for b in self.slots.buffers) if self.slots else 0,
+            "slots": sum(b.untyped_storage().nbytes() for b in self.slots.resident_buffers()) if self.slots else 0,
         }
 
     def largest_weight_bytes(self) -> int:
@@ -508,9 +515,9 @@ class WeightSharding:
         """Bytes actually allocated for sharded weights on this rank (chunks + two slots), measured
         from the storages, not from the layout."""
         self._expect("finalized", "resident_bytes")
-        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self.chunks.values()}
-        for b in self.slots.buffers:
-            storages[id(b.untyped_storage())] = b.untyped_storage().nbytes()
+        # keyed by address: a storage's Python object is made anew per call, so its id() can repeat
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*self.chunks.values(), *self.slots.resident_buffers()]}
         return sum(storages.values())
 
     def describe(self) -> list[dict[str, Any]]:

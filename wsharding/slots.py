@@ -61,6 +61,10 @@ class SlotPool:
         frees the row shards): the layer's own slot views."""
         return self.views(layer)
 
+    def resident_buffers(self) -> list[torch.Tensor]:
+        """The tensors that hold the slots' memory (what resident bytes count)."""
+        return list(self.buffers)
+
     def owned_buffers(self) -> list[torch.Tensor]:
         """Every buffer this pool made (what closing a sharding releases)."""
         return list(self.buffers)

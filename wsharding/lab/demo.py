@@ -145,7 +145,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
     ws = sharded.weight_sharding
     planner = ws.planner
     # Right after finalize, as the seed sizes its KV pool: before any step allocates activations.
-    kv_cache = replicated_vs_sharded(replicated, sharded, [*ws.chunks.values(), *ws.slots.buffers],
+    kv_cache = replicated_vs_sharded(replicated, sharded, [*ws.chunks.values(), *ws.slots.resident_buffers()],
                                      context=kv_context or (4096 if comm.device.type == "cuda" else 256),
                                      share=ranks_sharing_device(ctx.world_size, comm.device))
     dev = comm.device

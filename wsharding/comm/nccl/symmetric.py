@@ -213,9 +213,14 @@ class SymmetricPool:
         every rank, checked) and free their memory; the pool's other buffers stay."""
         c = self.comm
         mine = [b for b in self.buffers if not b.freed and any(b.contains(t) for t in tensors)]
-        check_same_registration(c.exchange([(b.tag, b.alloc_bytes) for b in mine]))
+        # Pages that never get a window of their own are this rank's business: which of them a rank
+        # still holds may differ (a trimmed mapped pool keeps only the peers' pages), so they are left
+        # out of the check, and freed last -- after the windows over the ranges that map them.
+        shared = [b for b in mine if b.wants_window or b.window is not None]
+        local = [b for b in mine if not (b.wants_window or b.window is not None)]
+        check_same_registration(c.exchange([(b.tag, b.alloc_bytes) for b in shared]))
         torch.cuda.synchronize(c.device)  # no copy may still touch the memory we free
-        for b in sorted(mine, key=lambda b: (tag_sort_key(b.tag), b.seq), reverse=True):
+        for b in sorted(shared, key=lambda b: (tag_sort_key(b.tag), b.seq), reverse=True) + local:
             if b.window is not None:
                 rc = c.nccl.ncclCommWindowDeregister(c.handle, b.window)
                 b.window = None
@@ -223,6 +228,19 @@ class SymmetricPool:
             error = self._free(b)
             if error is not None:
                 raise CommError(f"ncclMemFree failed for {error}")
+
+    def free_unshared(self, tensors: list[torch.Tensor]) -> None:
+        """Free the buffers behind ``tensors`` that no peer maps: allocated with ``window=False`` and
+        reached by no window any more. Local, not collective (each rank frees its own)."""
+        mine = [b for b in self.buffers if not b.freed and any(b.contains(t) for t in tensors)]
+        shared = [b.tag for b in mine if b.window is not None or b.wants_window]
+        if shared:
+            raise CommError(f"free_unshared: {shared} are (or will be) symmetric windows that the peers map; "
+                            "release them together (release(), collective)")
+        torch.cuda.synchronize(self.comm.device)  # no copy may still touch the memory we free
+        errors = [e for e in (self._free(b) for b in mine) if e is not None]
+        if errors:
+            raise CommError("ncclMemFree failed for " + "; ".join(errors))
 
     def free_all(self) -> None:
         """Free every allocation (after deregistration, or after the communicator was aborted)."""

@@ -175,7 +175,7 @@ def bus_bandwidth(ws: WeightSharding, comm: Communicator, iters: int = 10) -> fl
         return 0.0
     layer = max(ws.sharded_layer_ids, key=lambda i: ws.layouts[i].total_bytes)
     size = ws.layouts[layer].total_bytes
-    full = ws.slots.buffers[0].narrow(0, 0, size)
+    full = ws.slots.full_buffer(layer)  # the layer's own slot range (a mapped pool has no whole slot)
     own = full.narrow(0, comm.rank * (size // n), size // n)
     g = comm.prepare_gather(full, own, what=f"bus bandwidth probe ({size} B)")
     dev = comm.device
@@ -336,6 +336,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             "nccl_blocking": getattr(c, "blocking", None),
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
+            "mapped_resident_bytes": ws_mapped.resident_bytes() if ws_mapped is not None else None,
             "fsdp2": fsdp_model is not None,
             "nccl_in_progress_launches": sum(getattr(g, "in_progress_launches", 0) for g in planner.prepared_gathers.values()), "graph_error": graph_error}
 
@@ -382,7 +383,8 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
             "gather_launch": results[0].get("gather_launch"),
             "nccl_blocking": results[0].get("nccl_blocking"),
             "replicated_bytes_per_rank": r0["replicated_bytes"],
-            "sharded_resident_bytes_per_rank": r0["sharded_resident_bytes"], "rows": rows,
+            "sharded_resident_bytes_per_rank": r0["sharded_resident_bytes"],
+            "mapped_resident_bytes_per_rank": r0.get("mapped_resident_bytes"), "rows": rows,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
@@ -398,6 +400,11 @@ def format_table(report: dict[str, Any]) -> str:
                  + (f"; {report['planner_host_us_per_layer_mapped']:.1f} us with map_own_chunk"
                     if report.get("planner_host_us_per_layer_mapped") else "")
                  + ")")
+    lines.append(f"  sharded weights per rank: {report['replicated_bytes_per_rank'] / 2**20:.1f} MiB replicated, "
+                 f"{report['sharded_resident_bytes_per_rank'] / 2**20:.1f} MiB sharded (R/N + 2 max|T|)"
+                 + (f", {report['mapped_resident_bytes_per_rank'] / 2**20:.1f} MiB with map_own_chunk "
+                    "(R/N + 2 (N-1)/N max|T|, chunks padded to whole pages)"
+                    if report.get("mapped_resident_bytes_per_rank") else ""))
     cols = report["variants"]
     spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols if c in row) and not any(
         c.startswith("graph") for c in cols) and report["mode"].startswith("cpu")

@@ -149,6 +149,10 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "resident_bytes": ws.resident_bytes(),
         "formula_bytes": ws.formula_bytes(),
         "slot_bytes": ws.slots.slot_bytes,
+        "chunk_bytes": [ws.layouts[i].chunk_bytes for i in ws.sharded_layer_ids],
+        # what the communicator's allocator holds for this sharding (our NCCL communicator): the
+        # resident bytes seen from the other side
+        "pool_bytes_sharded": pool.allocated_bytes - pool_before if pool is not None else None,
         "layout_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
         "mode": comm.mode,
         "group": group_of(comm),
