@@ -21,6 +21,7 @@ from wsharding.costmodel import (
     get_device,
     load_model_file,
     model_from_dict,
+    plan_table,
 )
 from wsharding.layout import FlatLayout
 from wsharding.presets import list_presets, load_preset, preset_dict
@@ -376,3 +377,37 @@ def test_plan_json_is_integral_and_complete():
     assert all(type(g["replicated_bytes"]) is int and g["dtype"] == "fp8_e4m3" for g in d["groups"])
     assert json.loads(json.dumps(d)) == d
     assert math.isfinite(d["exposed_seconds_per_step"])
+
+
+def test_mapped_bill_is_the_measured_resident_bytes_of_the_8_block_model():
+    """``map_own_chunk``: chunks in 2 MiB pages, and after finalize a slot keeps only the peers' pages.
+    The 8-block model (Llama-3.1-8B shapes, BF16) at N = 2 held 2,181,038,080 B per rank on an H200
+    (``bench step --mapped``, figures/device/bench_step_h200_2ranks-1gpu_2026-12-01_..._mapped-trimmed.json)."""
+    from wsharding.costmodel import MAPPED_PAGE_BYTES
+
+    block = [("q", (4096, 4096)), ("k", (1024, 4096)), ("v", (1024, 4096)), ("o", (4096, 4096)),
+             ("gate_up", (2 * 14336, 4096)), ("down", (4096, 14336))]
+    entries = [(name, shape, torch.bfloat16) for name, shape in block]
+    plain = bill_for_layouts([FlatLayout(entries, 2)], n_layers_total=8)
+    mapped = bill_for_layouts([FlatLayout(entries, 2, chunk_alignment=MAPPED_PAGE_BYTES)], n_layers_total=8,
+                              map_own_chunk=True)
+    assert plain.sharded_resident_bytes == 2_617_245_696  # measured with plain slots, same run
+    assert mapped.sharded_resident_bytes == 2_181_038_080
+    assert mapped.slot_bytes == 2 * (2 - 1) * 218_103_808 and mapped.finalize_slot_bytes == plain.slot_bytes
+
+
+def test_plan_prices_map_own_chunk_with_paged_chunks_and_whole_slots_at_finalize():
+    from wsharding.costmodel import MAPPED_PAGE_BYTES
+
+    model = load_preset("kimi-k3-b200-fp8")
+    dep = dict(ranks=8, device=get_device("b200"), tokens=256)
+    plain, mapped = estimate(model, Deployment(**dep)), estimate(model, Deployment(**dep, map_own_chunk=True))
+    layouts = model.layouts(8, MAPPED_PAGE_BYTES)
+    assert all(lay.chunk_bytes % MAPPED_PAGE_BYTES == 0 for lay in layouts)
+    assert mapped.bill.resident_shard_bytes == sum(lay.chunk_bytes for lay in layouts)
+    assert mapped.bill.slot_bytes == 2 * 7 * max(lay.chunk_bytes for lay in layouts)
+    # finalize still rebuilds weights in whole slots: the load peak keeps them
+    assert mapped.load_peaks()["device_rows"] == (mapped.bill.resident_shard_bytes + mapped.bill.finalize_slot_bytes
+                                                  + mapped.largest_weight_bytes)
+    assert mapped.to_dict()["map_own_chunk"] is True and plain.to_dict()["map_own_chunk"] is False
+    assert "mapped slots 2(N-1)/N max|T|" in plan_table(mapped)

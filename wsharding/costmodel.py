@@ -68,6 +68,10 @@ class Device:
 
 #: Public datasheet figures (dense, i.e. the "with sparsity" numbers halved). Nominal peaks: real
 #: GEMMs reach a fraction of them, which is what ``Deployment.efficiency`` is for.
+#: The page of ``map_own_chunk``'s mapped views: CUDA's allocation granularity, 2 MiB on an H200
+#: (``cuMemGetAllocationGranularity``, measured; the sharding asks the driver, the cost model assumes it).
+MAPPED_PAGE_BYTES = 2 * 2**20
+
 DEVICES: dict[str, Device] = {
     "b200": Device(
         "b200",
@@ -139,9 +143,10 @@ class LayerSpec:
     def payload_bytes(self) -> int:
         return sum(g.nbytes for g in self.groups)
 
-    def layout(self, ranks: int) -> FlatLayout:
-        """The layer's flat buffer T for a group of ``ranks`` (padding included)."""
-        return FlatLayout([s for g in self.groups for s in g.specs()], ranks)
+    def layout(self, ranks: int, chunk_alignment: int | None = None) -> FlatLayout:
+        """The layer's flat buffer T for a group of ``ranks`` (padding included); ``chunk_alignment``:
+        every chunk a whole number of such units (the pages of ``map_own_chunk``)."""
+        return FlatLayout([s for g in self.groups for s in g.specs()], ranks, chunk_alignment=chunk_alignment)
 
 
 @dataclass(frozen=True)
@@ -160,8 +165,8 @@ class ModelSpec:
     def replicated_bytes(self) -> int:
         return sum(layer.payload_bytes for layer in self.layers)
 
-    def layouts(self, ranks: int) -> list[FlatLayout]:
-        return [layer.layout(ranks) for layer in self.layers]
+    def layouts(self, ranks: int, chunk_alignment: int | None = None) -> list[FlatLayout]:
+        return [layer.layout(ranks, chunk_alignment) for layer in self.layers]
 
     def group_totals(self) -> list[tuple[str, torch.dtype, int]]:
         """``(group name, dtype, bytes over all layers)`` in first-seen order."""
@@ -361,6 +366,14 @@ class Bill:
     largest_layer_bytes: int
     slot_bytes: int
     padding_bytes: int
+    #: The layers gather into views mapped over their chunks ([Note: the own chunk mapped, not
+    #: copied]): after finalize a slot keeps only the peers' pages, (N-1)/N of it.
+    map_own_chunk: bool = False
+
+    @property
+    def finalize_slot_bytes(self) -> int:
+        """The two slots while finalize runs: whole, mapped or not (finalize rebuilds weights in them)."""
+        return 2 * self.largest_layer_bytes
 
     @property
     def sharded_resident_bytes(self) -> int:
@@ -380,7 +393,8 @@ class Bill:
 
 
 def bill_for_layouts(
-    layer_layouts: Sequence[FlatLayout], n_layers_total: int | None = None, ranks: int | None = None
+    layer_layouts: Sequence[FlatLayout], n_layers_total: int | None = None, ranks: int | None = None,
+    map_own_chunk: bool = False,
 ) -> Bill:
     """The exact memory :class:`Bill` of sharded layers given by their :class:`FlatLayout` s.
 
@@ -388,6 +402,8 @@ def bill_for_layouts(
     a repeating pattern cycled up to that many layers (e.g. one layout for 92 identical layers).
     ``ranks`` defaults to the layouts' group size and must match it. Resident shards are the
     chunks (``total_bytes / N`` each), slots are ``2 * max total_bytes``, R counts only payload.
+    ``map_own_chunk``: the slots keep ``2 * (N-1) * max chunk_bytes`` after finalize (build the
+    layouts with ``chunk_alignment=MAPPED_PAGE_BYTES``, as the sharding does).
     """
     if not layer_layouts:
         raise CostModelError("layer_layouts: need at least one layout")
@@ -408,9 +424,11 @@ def bill_for_layouts(
         replicated_bytes=sum(lay.payload_bytes for lay in layouts),
         resident_shard_bytes=sum(lay.chunk_bytes for lay in layouts),
         largest_layer_bytes=largest,
-        # Two ping-pong slots, each holding one full layer: sized by the largest layer.
-        slot_bytes=2 * largest,
+        # Two ping-pong slots, each holding one full layer: sized by the largest layer. Mapped, each
+        # keeps the peers' N-1 pieces of the largest chunk (its own piece is every layer's chunk).
+        slot_bytes=2 * (n - 1) * max(lay.chunk_bytes for lay in layouts) if map_own_chunk else 2 * largest,
         padding_bytes=sum(lay.total_bytes - lay.payload_bytes for lay in layouts),
+        map_own_chunk=map_own_chunk,
     )
 
 
@@ -438,6 +456,9 @@ class Deployment:
     #: The KV-cache pool per GPU when the weights are replicated (bytes): what the memory left after
     #: every weight and the activations holds. Sharding adds its net saving to it.
     kv_pool_bytes: int | None = None
+    #: Layers gather into views mapped over their chunks (``WeightSharding(map_own_chunk=True)``):
+    #: chunks padded to :data:`MAPPED_PAGE_BYTES`, slots (N-1)/N after finalize.
+    map_own_chunk: bool = False
 
     def __post_init__(self) -> None:
         _int(self.ranks, "ranks", minimum=1)
@@ -561,8 +582,8 @@ class Plan:
         """
         b = self.bill
         return {
-            "device_rows": b.resident_shard_bytes + b.slot_bytes + self.largest_weight_bytes,
-            "device_requant_then_shard": b.replicated_bytes + b.resident_shard_bytes + b.slot_bytes,
+            "device_rows": b.resident_shard_bytes + b.finalize_slot_bytes + self.largest_weight_bytes,
+            "device_requant_then_shard": b.replicated_bytes + b.resident_shard_bytes + b.finalize_slot_bytes,
             "host": b.resident_shard_bytes + self.largest_weight_bytes,
         }
 
@@ -617,6 +638,7 @@ class Plan:
             "replicated_bytes": b.replicated_bytes,
             "resident_shard_bytes": b.resident_shard_bytes,
             "slot_bytes": b.slot_bytes,
+            "map_own_chunk": b.map_own_chunk,
             "sharded_resident_bytes": b.sharded_resident_bytes,
             "padding_bytes": b.padding_bytes,
             "gross_saving_bytes": b.gross_saving_bytes,
@@ -666,8 +688,9 @@ class Plan:
 def estimate(model: ModelSpec, deployment: Deployment) -> Plan:
     """Price ``model`` on ``deployment``: the exact memory bill and the per-layer timing model."""
     n = deployment.ranks
-    layouts = model.layouts(n)
-    bill = bill_for_layouts(layouts)
+    mapped = deployment.map_own_chunk
+    layouts = model.layouts(n, MAPPED_PAGE_BYTES if mapped else None)
+    bill = bill_for_layouts(layouts, map_own_chunk=mapped)
     costs: list[LayerCost] = []
     prev_per_token: float | None = None
     for layer, lay in zip(model.layers, layouts, strict=True):
@@ -730,7 +753,8 @@ def plan_table(plan: Plan) -> str:
         "",
         "memory per GPU                 replicated             sharded",
         f"  weights (R | shards sum|T|/N) {b.replicated_bytes / GiB:>10.2f} GiB {b.resident_shard_bytes / GiB:>14.2f} GiB",
-        f"  two slots (2 max|T|)          {0:>10.2f} GiB {b.slot_bytes / GiB:>14.2f} GiB",
+        f"  {'mapped slots 2(N-1)/N max|T|' if b.map_own_chunk else 'two slots (2 max|T|)':<30}"
+        f"{0:>10.2f} GiB {b.slot_bytes / GiB:>14.2f} GiB",
         f"  total                         {b.replicated_bytes / GiB:>10.2f} GiB {b.sharded_resident_bytes / GiB:>14.2f} GiB",
         "",
         f"  gross saving R (the seed's 'reclaimed'): {fmt_bytes(b.gross_saving_bytes)}",

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="re-price the same weights in another dtype (bf16, fp8_e4m3, ...)")
     p.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV cache bytes per token (default: the preset's)")
     p.add_argument("--context", type=int, default=None, help="tokens per request, to count extra concurrent requests")
+    p.add_argument("--map-own-chunk", action="store_true",
+                   help="price WeightSharding(map_own_chunk=True): chunks in 2 MiB pages, slots (N-1)/N after finalize")
     p.add_argument("--kv-pool-gib", type=float, default=None,
                    help="KV-cache pool per GPU with replicated weights, GiB (default: the preset's assumption)")
     add_json_option(p, "the plan")
@@ -69,6 +71,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         kv_bytes_per_token=args.kv_bytes_per_token,
         context=args.context if args.context is not None else d.get("context"),
         kv_pool_bytes=None if getattr(args, "kv_pool_gib", None) is None else int(args.kv_pool_gib * 2**30),
+        map_own_chunk=getattr(args, "map_own_chunk", False),
     )
     return estimate(model, deployment)
 
