@@ -379,3 +379,34 @@ def test_a_block_called_through_its_forward_is_gathered_again(cluster_of):
         assert full and alone
         assert regathers == 1
         assert not wrapped_after_close
+
+
+def sharded_twice(ctx):
+    # Without the guard the second sharding ran, and its planner and the first one gathered into each
+    # other's slots: the outputs were silently wrong on every rank.
+    model, ref = Blocks(), Blocks()
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(ctx.rank))
+    ws = shard_blocks(model, "layers", ["*"], ctx.comm)
+    said = []
+    try:
+        shard_blocks(model, "layers", ["*"], ctx.comm)
+    except ShardingError as e:
+        said.append(str(e))
+    with torch.no_grad():
+        still_equal = torch.equal(model(x), ref(x))  # the refused attempt changed nothing
+        ws.close()
+        try:
+            shard_blocks(model, "layers", ["*"], ctx.comm)
+        except ShardingError as e:
+            said.append(str(e))
+    return said, still_equal
+
+
+def test_a_model_sharded_twice_is_refused_naming_the_layer_and_rank(cluster_of):
+    for rank, (said, still_equal) in enumerate(cluster_of(2).run(sharded_twice)):
+        assert still_equal
+        open_, closed = said
+        assert open_.startswith(f"layer 0 on rank {rank}: this module is already sharded by a WeightSharding that is "
+                                "still open")
+        assert "close it (ws.close()) and shard a freshly built model" in open_
+        assert closed.startswith(f"layer 0 on rank {rank}: this module's weight sharding was closed")

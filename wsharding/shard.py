@@ -191,6 +191,17 @@ class WeightSharding:
                                 "rows, and a layout needs the full shapes. Declare a layer before it shrinks")
         if self.sharded_range is not None and layer_id not in self.sharded_range:
             return []
+        if getattr(layer, "_weight_shard", None) is not None:
+            # Its weights are views of another sharding's slot: sharded again, the two planners would
+            # gather into each other's slots and the outputs would be silently wrong.
+            raise ShardingError(
+                f"layer {layer_id} on rank {self.comm.rank}: this module is already sharded by a WeightSharding that is "
+                "still open (its weights are views of that sharding's slots). Use that sharding, or close it "
+                "(ws.close()) and shard a freshly built model")
+        if getattr(layer, "_weight_shard_closed", False):
+            raise ShardingError(
+                f"layer {layer_id} on rank {self.comm.rank}: this module's weight sharding was closed and its sharded "
+                "weights freed; nothing is left to shard. Shard a freshly built model (or load its checkpoint into one)")
         names = getattr(layer, "weight_shard_targets", []) if names is None else names
         chosen, left = [], []
         for n in names:
@@ -399,6 +410,7 @@ class WeightSharding:
                "its sharded weights are gone. Shard a fresh model to run it again")
         for i, layer in self.layers.items():
             layer._weight_shard = None
+            layer._weight_shard_closed = True
             self.hook_handles.append(layer.register_forward_pre_hook(_refuse(why, i)))
             for t in self.targets[i]:
                 # The Parameter object stays (with its loader), holding no memory: nothing can read
