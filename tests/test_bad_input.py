@@ -72,6 +72,17 @@ def _tp_target(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return WeightSharding(_RankOfTwo(), [block], {0: ["proj"]})
 
 
+def _shared_block(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.shard import WeightSharding
+
+    # one block at two places of the list (ALBERT-style sharing): its weight would be shrunk, bound to a
+    # slot and gathered once per place
+    shared, other = torch.nn.Module(), torch.nn.Module()
+    shared.fc = torch.nn.Linear(4, 4, bias=False)
+    other.fc = torch.nn.Linear(4, 4, bias=False)
+    return WeightSharding(_RankOfTwo(), [shared, other, shared], {i: ["fc"] for i in range(3)})
+
+
 def _old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.comm.nccl import library
     from wsharding.comm.nccl.communicator import NcclCommunicator
@@ -247,6 +258,10 @@ CASES: dict[str, Case] = {
         "declared a module of your own that tensor parallelism splits (tp_size > 1)", "wsharding.shard:ShardingError",
         ("layer 0", "'proj'", "tp_size 2"),
         "shard only weights replicated on every rank (tp 1); remove it from the targets", _tp_target),
+    "shared block": Case(
+        "declared one block (or one tied weight) at two layers", "wsharding.shard:ShardingError",
+        ("layer 2 fc.weight", "rank 0", "same weight as layer 0 fc.weight"),
+        "leave one of the layers out (sharded_layers=...) or untie the weights", _shared_block),
     "old nccl": Case(
         "used our NCCL communicator with an NCCL older than 2.28.3", "wsharding.comm.nccl.library:NcclLibraryError",
         ("NCCL >= 2.28.3", "NCCL 2.28.2", "WSHARDING_NCCL_LIBRARY"),

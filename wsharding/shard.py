@@ -217,6 +217,16 @@ class WeightSharding:
             warnings.warn(f"layer {layer_id}: {len(left)} weight{'s' * (len(left) > 1)} left replicated, rows not "
                           f"divisible by the group size {self.comm.world_size}: {', '.join(left)}",
                           ShardingSkipWarning, stacklevel=3)
+        for t in chosen:
+            # A weight tied between two layers (or one block at two places of the list) would be shrunk,
+            # bound to a slot and gathered once per place: each sharded layer needs weights of its own.
+            for other, ts in [*self.targets.items(), (layer_id, chosen[:chosen.index(t)])]:
+                same = next((o for o in ts if o.module.weight is t.module.weight), None)
+                if same is not None:
+                    raise ShardingError(
+                        f"layer {layer_id} {t.name}.weight on rank {self.comm.rank} is the same weight as layer {other} "
+                        f"{same.name}.weight (a block or weight shared between layers): each sharded layer needs "
+                        "weights of its own. Leave one of the layers out (sharded_layers=...), or untie the weights")
         if chosen:
             self.layers[layer_id] = layer
             self.targets[layer_id] = chosen
