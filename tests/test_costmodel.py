@@ -364,6 +364,12 @@ def test_costmodel_panel_follows_its_controls():
     assert panel.renders == 5
     same, _, _ = costmodel_view(m, 4, "fp8_e4m3", 450, 1024, "b200")
     assert same.to_dict() == plan.to_dict()
+    panel.controls["map_own_chunk"].value = True
+    assert panel.plan.bill.map_own_chunk and panel.renders == 6
+    mapped, memory, _ = costmodel_view(m, 4, "fp8_e4m3", 450, 1024, "b200", map_own_chunk=True)
+    assert mapped.to_dict() == panel.plan.to_dict()
+    slots = next(t for t in memory.data if t.name == "mapped slots 2(N-1)/N·max|T|")
+    assert slots.y[0] == mapped.bill.slot_bytes / GiB
 
 
 def test_plan_json_is_integral_and_complete():

@@ -26,7 +26,7 @@ def memory_figure(plan: Plan) -> go.Figure:
                     hovertemplate="%{y:.2f} GiB<extra>" + name + "</extra>")
     parts = [
         ("resident shards sum|T|/N", b.resident_shard_bytes, COLORS["shards"]),
-        ("two slots 2·max|T|", b.slot_bytes, COLORS["slots"]),
+        ("mapped slots 2(N-1)/N·max|T|" if b.map_own_chunk else "two slots 2·max|T|", b.slot_bytes, COLORS["slots"]),
         ("freed (net saving)", max(0, b.net_saving_bytes), COLORS["freed"]),
     ]
     for label, nbytes, color in parts:

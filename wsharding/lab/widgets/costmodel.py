@@ -1,5 +1,5 @@
-"""The cost-model panel of notebook 00: sliders for N, dtype, bandwidth and tokens per step driving
-the memory and overlap figures. The panel is a thin wrapper over :func:`costmodel_view`, which
+"""The cost-model panel of notebook 00: sliders for N, dtype, bandwidth and tokens per step, and a
+``map_own_chunk`` box, driving the memory and overlap figures. The panel is a thin wrapper over :func:`costmodel_view`, which
 tests call directly."""
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ def costmodel_view(
     bandwidth_gbps: float | None = None,
     tokens: int = 256,
     device: str = "b200",
+    map_own_chunk: bool = False,
 ) -> tuple[Plan, go.Figure, go.Figure]:
     """The pure function behind the panel: the plan and its two figures for one set of inputs."""
     m = model if dtype == "as given" else model.with_dtype(dtype)
     dep = Deployment(ranks=ranks, device=get_device(device), tokens=tokens,
-                     link_bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * GB)
+                     link_bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * GB, map_own_chunk=map_own_chunk)
     plan = estimate(m, dep)
     return plan, memory_figure(plan), overlap_figure(plan)
 
@@ -52,7 +53,8 @@ class CostModelPanel:
 
 def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens: int | None = None,
                           device: str | None = None) -> CostModelPanel:
-    """Sliders (N, dtype, bandwidth GB/s, tokens per step) -> plan text, memory and overlap figures.
+    """Sliders (N, dtype, bandwidth GB/s, tokens per step) and the ``map_own_chunk`` box -> plan text,
+    memory and overlap figures.
 
     Changing any control recomputes through :func:`costmodel_view`; ``panel.state`` holds the result.
     """
@@ -66,6 +68,7 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
         "tokens": widgets.SelectionSlider(options=token_grid(16384),
                                           value=tokens or int(model.defaults.get("tokens", 256)),
                                           description="tokens/step"),
+        "map_own_chunk": widgets.Checkbox(value=False, description="map_own_chunk"),
     }
     text = widgets.Output()
     figs = widgets.Output()
@@ -74,7 +77,8 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
 
     def refresh(_change: Any = None) -> None:
         panel.state = costmodel_view(model, controls["ranks"].value, controls["dtype"].value,
-                                     controls["bandwidth"].value, controls["tokens"].value, dev.name)
+                                     controls["bandwidth"].value, controls["tokens"].value, dev.name,
+                                     controls["map_own_chunk"].value)
         panel.renders += 1
         text.clear_output(wait=True)
         figs.clear_output(wait=True)
