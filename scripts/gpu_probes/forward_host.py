@@ -7,7 +7,7 @@ pairs (``wsharding.lab.bench.step.paired_host_us``: one call of each back to bac
 before each call):
 
   * ``replicated`` again: the noise floor of the measurement;
-  * ``hooks only``: the replicated model with the same module hooks as ``shard_blocks`` (doing nothing);
+  * ``hooks only``: the replicated model with two no-op module hooks per block (what ``shard_blocks`` used to add);
   * ``sharded, gathers no-op``: the sharded model whose gathers neither start nor wait (hooks + planner);
   * ``sharded``, ``sharded, direct launch`` and ``sharded, lookahead off``;
 and the functions whose own host time differs most between one sharded and one replicated forward
@@ -31,9 +31,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from probe_report import report
+from probe_report import finish, nccl_rank
 
-from wsharding.comm.nccl import NcclCommunicator
 from wsharding.lab.bench.step import paired_host_us, planner_host_us
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 from wsharding.runner import shard_blocks
@@ -124,17 +123,12 @@ def action_costs(model, x, layers: int, dev: torch.device) -> dict[str, dict[str
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "llama8b-blocks"
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    gpus = torch.cuda.device_count()
-    dev = torch.device("cuda", rank % gpus)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("gloo")
-    comm = NcclCommunicator(None, device=dev)
+    rank, world, gpus, dev, comm = nccl_rank()
     replicated = build_blocks(model, dev)
     hooked = build_blocks(model, dev)
     sharded = build_blocks(model, dev)
     ws = shard_blocks(sharded, "layers", BLOCK_TARGETS, comm)
-    for b in hooked.layers:  # the same hooks shard_blocks adds, doing nothing
+    for b in hooked.layers:  # the two hooks per block shard_blocks used to add, doing nothing
         b.register_forward_pre_hook(lambda _m, _a: None)
         b.register_forward_hook(lambda _m, _a, _o: None)
     hooked.register_forward_pre_hook(lambda _m, _a: None)
@@ -196,13 +190,7 @@ def main() -> None:
                                 for d, k, n, n0 in diff[:25]]
     out["profile_total_us_per_forward"] = {"replicated": sum(t for _, t in prof_rep.values()) * 1e6,
                                            "sharded": sum(t for _, t in prof_shd.values()) * 1e6}
-    torch.cuda.synchronize()
-    dist.barrier()
-    if rank == 0:
-        report(f"forward_host_{world}ranks_{gpus}gpu.json", out)
-    ws.close()
-    comm.close()
-    dist.destroy_process_group()
+    finish(f"forward_host_{world}ranks_{gpus}gpu.json", out, ws, comm)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,14 @@ ctypes calls it is made of.
 from __future__ import annotations
 
 import ctypes
-import os
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-from probe_report import report
+from probe_report import finish, nccl_rank
 
-from wsharding.comm.nccl import NcclCommunicator
 from wsharding.lab.bench.step import planner_host_us
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 from wsharding.runner import shard_blocks
@@ -87,12 +85,7 @@ def loop_us(ws) -> float:
 
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "llama8b-blocks"
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    gpus = torch.cuda.device_count()
-    dev = torch.device("cuda", rank % gpus)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("gloo")
-    comm = NcclCommunicator(None, device=dev)
+    rank, world, gpus, dev, comm = nccl_rank()
     net = build_blocks(model, dev)
     ws = shard_blocks(net, "layers", BLOCK_TARGETS, comm)
     with torch.no_grad():
@@ -147,13 +140,7 @@ def main() -> None:
     calls["Stream.cuda_stream"] = per_call_us(lambda: compute.cuda_stream)
     calls["watchdog.watch"] = per_call_us(lambda: comm.watchdog.watch(g0.ready, g0.what))
     out["calls_us"] = calls
-    torch.cuda.synchronize()
-    dist.barrier()
-    if rank == 0:
-        report(f"host_breakdown_{world}ranks_{gpus}gpu.json", out)
-    ws.close()
-    comm.close()
-    dist.destroy_process_group()
+    finish(f"host_breakdown_{world}ranks_{gpus}gpu.json", out, ws, comm)
 
 
 if __name__ == "__main__":

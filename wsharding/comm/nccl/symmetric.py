@@ -86,6 +86,11 @@ class SymmetricBuffer:
     #: ``ncclMemFree``; such a range owns no memory of its own.
     release_memory: Callable[[], None] | None = None
 
+    @property
+    def shared(self) -> bool:
+        """A symmetric window (or one to be): the peers map it, so only a collective may free it."""
+        return self.wants_window or self.window is not None
+
     def contains(self, t: torch.Tensor) -> bool:
         start = t.data_ptr()
         return self.ptr <= start and start + t.numel() * t.element_size() <= self.ptr + self.alloc_bytes
@@ -216,8 +221,8 @@ class SymmetricPool:
         # Pages that never get a window of their own are this rank's business: which of them a rank
         # still holds may differ (a trimmed mapped pool keeps only the peers' pages), so they are left
         # out of the check, and freed last -- after the windows over the ranges that map them.
-        shared = [b for b in mine if b.wants_window or b.window is not None]
-        local = [b for b in mine if not (b.wants_window or b.window is not None)]
+        shared = [b for b in mine if b.shared]
+        local = [b for b in mine if not b.shared]
         check_same_registration(c.exchange([(b.tag, b.alloc_bytes) for b in shared]))
         torch.cuda.synchronize(c.device)  # no copy may still touch the memory we free
         for b in sorted(shared, key=lambda b: (tag_sort_key(b.tag), b.seq), reverse=True) + local:
@@ -233,7 +238,7 @@ class SymmetricPool:
         """Free the buffers behind ``tensors`` that no peer maps: allocated with ``window=False`` and
         reached by no window any more. Local, not collective (each rank frees its own)."""
         mine = [b for b in self.buffers if not b.freed and any(b.contains(t) for t in tensors)]
-        shared = [b.tag for b in mine if b.window is not None or b.wants_window]
+        shared = [b.tag for b in mine if b.shared]
         if shared:
             raise CommError(f"free_unshared: {shared} are (or will be) symmetric windows that the peers map; "
                             "release them together (release(), collective)")
