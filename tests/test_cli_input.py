@@ -81,6 +81,8 @@ def test_bad_input_is_one_line_before_any_work(argv, message, capsys, no_ranks):
     (["demo", "--backend", "nccl"], "--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo"),
     (["demo", "--comm", "nccl"], "--comm nccl (our NCCL binding: symmetric windows, copy engine) needs CUDA GPUs"),
     (["demo", "--ranks", "1000"], f"--ranks 1000: at most {cliargs.MAX_CPU_RANKS} CPU rank processes"),
+    (["demo", "--map-own-chunk"], "--map-own-chunk maps each layer's own chunk under its gather range: that "
+                                  "needs our NCCL binding on GPUs (--comm nccl, NCCL >= 2.30); this machine has no CUDA GPU"),
     (["bench", "allgather", "--ranks", "1000"], f"--ranks 1000: at most {cliargs.MAX_CPU_RANKS} CPU rank processes"),
 ])
 def test_cpu_machine_refuses_what_needs_gpus(argv, message, capsys, no_ranks):

@@ -172,6 +172,10 @@ def test_gpu_mapped_views_equal_replicated_and_copy_nothing_of_their_own(ranks):
         for r in c.run(model_equality, "small", counts, comm="nccl", map_own_chunk=True, close=True):
             assert r["max_abs_diff"] == 0.0 and all(e in (True, None) for e in r["equal"]) and any(r["equal"])
             assert r["resident_bytes"] == r["formula_bytes"] == r["pool_bytes_sharded"]
+            # what the KV-cache comparison counts: the layer views are address ranges over the chunks
+            # and pages, not memory (counted, they added ~R and made replicated look roomier)
+            mb = r["model_bytes"]
+            assert mb["sharded"] == mb["replicated"] - r["replicated_bytes"] + r["resident_bytes"]
             # after finalize a slot keeps only the peers' pages: 2 (N-1)/N max|T| instead of 2 max|T|
             assert r["formula_bytes"] == sum(r["chunk_bytes"]) + 2 * (ranks - 1) * max(r["chunk_bytes"])
             assert r["gathers"] == [len(r["sharded_layers"])] * len(counts)
@@ -196,6 +200,8 @@ def test_gpu_mapped_views_one_rank():
     with RankCluster(1, backend="nccl", task_timeout=600) as c:
         (r,) = c.run(model_equality, "small", [[3], [6], [1]], comm="nccl", map_own_chunk=True, close=True)
         assert r["max_abs_diff"] == 0.0 and all(r["equal"]) and r["resident_bytes"] == r["formula_bytes"]
+        mb = r["model_bytes"]
+        assert mb["sharded"] == mb["replicated"] - r["replicated_bytes"] + r["resident_bytes"]
         # alone, a rank has no peers' pages: after finalize the layer views are the chunks themselves
         assert r["formula_bytes"] == r["pool_bytes_sharded"] == sum(r["chunk_bytes"])
         assert r["in_place_gathers"] == len(r["sharded_layers"]) and r["pool_bytes"][0] == r["pool_bytes"][1]

@@ -134,3 +134,19 @@ def test_demo_without_plotly_reports_and_skips_the_figures(tmp_path, monkeypatch
     out = capsys.readouterr().out
     assert "figures skipped: plotly is not installed" in out and "median of 1 rounds" in out
     assert not (tmp_path / "wsharding-out").exists() and json.loads((tmp_path / "r.json").read_text())["outputs_equal"]
+
+
+def test_model_bytes_skips_address_only_storages():
+    """A mapped pool's layer views own no memory: model_bytes must not count them (the GPU mapped
+    tests check the same on real views); a plain pool has none."""
+    import torch
+
+    from wsharding.models.kv_cache import model_bytes
+    from wsharding.slots import SlotPool
+
+    backing = torch.zeros(256)
+    m = torch.nn.Linear(8, 8, bias=False)
+    m.weight = torch.nn.Parameter(backing[:64].view(8, 8), requires_grad=False)
+    assert model_bytes(m) == backing.untyped_storage().nbytes()
+    assert model_bytes(m, address_only={backing.untyped_storage().data_ptr()}) == 0
+    assert SlotPool.address_only_ptrs(object.__new__(SlotPool)) == set()

@@ -32,3 +32,6 @@ def test_sharded_decoder_equals_replicated(cluster_of, n, lookahead):
         assert r["layout_bytes"] == [total] * len(sharded_layers)
         assert r["resident_bytes"] == r["formula_bytes"] == len(sharded_layers) * total // n + 2 * total
         assert r["slot_bytes"] == total
+        # the KV-cache comparison counts the sharded model as the replicated one, less R, plus what it holds
+        mb = r["model_bytes"]
+        assert mb["sharded"] == mb["replicated"] - r["replicated_bytes"] + r["resident_bytes"]

@@ -185,7 +185,11 @@ class MappedSlotPool(SlotPool):
         return [*self._views.values(), *self.buffers, *self.resident_buffers()]
 
     def bound_storage_ptrs(self) -> set[int]:
-        return super().bound_storage_ptrs() | {v.untyped_storage().data_ptr() for v in self._views.values()}
+        return super().bound_storage_ptrs() | self.address_only_ptrs()
+
+    def address_only_ptrs(self) -> set[int]:
+        # A layer view maps the layer's chunk and the peers' pages: counting it would count them twice.
+        return {v.untyped_storage().data_ptr() for v in self._views.values()}
 
     def __repr__(self) -> str:
         return f"MappedSlotPool(2 x {self.slot_bytes} B, {len(self._views)} layer views, occupancy={self.occupancy()})"

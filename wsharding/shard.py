@@ -512,6 +512,17 @@ class WeightSharding:
             return chunks + 2 * (n - 1) * align_up(max(lay.chunk_bytes for lay in self.layouts.values()), g)
         return chunks + 2 * align_up(max(lay.total_bytes for lay in self.layouts.values()), g)
 
+    def finalize_bound_bytes(self) -> int:
+        """The most this rank should hold while :meth:`finalize` runs: :meth:`formula_bytes` plus the
+        largest weight (one layer's row shards on their way into its chunk). With ``map_own_chunk``
+        also this rank's own page of each slot: finalize gathers through whole slots, and only the
+        trim at its end gives those pages back."""
+        bound = self.formula_bytes() + self.largest_weight_bytes()
+        if self.map_own_chunk:
+            g = getattr(self.comm, "alloc_granularity", 1)
+            bound += 2 * align_up(max(lay.chunk_bytes for lay in self.layouts.values()), g)
+        return bound
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes of sharded weights this rank holds now, from the storages: ``"weights"`` (row shards,
         or full weights of requant-then-shard targets, still outside the slots), ``"chunks"``,

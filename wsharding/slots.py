@@ -73,6 +73,11 @@ class SlotPool:
         """Storages that bound weights view (not counted as weights held outside the slots)."""
         return {b.untyped_storage().data_ptr() for b in self.buffers}
 
+    def address_only_ptrs(self) -> set[int]:
+        """Storages that bound weights view but that own no memory: address ranges over memory
+        counted elsewhere (none here; a mapped pool's layer views)."""
+        return set()
+
     def slot_of(self, layer: int) -> int:
         """0 (slot A) or 1 (slot B): fixed by the layer's position among the sharded layers."""
         try:

@@ -1,12 +1,15 @@
 """Where a sharded step's extra time goes at prefill sizes: the first layer's gather (nothing before
 it to hide behind) or compute slowed by the gathers that run beside it.
 
-    torchrun --nproc-per-node 2 scripts/gpu_probes/contention.py [TOKENS]   # rank 0 prints JSON
+    torchrun --nproc-per-node 2 scripts/gpu_probes/contention.py [TOKENS [mapped] [next]]   # rank 0 prints JSON
 
 The llama8b-blocks model, replicated and sharded over both GPUs with our NCCL communicator, under
 torch's profiler: per step, the time of the kernels on the compute stream (the same kernels in both
 models), the time from the step's start to its first kernel, and the copies of the gathers. Writes
-``$OUT/contention_probe.json`` when ``OUT`` is set.
+``$OUT/contention_probe.json`` when ``OUT`` is set. ``mapped``: the sharding maps each layer's own
+chunk (``map_own_chunk``, NCCL >= 2.30: no own-chunk copy); ``next``: the planner issues the next
+step's first gather during the last layer (``prefetch_next_step``). With both, what is left of the
+sharded step's extra time is compute slowed beside the peer copies.
 """
 
 from __future__ import annotations
@@ -91,15 +94,17 @@ def gaps(prof, steps: int) -> dict:
 def main() -> None:
     rank = int(os.environ["RANK"])
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+    flags = set(sys.argv[2:])
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     dist.init_process_group("gloo")
     comm = NcclCommunicator(None, device=dev)
     replicated = build_blocks("llama8b-blocks", dev)
     sharded = build_blocks("llama8b-blocks", dev)
-    ws = shard_blocks(sharded, "layers", BLOCK_TARGETS, comm)
+    ws = shard_blocks(sharded, "layers", BLOCK_TARGETS, comm, map_own_chunk="mapped" in flags,
+                      prefetch_next_step="next" in flags)
     x = replicated.inputs(tokens, 1000 + rank, dev)
-    result = {"tokens_per_rank": tokens}
+    result = {"tokens_per_rank": tokens, "map_own_chunk": "mapped" in flags, "prefetch_next_step": "next" in flags}
     with torch.no_grad():
         result["equal"] = bool(torch.equal(replicated(x), sharded(x)))
         for name, fn in (("replicated", lambda: replicated(x)), ("sharded", lambda: sharded(x)),

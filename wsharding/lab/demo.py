@@ -133,19 +133,21 @@ def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, co
 
 def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
               group_size: int | None = None, comm: str = "torch", kv_context: int | None = None,
-              graph: bool = False, rounds: int = 3) -> dict[str, Any]:
+              graph: bool = False, rounds: int = 3, map_own_chunk: bool = False) -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
     variants side by side (:func:`side_by_side`, ``rounds`` times), trace one lookahead step and one step without lookahead. Also what the
     saving buys: KV-cache tokens and sequences of ``kv_context`` tokens (default 4096 on GPUs, 256 on
     CPU ranks) replicated vs sharded, from the memory free after finalize. ``graph``: also one-token
-    decode eager vs replayed from a CUDA graph (:func:`decode_graph_times`), where it can run."""
+    decode eager vs replayed from a CUDA graph (:func:`decode_graph_times`), where it can run.
+    ``map_own_chunk``: the layers gather into views mapped over their chunks (NCCL >= 2.30)."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
-    replicated, sharded, load = build_pair_measured(cfg, comm)
+    replicated, sharded, load = build_pair_measured(cfg, comm, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding
     planner = ws.planner
     # Right after finalize, as the seed sizes its KV pool: before any step allocates activations.
     kv_cache = replicated_vs_sharded(replicated, sharded, [*ws.chunks.values(), *ws.slots.resident_buffers()],
+                                     address_only=ws.slots.address_only_ptrs(),
                                      context=kv_context or (4096 if comm.device.type == "cuda" else 256),
                                      share=ranks_sharing_device(ctx.world_size, comm.device))
     dev = comm.device
@@ -201,6 +203,8 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "resident_bytes": ws.resident_bytes(),
         "formula_bytes": ws.formula_bytes(),
         "slot_bytes": ws.slots.slot_bytes,
+        "map_own_chunk": ws.map_own_chunk,
+        "slot_resident_bytes": ws.held_bytes()["slots"],
         "layout_bytes": {i: ws.layouts[i].total_bytes for i in ws.sharded_layer_ids},
         "step_ms": {k: statistics.median(v) for k, v in samples.items()},
         "step_ms_samples": samples,
@@ -233,6 +237,8 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "communicator": r0["communicator"],
         "formula_bytes_per_rank": r0["formula_bytes"],
         "slot_bytes": r0["slot_bytes"],
+        "map_own_chunk": r0["map_own_chunk"],
+        "slot_resident_bytes": r0["slot_resident_bytes"],
         "max_abs_diff": max(r["max_abs_diff"] for r in reports),
         "outputs_equal": all(all(r["equal"]) for r in reports),
         "gathers_per_step": r0["gathers"][0],
@@ -283,8 +289,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"gathers per step {report['gathers_per_step']}",
         f"  replicated weights per rank (R)      {mib(report['replicated_bytes_per_rank'])}",
         f"  sharded resident per rank (measured) {mib(report['sharded_resident_bytes_per_rank'])}",
-        f"  formula R/N + padding + 2 slots      {mib(report['formula_bytes_per_rank'])}",
-        f"  of which the two slots               {mib(2 * report['slot_bytes'])}",
+        *([f"  formula R/N + padding + 2 slots      {mib(report['formula_bytes_per_rank'])}",
+           f"  of which the two slots               {mib(2 * report['slot_bytes'])}"]
+          if not report.get("map_own_chunk") else
+          [f"  formula R/N + 2 (N-1)/N slots        {mib(report['formula_bytes_per_rank'])}  (map_own_chunk)",
+           f"  of which the peers' slot pages       {mib(report['slot_resident_bytes'])}"]),
         f"  outputs equal bit for bit: {'yes' if report['outputs_equal'] else 'NO'}   "
         f"max_abs_diff {report['max_abs_diff']}",
         f"  step time replicated {ms['replicated']:.3f} ms | sharded {ms['sharded']:.3f} ms "
@@ -363,6 +372,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
+    p.add_argument("--map-own-chunk", action="store_true",
+                   help="each layer gathers into a range mapped over its own chunk: no own-chunk copy, slots of "
+                        "(N-1)/N (GPUs, our NCCL binding, NCCL >= 2.30)")
     add_json_option(p, "the report", "--report")
     p.add_argument("--figures", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder for the figures (default ./{DEFAULT_OUT}/, git-ignored; '' for none; "
@@ -417,6 +429,11 @@ def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
     if args.comm == "nccl" and not ours_supported():
         raise InputError("--comm nccl needs libnccl >= 2.28.3 (symmetric windows, copy engine); "
                          "'wsharding info' shows the library found; use --comm torch")
+    if args.map_own_chunk and (not gpus or args.comm == "torch"):
+        raise InputError("--map-own-chunk maps each layer's own chunk under its gather range: that needs our NCCL "
+                         "binding on GPUs (--comm nccl, NCCL >= 2.30); "
+                         + ("this machine has no CUDA GPU" if not gpus else "--comm torch gathers into plain buffers")
+                         + "; leave --map-own-chunk out")
     n = args.ranks or (gpus if backend == "nccl" else 4)
     if backend == "gloo" and n > MAX_CPU_RANKS:
         raise InputError(f"--ranks {n}: at most {MAX_CPU_RANKS} CPU rank processes (each is a Python process "
@@ -456,9 +473,13 @@ def main(args: argparse.Namespace) -> int:
     if on_gpus and len(set(devices)) < n and comm == "torch":
         print(f"wsharding demo: error: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
         return 2
+    if args.map_own_chunk and comm != "nccl":
+        print("wsharding demo: error: --map-own-chunk needs our NCCL binding, and libnccl here does not support it "
+              "('wsharding info' shows the library found); leave --map-own-chunk out", file=sys.stderr)
+        return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),
-                              comm=comm, graph=args.graph, rounds=args.rounds)
+                              comm=comm, graph=args.graph, rounds=args.rounds, map_own_chunk=args.map_own_chunk)
     report = summarize(reports, preset, n)
     if args.json != "-":
         print(format_table(report))

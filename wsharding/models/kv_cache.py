@@ -95,14 +95,17 @@ def kv_capacity(budget_bytes: int, bytes_per_token: int, context: int) -> dict[s
             "sequences": budget_bytes // (bytes_per_token * context), "context": context}
 
 
-def model_bytes(*tensors_or_modules: Any) -> int:
+def model_bytes(*tensors_or_modules: Any, address_only: set[int] | frozenset[int] = frozenset()) -> int:
     """Bytes of the distinct storages behind the parameters and buffers of modules (and plain tensors):
-    a sharded model's slot-bound weights count once, with their slot."""
+    a sharded model's slot-bound weights count once, with their slot. ``address_only``: storages (by
+    address) that own no memory -- a mapped pool's layer views, over chunks and pages counted as such."""
     seen: dict[int, int] = {}
     for obj in tensors_or_modules:
         ts = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, torch.nn.Module) else [obj]
         for t in ts:
             st = t.untyped_storage()
+            if st.data_ptr() in address_only:
+                continue
             seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
     return sum(seen.values())
 
@@ -202,14 +205,15 @@ class KVStep:
 
 def replicated_vs_sharded(replicated: torch.nn.Module, sharded: torch.nn.Module, sharded_buffers: list[torch.Tensor],
                           *, context: int, reserve_bytes: int = 0, cap_bytes: int | None = None,
-                          share: int = 1) -> dict[str, Any]:
+                          share: int = 1, address_only: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
     """KV-cache capacity on this rank if only one of the two models were loaded, measured now, after
     finalize, with both resident: the free budget (:func:`kv_budget_bytes`) plus the bytes of the model
     that would not be there. ``sharded_buffers``: the sharding's chunks and slots (its weights view the
-    slots). The difference of the two pools is exactly the bytes sharding gave back."""
+    slots; ``address_only``: the slot pool's ``address_only_ptrs()``, storages that own no memory). The
+    difference of the two pools is exactly the bytes sharding gave back."""
     device = replicated.embed.weight.device
     free, how = kv_budget_bytes(device, reserve_bytes=reserve_bytes, cap_bytes=cap_bytes, share=share)
-    rep, sh = model_bytes(replicated), model_bytes(sharded, *sharded_buffers)
+    rep, sh = model_bytes(replicated), model_bytes(sharded, *sharded_buffers, address_only=address_only)
     kv = kv_bytes_per_token(sharded)
     return {"measured": how, "free_bytes": free, "reserve_bytes": reserve_bytes, "kv_bytes_per_token": kv,
             "replicated_model_bytes": rep, "sharded_model_bytes": sh, "context": context,

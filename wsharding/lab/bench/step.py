@@ -47,12 +47,15 @@ from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import WeightSharding
 from wsharding.units import ceil_div
 
-EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "sharded_mapped", "fsdp2")
+EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "sharded_mapped",
+         "sharded_mapped_next_step", "fsdp2")
 #: What the variants that are not self-explanatory measure (printed under the table).
 LEGEND = {"sharded_next_step": "sharded, with the next step's first gather issued while this step's last layers run "
                                "(planner.prefetch_next_step)",
           "sharded_mapped": "a second sharding of the model whose layers gather into views mapped over their chunks: "
-                            "no own-chunk copy (map_own_chunk=True, NCCL >= 2.30)"}
+                            "no own-chunk copy (map_own_chunk=True, NCCL >= 2.30)",
+          "sharded_mapped_next_step": "sharded_mapped, with the next step's first gather issued while this step's last "
+                                      "layers run: both ways of taking a gather off the step's critical path"}
 GRAPH = ("graph_replicated", "graph_sharded", "graph_sharded_mapped")
 MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 #: Largest tokens per rank that --graph captures (decode sizes).
@@ -247,7 +250,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                     comm: str = "auto", fsdp: bool = True, graph: bool = False, repeats: int = 1,
                     mapped: bool = False) -> dict[str, Any]:
     """On one rank: every variant at every tokens-per-rank value, in the same run. ``mapped``: also
-    the ``sharded_mapped`` variant (a second sharding with ``map_own_chunk=True``)."""
+    the ``sharded_mapped`` and ``sharded_mapped_next_step`` variants (a second sharding with
+    ``map_own_chunk=True``, without and with ``prefetch_next_step``)."""
     c = shard_comm_for(ctx, comm)
     dev = c.device
     # FSDP2 runs on torch.distributed's own devices: not when ranks share a GPU over a gloo group.
@@ -266,6 +270,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     def switch(variant: str) -> None:
         planner.lookahead = variant != "sharded_no_lookahead"
         planner.prefetch_next_step = variant == "sharded_next_step"
+        if ws_mapped is not None:
+            ws_mapped.planner.prefetch_next_step = variant == "sharded_mapped_next_step"
 
     def measure(row: dict[str, Any], runs: dict[str, Callable[[], Any]]) -> None:
         # Every variant warmed up, then the repeats in rounds of rotating order (wsharding.lab.bench.rounds).
@@ -296,8 +302,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                 switch(variant)
                 c.barrier()
                 row[f"{key}_us_per_layer"] = paired_host_us(runs["replicated"], runs[variant], layers, pairs, dev)
-        planner.lookahead = True
-        planner.prefetch_next_step = False  # a CUDA graph captured later must find nothing pending
+        switch("sharded")  # no prefetch_next_step: a CUDA graph captured later must find nothing pending
 
     with torch.no_grad():
         for t in tokens:
@@ -307,10 +312,18 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                     "sharded_no_lookahead": _call(sharded, x), "sharded_next_step": _call(sharded, x)}
             if sharded_mapped is not None:
                 row["equal"] = row["equal"] and bool(torch.equal(replicated(x), sharded_mapped(x)))
-                runs["sharded_mapped"] = _call(sharded_mapped, x)
+                runs["sharded_mapped"] = runs["sharded_mapped_next_step"] = _call(sharded_mapped, x)
             if fsdp_model is not None:
                 runs["fsdp2"] = _call(fsdp_model, x)
             measure(row, runs)
+            # The prefetching variants checked as they ran: a step that takes the gather its previous
+            # step issued must compute what the replicated model does.
+            for variant in ("sharded_next_step", "sharded_mapped_next_step"):
+                if variant in runs:
+                    switch(variant)
+                    outs = [runs[variant]() for _ in range(2)]
+                    switch("sharded")
+                    row["equal"] = row["equal"] and all(bool(torch.equal(replicated(x), o)) for o in outs)
             rows.append(row)
         # CUDA graphs last, at decode sizes: a capture that fails can only cost the graph numbers.
         for row in rows if graph else []:

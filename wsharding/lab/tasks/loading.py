@@ -221,7 +221,8 @@ def outside_allocator_bytes(comm: Any) -> Callable[[], int]:
 def build_pair_measured(cfg: DecoderConfig, comm, **kwargs: Any) -> tuple[ToyDecoder, ToyDecoder, dict[str, Any]]:
     """:func:`wsharding.models.build_pair`, with the sharded model's finalize measured: the peak from
     the built row shards (held at the start) through the redistribution, and its bound
-    ``R/N + padding/N + 2 slots + one weight`` (the demo's load numbers)."""
+    ``R/N + padding/N + 2 slots + one weight`` (the demo's load numbers; ``finalize_bound_bytes``).
+    ``kwargs``: ``seed``, ``lookahead``, ``trace``, ``map_own_chunk``."""
     from wsharding.linear import process_weights
 
     if comm.device.type == "cpu":
@@ -229,13 +230,13 @@ def build_pair_measured(cfg: DecoderConfig, comm, **kwargs: Any) -> tuple[ToyDec
     replicated = ToyDecoder(cfg, seed=kwargs.get("seed", 0), device=comm.device).eval()
     process_weights(replicated)
     ws = WeightSharding(comm, sharded_layers=range(1, cfg.layers), lookahead=kwargs.get("lookahead", True),
-                        trace=kwargs.get("trace", False))
+                        trace=kwargs.get("trace", False), map_own_chunk=kwargs.get("map_own_chunk", False))
     sharded = ToyDecoder(cfg, seed=kwargs.get("seed", 0), weight_sharding=ws, device=comm.device).eval()
     process_weights(sharded)
     gc.collect()
     outside = outside_allocator_bytes(comm)
     with PeakMeter(comm.device, held_bytes=ws.held_bytes()["weights"], outside_allocator=outside) as meter:
         ws.finalize(observe=lambda stage, layer: meter.sample())
-    load = {**meter.result.as_dict(), "bound_bytes": ws.formula_bytes() + ws.largest_weight_bytes(),
+    load = {**meter.result.as_dict(), "bound_bytes": ws.finalize_bound_bytes(),
             "largest_weight_bytes": ws.largest_weight_bytes()}
     return replicated, sharded, load

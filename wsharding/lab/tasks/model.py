@@ -14,6 +14,7 @@ from wsharding.cluster import RankContext
 from wsharding.comm.base import is_slice_of
 from wsharding.cuda_graph import capture_graph
 from wsharding.models import DecoderConfig, build_pair, decoder_config
+from wsharding.models.kv_cache import model_bytes
 from wsharding.runner import aligned_forward
 
 
@@ -154,6 +155,11 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         # resident bytes seen from the other side
         "pool_bytes_sharded": pool.allocated_bytes - pool_before if pool is not None else None,
         "layout_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
+        # what the KV-cache comparison counts for each model (kv_cache.model_bytes): the sharded one's
+        # mapped layer views own no memory and must not count
+        "model_bytes": {"replicated": model_bytes(replicated),
+                        "sharded": model_bytes(sharded, *ws.chunks.values(), *ws.slots.resident_buffers(),
+                                               address_only=ws.slots.address_only_ptrs())},
         "mode": comm.mode,
         "group": group_of(comm),
     }

@@ -8,7 +8,8 @@ import plotly.graph_objects as go
 
 #: One color per variant, the same in every figure.
 COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c", "sharded_no_lookahead": "#ff7f0e",
-          "sharded_next_step": "#8c564b", "sharded_mapped": "#bcbd22", "fsdp2": "#d62728",
+          "sharded_next_step": "#8c564b", "sharded_mapped": "#bcbd22",
+          "sharded_mapped_next_step": "#393b79", "fsdp2": "#d62728",
           "graph_replicated": "#17becf", "graph_sharded": "#9467bd", "graph_sharded_mapped": "#e377c2",
           "floor_ms": "#7f7f7f"}
 
