@@ -4,6 +4,9 @@ marks are skipped rather than drawn wrong."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from wsharding.lab.viz.planner import (
@@ -103,6 +106,8 @@ def test_empty_and_markless_records():
     assert sum(len(t.y or ()) for t in fig.data) == 0
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
 REPORT = {
     "world_size": 2, "replicated_bytes_per_rank": 304128, "sharded_resident_bytes_per_rank": 278784,
     "formula_bytes_per_rank": 278784, "slot_bytes": 101376,
@@ -113,7 +118,7 @@ def test_memory_figure_exact_bytes():
     fig = memory_figure(REPORT, title="m")
     by = {t.name: t for t in fig.data}
     assert list(by["replicated R"].customdata) == [304128, 304128]
-    assert list(by["resident chunks (formula − 2 slots)"].customdata) == [278784 - 2 * 101376] * 2
+    assert list(by["resident chunks (formula − slots)"].customdata) == [278784 - 2 * 101376] * 2
     assert list(by["two slots 2·slot_bytes"].customdata) == [2 * 101376] * 2
     assert list(by["measured resident"].customdata) == [278784, 278784]
     assert list(by["measured resident"].text) == ["= formula", "= formula"]
@@ -123,6 +128,19 @@ def test_memory_figure_exact_bytes():
     assert list(next(t for t in per_rank.data if t.name == "measured resident").text) == ["= formula", "≠ formula (+16 B)"]
     with pytest.raises(KeyError, match="slot_bytes"):
         memory_figure({k: v for k, v in REPORT.items() if k != "slot_bytes"})
+
+
+def test_memory_figure_of_a_mapped_report_counts_the_peers_pages_not_two_slots():
+    # The two-GPU demo with --map-own-chunk (figures/device/demo_k3-like_h200x2_2026-12-01_graph-mapped.json):
+    # after finalize each slot keeps only the peer's page: 356 MiB in all, against 2 x 356 MiB of whole slots.
+    report = json.loads((ROOT / "figures" / "device" / "demo_k3-like_h200x2_2026-12-01_graph-mapped.json").read_text())
+    assert report["map_own_chunk"] and report["slot_resident_bytes"] < 2 * report["slot_bytes"]
+    by = {t.name: t for t in memory_figure(report).data}
+    pages = by["the peers' slot pages 2·(N-1)/N·slot_bytes"]
+    assert list(pages.customdata) == [report["slot_resident_bytes"]] * 2
+    chunks = report["formula_bytes_per_rank"] - report["slot_resident_bytes"]
+    assert list(by["resident chunks (formula − slots)"].customdata) == [chunks] * 2
+    assert list(by["measured resident"].text) == ["= formula", "= formula"]
 
 
 def test_small_figures():

@@ -421,7 +421,8 @@ def format_table(report: dict[str, Any]) -> str:
     cols = report["variants"]
     spread = any(row[f"{c}_max"] > row[f"{c}_min"] for row in report["rows"] for c in cols if c in row) and not any(
         c.startswith("graph") for c in cols) and report["mode"].startswith("cpu")
-    lines.append("  tokens/rank " + "".join(f"{c:>24}" for c in cols) + f"{'floor':>11}{'host +us/layer':>22}  equal")
+    w = max(24, max(len(c) for c in cols) + 2)  # a column as wide as its longest name
+    lines.append("  tokens/rank " + "".join(f"{c:>{w}}" for c in cols) + f"{'floor':>11}{'host +us/layer':>22}  equal")
     for row in report["rows"]:
         cells = []
         for c in cols:
@@ -435,7 +436,7 @@ def format_table(report: dict[str, Any]) -> str:
                 cell += f" {row[c + '_vs_replicated']:4.2f}x"
             cells.append(cell)
         floor = f"{row['floor_ms']:7.3f} ms" if row["floor_ms"] else "   (N=1)  "
-        lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>24}" for c in cells)
+        lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>{w}}" for c in cells)
                      + f"{floor:>11}  {_host_cell(row, 'host_overhead_us_per_layer'):>24}  {row['equal']}")
     lines += [f"  {c}: {LEGEND[c]}" for c in cols if c in LEGEND]
     first = report["rows"][0] if report["rows"] else {}

@@ -201,7 +201,8 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
     ``report`` is the demo's report (``replicated_bytes_per_rank``, ``sharded_resident_bytes_per_rank``,
     ``formula_bytes_per_rank``, ``slot_bytes``, ``world_size``); an optional
     ``sharded_resident_bytes_all`` (one measured value per rank) puts each rank's own measurement on
-    its bar, otherwise every rank shows the single measured value of the report.
+    its bar, otherwise every rank shows the single measured value of the report. A report with
+    ``map_own_chunk`` true keeps only the peers' pages of its slots (``slot_resident_bytes``).
     """
     for key in ("replicated_bytes_per_rank", "formula_bytes_per_rank", "slot_bytes"):
         if key not in report:
@@ -216,7 +217,10 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
         raise ValueError(f"memory_figure: sharded_resident_bytes_all has {len(measured)} values for {world} ranks")
     scale, unit = _unit(max(rep, formula))
     ranks = [f"rank {r}" for r in range(world)]
-    chunks = formula - 2 * slot
+    mapped = bool(report.get("map_own_chunk"))
+    slots = int(report["slot_resident_bytes"]) if mapped else 2 * slot
+    slots_name = "the peers' slot pages 2·(N-1)/N·slot_bytes" if mapped else "two slots 2·slot_bytes"
+    chunks = formula - slots
     fig = go.Figure()
 
     def bar(name: str, offsetgroup: str, values: list[int], color: str) -> None:
@@ -224,10 +228,10 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
                     customdata=values, hovertemplate="%{x}: %{customdata} B<extra>" + name + "</extra>")
 
     bar("replicated R", "replicated", [rep] * world, "#9d9d9d")
-    bar("resident chunks (formula − 2 slots)", "sharded", [chunks] * world, "#4c78a8")
-    fig.add_bar(x=ranks, y=[2 * slot / scale] * world, base=[chunks / scale] * world, name="two slots 2·slot_bytes",
-                offsetgroup="sharded", marker_color=COLORS["slot A"], customdata=[2 * slot] * world,
-                hovertemplate="%{x}: %{customdata} B<extra>two slots</extra>")
+    bar("resident chunks (formula − slots)", "sharded", [chunks] * world, "#4c78a8")
+    fig.add_bar(x=ranks, y=[slots / scale] * world, base=[chunks / scale] * world, name=slots_name,
+                offsetgroup="sharded", marker_color=COLORS["slot A"], customdata=[slots] * world,
+                hovertemplate="%{x}: %{customdata} B<extra>" + slots_name + "</extra>")
     if measured is not None:
         fig.add_scatter(x=ranks, y=[m / scale for m in measured], mode="markers+text", name="measured resident",
                         offsetgroup="sharded",
@@ -241,7 +245,8 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
     fig.update_layout(
         barmode="group", scattermode="group", height=420, yaxis_title=f"{unit} per rank", legend_title="",
         yaxis_range=[0, top],
-        title=f"{title}<br><sup>R = {rep} B → formula {formula} B (chunks {chunks} B + 2 × {slot} B slots); "
+        title=f"{title}<br><sup>R = {rep} B → formula {formula} B (chunks {chunks} B + "
+        + (f"{slots} B of the peers' slot pages, map_own_chunk" if mapped else f"2 × {slot} B slots") + "); "
         f"{'saves' if saved >= 0 else 'costs'} {abs(saved)} B per rank</sup>",
     )
     return fig
