@@ -366,9 +366,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time one-token decode replayed from a CUDA graph, beside eager (GPUs, --comm nccl)")
     p.add_argument("--timed-steps", type=int_at_least(1), default=None,
                    help="steps per timed variant (default 20 on GPUs, 5 on CPU ranks)")
-    p.add_argument("--rounds", type=int_at_least(1), default=3,
+    p.add_argument("--rounds", type=int_at_least(1), default=None,
                    help="rounds of the three timed variants, each round in a different order; the table shows "
-                        "the median (default 3)")
+                        "the median (default 7 on GPUs, where a round is short and rounds of one variant spread by "
+                        "up to 25 %%, 3 on CPU ranks)")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
@@ -479,7 +480,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),
-                              comm=comm, graph=args.graph, rounds=args.rounds, map_own_chunk=args.map_own_chunk)
+                              comm=comm, graph=args.graph, rounds=args.rounds or (7 if on_gpus else 3),
+                              map_own_chunk=args.map_own_chunk)
     report = summarize(reports, preset, n)
     if args.json != "-":
         print(format_table(report))
