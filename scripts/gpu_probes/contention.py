@@ -1,7 +1,7 @@
 """Where a sharded step's extra time goes at prefill sizes: the first layer's gather (nothing before
 it to hide behind) or compute slowed by the gathers that run beside it.
 
-    torchrun --nproc-per-node 2 scripts/gpu_probes/contention.py [TOKENS [mapped] [next]]   # rank 0 prints JSON
+    torchrun --nproc-per-node 2 scripts/gpu_probes/contention.py [TOKENS [mapped] [next] [clocks]]   # rank 0 prints JSON
 
 The llama8b-blocks model, replicated and sharded over both GPUs with our NCCL communicator, under
 torch's profiler: per step, the time of the kernels on the compute stream (the same kernels in both
@@ -9,13 +9,18 @@ models), the time from the step's start to its first kernel, and the copies of t
 ``$OUT/contention_probe.json`` when ``OUT`` is set. ``mapped``: the sharding maps each layer's own
 chunk (``map_own_chunk``, NCCL >= 2.30: no own-chunk copy); ``next``: the planner issues the next
 step's first gather during the last layer (``prefetch_next_step``). With both, what is left of the
-sharded step's extra time is compute slowed beside the peer copies.
+sharded step's extra time is compute slowed beside the peer copies. ``clocks``: also time each model
+for 2 s without the profiler while ``nvidia-smi`` samples this GPU's SM clock and power every 50 ms --
+whether that slowdown comes with lower clocks.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -91,6 +96,29 @@ def gaps(prof, steps: int) -> dict:
                                    "stream": st, "name": n[:30]} for t1, t0, st, n in first_step][:40]}
 
 
+def clocked(fn, device_index: int, seconds: float = 2.0) -> dict:
+    """Run ``fn`` for ``seconds`` (no profiler) while nvidia-smi samples the GPU's SM clock (MHz)
+    and power (W) every 50 ms; medians and the sample count."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-i", str(device_index), "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    start, steps = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        fn()
+        steps += 1
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    smi.terminate()
+    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 1]
+    sm = [float(a) for a, _ in rows]
+    watts = [float(b) for _, b in rows]
+    return {"step_ms": elapsed / steps * 1e3, "samples": len(rows),
+            "sm_mhz_median": statistics.median(sm) if sm else None,
+            "power_w_median": statistics.median(watts) if watts else None}
+
+
 def main() -> None:
     rank = int(os.environ["RANK"])
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
@@ -111,6 +139,10 @@ def main() -> None:
                          ("replicated_again", lambda: replicated(x))):
             dist.barrier()
             result[name] = profiled(fn, STEPS)
+        if "clocks" in flags:
+            for name, fn in (("replicated", lambda: replicated(x)), ("sharded", lambda: sharded(x))):
+                dist.barrier()
+                result[f"{name}_clocks"] = clocked(fn, rank)
     ws.close()
     comm.close()
     if rank == 0:
