@@ -508,20 +508,20 @@ class WeightSharding:
         g = getattr(self.comm, "alloc_granularity", 1)
         chunks = sum(align_up(lay.chunk_bytes, g) for lay in self.layouts.values())
         if self.map_own_chunk:
-            n = self.comm.world_size
-            return chunks + 2 * (n - 1) * align_up(max(lay.chunk_bytes for lay in self.layouts.values()), g)
+            return chunks + 2 * (self.comm.world_size - 1) * self._slot_page_bytes()
         return chunks + 2 * align_up(max(lay.total_bytes for lay in self.layouts.values()), g)
+
+    def _slot_page_bytes(self) -> int:
+        """With ``map_own_chunk``: one rank's page of a slot, the largest chunk in allocation units."""
+        return align_up(max(lay.chunk_bytes for lay in self.layouts.values()), getattr(self.comm, "alloc_granularity", 1))
 
     def finalize_bound_bytes(self) -> int:
         """The most this rank should hold while :meth:`finalize` runs: :meth:`formula_bytes` plus the
         largest weight (one layer's row shards on their way into its chunk). With ``map_own_chunk``
         also this rank's own page of each slot: finalize gathers through whole slots, and only the
         trim at its end gives those pages back."""
-        bound = self.formula_bytes() + self.largest_weight_bytes()
-        if self.map_own_chunk:
-            g = getattr(self.comm, "alloc_granularity", 1)
-            bound += 2 * align_up(max(lay.chunk_bytes for lay in self.layouts.values()), g)
-        return bound
+        own_pages = 2 * self._slot_page_bytes() if self.map_own_chunk else 0
+        return self.formula_bytes() + self.largest_weight_bytes() + own_pages
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of sharded weights this rank holds now, from the storages: ``"weights"`` (row shards,

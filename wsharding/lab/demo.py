@@ -146,8 +146,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
     ws = sharded.weight_sharding
     planner = ws.planner
     # Right after finalize, as the seed sizes its KV pool: before any step allocates activations.
-    kv_cache = replicated_vs_sharded(replicated, sharded, [*ws.chunks.values(), *ws.slots.resident_buffers()],
-                                     address_only=ws.slots.address_only_ptrs(),
+    kv_cache = replicated_vs_sharded(replicated, sharded, ws,
                                      context=kv_context or (4096 if comm.device.type == "cuda" else 256),
                                      share=ranks_sharing_device(ctx.world_size, comm.device))
     dev = comm.device
@@ -430,11 +429,10 @@ def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
     if args.comm == "nccl" and not ours_supported():
         raise InputError("--comm nccl needs libnccl >= 2.28.3 (symmetric windows, copy engine); "
                          "'wsharding info' shows the library found; use --comm torch")
-    if args.map_own_chunk and (not gpus or args.comm == "torch"):
+    if args.map_own_chunk and not gpus:
         raise InputError("--map-own-chunk maps each layer's own chunk under its gather range: that needs our NCCL "
-                         "binding on GPUs (--comm nccl, NCCL >= 2.30); "
-                         + ("this machine has no CUDA GPU" if not gpus else "--comm torch gathers into plain buffers")
-                         + "; leave --map-own-chunk out")
+                         "binding on GPUs (--comm nccl, NCCL >= 2.30); this machine has no CUDA GPU; leave "
+                         "--map-own-chunk out")
     n = args.ranks or (gpus if backend == "nccl" else 4)
     if backend == "gloo" and n > MAX_CPU_RANKS:
         raise InputError(f"--ranks {n}: at most {MAX_CPU_RANKS} CPU rank processes (each is a Python process "
@@ -475,8 +473,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"wsharding demo: error: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
         return 2
     if args.map_own_chunk and comm != "nccl":
-        print("wsharding demo: error: --map-own-chunk needs our NCCL binding, and libnccl here does not support it "
-              "('wsharding info' shows the library found); leave --map-own-chunk out", file=sys.stderr)
+        # --comm torch, or auto where libnccl does not support ours
+        print("wsharding demo: error: --map-own-chunk needs our NCCL binding (--comm nccl), and it gathers with "
+              "torch.distributed here ('wsharding info' shows the libnccl found); leave --map-own-chunk out",
+              file=sys.stderr)
         return 2
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),

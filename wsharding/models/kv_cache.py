@@ -203,17 +203,24 @@ class KVStep:
             self.pool.lengths[j] = self.start + self.new
 
 
-def replicated_vs_sharded(replicated: torch.nn.Module, sharded: torch.nn.Module, sharded_buffers: list[torch.Tensor],
+def sharded_model_bytes(sharded: torch.nn.Module, ws: Any) -> int:
+    """:func:`model_bytes` of a model sharded by ``ws`` (a ``WeightSharding``): its own parameters and
+    buffers, the sharding's chunks and the slots' memory; the slot pool's address-only storages (a
+    mapped pool's layer views) are not counted."""
+    return model_bytes(sharded, *ws.chunks.values(), *ws.slots.resident_buffers(),
+                       address_only=ws.slots.address_only_ptrs())
+
+
+def replicated_vs_sharded(replicated: torch.nn.Module, sharded: torch.nn.Module, ws: Any,
                           *, context: int, reserve_bytes: int = 0, cap_bytes: int | None = None,
-                          share: int = 1, address_only: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+                          share: int = 1) -> dict[str, Any]:
     """KV-cache capacity on this rank if only one of the two models were loaded, measured now, after
     finalize, with both resident: the free budget (:func:`kv_budget_bytes`) plus the bytes of the model
-    that would not be there. ``sharded_buffers``: the sharding's chunks and slots (its weights view the
-    slots; ``address_only``: the slot pool's ``address_only_ptrs()``, storages that own no memory). The
-    difference of the two pools is exactly the bytes sharding gave back."""
+    that would not be there (:func:`sharded_model_bytes` for ``sharded``, with ``ws`` its
+    ``WeightSharding``). The difference of the two pools is exactly the bytes sharding gave back."""
     device = replicated.embed.weight.device
     free, how = kv_budget_bytes(device, reserve_bytes=reserve_bytes, cap_bytes=cap_bytes, share=share)
-    rep, sh = model_bytes(replicated), model_bytes(sharded, *sharded_buffers, address_only=address_only)
+    rep, sh = model_bytes(replicated), sharded_model_bytes(sharded, ws)
     kv = kv_bytes_per_token(sharded)
     return {"measured": how, "free_bytes": free, "reserve_bytes": reserve_bytes, "kv_bytes_per_token": kv,
             "replicated_model_bytes": rep, "sharded_model_bytes": sh, "context": context,

@@ -71,9 +71,8 @@ def kv_capacity_now(ctx: RankContext, preset: str, *, context: int = 256, reserv
     comm_ = shard_comm_for(ctx, comm)
     replicated, sharded = build_pair(cfg, comm_)
     ws = sharded.weight_sharding
-    out = replicated_vs_sharded(replicated, sharded, [*ws.chunks.values(), *ws.slots.resident_buffers()], context=context,
-                                reserve_bytes=reserve_bytes, share=ranks_sharing_device(ctx.world_size, comm_.device),
-                                address_only=ws.slots.address_only_ptrs())
+    out = replicated_vs_sharded(replicated, sharded, ws, context=context, reserve_bytes=reserve_bytes,
+                                share=ranks_sharing_device(ctx.world_size, comm_.device))
     out.update({"rank": ctx.rank, "mode": comm_.mode, "emulation": ctx.emulation,
                 "replicated_bytes": ws.replicated_bytes(), "resident_bytes": ws.resident_bytes()})
     return out

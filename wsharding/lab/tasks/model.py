@@ -14,7 +14,7 @@ from wsharding.cluster import RankContext
 from wsharding.comm.base import is_slice_of
 from wsharding.cuda_graph import capture_graph
 from wsharding.models import DecoderConfig, build_pair, decoder_config
-from wsharding.models.kv_cache import model_bytes
+from wsharding.models.kv_cache import model_bytes, sharded_model_bytes
 from wsharding.runner import aligned_forward
 
 
@@ -157,9 +157,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "layout_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
         # what the KV-cache comparison counts for each model (kv_cache.model_bytes): the sharded one's
         # mapped layer views own no memory and must not count
-        "model_bytes": {"replicated": model_bytes(replicated),
-                        "sharded": model_bytes(sharded, *ws.chunks.values(), *ws.slots.resident_buffers(),
-                                               address_only=ws.slots.address_only_ptrs())},
+        "model_bytes": {"replicated": model_bytes(replicated), "sharded": sharded_model_bytes(sharded, ws)},
         "mode": comm.mode,
         "group": group_of(comm),
     }
