@@ -21,6 +21,21 @@ NCCL supports capturing every collective, with three rules that shape this file'
 
 The capture records only the stream work; the event waits and records around it stay plain calls
 on the stream, so the gates of the planner keep their per-step meaning.
+
+[Note: one graph per layer, not per step]
+Why not capture a whole step's gathers into one graph and launch it once per step (one launch instead
+of one per layer)? Each gather must wait for its gate -- the end of the layer that last read its slot
+-- and at the step's start that end is not queued yet. The gate can move onto the GPU (a flag the
+compute stream writes after the layer, ``cuStreamWriteValue32``; a graph node that waits for it,
+``cuStreamWaitValue32``), and that works in isolation (``scripts/gpu_probes/step_graph_semantics.py``,
+``figures/device/step_graph_semantics_h200_2026-12-01.json``). But then GPU work waits for host work
+that has not been issued yet, which CUDA does not allow for: anything that synchronizes the whole
+device while a step runs -- loading a kernel at its first use, which happened inside the first forward
+with lazy and with eager module loading alike, or ``cudaFree`` when the allocator gives memory back --
+waits for the gather stream, which waits for the host, which waits in that call. Tried on one H200
+on 2026-12-01 (``figures/device/step_graph_probe_2026-12-01.md``): the first forward deadlocked, and
+the watchdog ended the process after its timeout. A gather is therefore launched when its gate is
+already queued: one launch per layer.
 """
 
 from __future__ import annotations
