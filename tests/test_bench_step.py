@@ -27,7 +27,14 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     assert report["planner_host_us_per_layer"] > 0 and report["bus_bandwidth_GBps"] > 0
     for row in report["rows"]:  # paired host overhead: median between its quartiles
         assert row["host_overhead_us_per_layer_q1"] <= row["host_overhead_us_per_layer"] <= row["host_overhead_us_per_layer_q3"]
+    for i, row in enumerate(report["rows"]):  # lookahead against off, round by round (the slowest rank)
+        diffs = sorted(max(r["rows"][i]["sharded"][j] for r in results) - max(r["rows"][i]["sharded_no_lookahead"][j]
+                                                                            for r in results) for j in range(2))
+        assert row["lookahead_vs_off"]["rounds"] == 2
+        assert row["lookahead_vs_off"]["median_ms"] == pytest.approx(sum(diffs) / 2, abs=1e-12)
+        assert (row["lookahead_vs_off"]["low_ms"], row["lookahead_vs_off"]["high_ms"]) == (diffs[0], diffs[1])
     text = format_table(report)
+    assert "tokens/rank, lookahead - no lookahead: " in text
     assert "host +us/layer: what the sharded forward adds to the host" in text
     assert "emulated" in text and "fsdp2" in text and "floor" in text
     assert "sharded_next_step: sharded, with the next step's first gather issued" in text

@@ -21,6 +21,9 @@ def test_demo_reports_the_finalize_peak_within_its_bound(cluster_of):
         # here (code pages touched for the first time); tests/test_loading_peaks.py checks the bound
         assert load["device_peak_bytes"] >= load["held_bytes"]
     assert "finalize peak per rank (max, measured)" in format_table(report)
+    # lookahead against no lookahead, paired round by round over the demo's rounds (3 on CPU ranks)
+    assert report["lookahead_vs_off"]["rounds"] == len(report["step_ms_samples"]["sharded"]) == 3
+    assert "lookahead - no lookahead: " in format_table(report)
 
 
 def test_plan_reports_load_peaks():

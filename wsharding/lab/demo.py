@@ -34,6 +34,7 @@ import torch
 
 from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
 from wsharding.cuda_graph import capture_graph
+from wsharding.lab.bench.paired import PairedDifference, paired_difference
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import link_floor
 from wsharding.lab.cliargs import (
@@ -249,6 +250,10 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
                                                                   strict=True)]
                             for k in TIMED_VARIANTS},
         "exposed_gather_fraction": sum(r["exposed_gather_fraction"] for r in reports) / len(reports),
+        # round by round, the slowest rank: does lookahead beat no lookahead beyond the run's noise?
+        "lookahead_vs_off": paired_difference(
+            *([max(col) for col in zip(*(r["step_ms_samples"][k] for r in reports), strict=True)]
+              for k in ("sharded", "sharded_no_lookahead")), ("lookahead", "no lookahead")).as_dict(),
         "tokens_per_rank": [r["tokens"] for r in reports],
         "trace": [rec for r in reports for rec in r["trace"]["lookahead"]],
         "trace_no_lookahead": [rec for r in reports for rec in r["trace"]["no_lookahead"]],
@@ -299,6 +304,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"({ms['sharded'] / ms['replicated']:.2f}x) | no lookahead {ms['sharded_no_lookahead']:.3f} ms "
         f"({ms['sharded_no_lookahead'] / ms['replicated']:.2f}x)"
         + (f", median of {len(report['step_ms_samples']['sharded'])} rounds" if report.get("step_ms_samples") else ""),
+        *([f"  {PairedDifference(**report['lookahead_vs_off']).line()}"] if report.get("lookahead_vs_off") else []),
         f"  exposed gather fraction (lookahead): {report['exposed_gather_fraction']:.3f}",
     ]
     kv = report.get("kv_cache")

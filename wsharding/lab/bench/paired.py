@@ -1,0 +1,83 @@
+"""Is variant A slower than variant B, or is the difference inside the noise of the run?
+
+Two variants are timed in rounds, each round both of them (``rounds.py``), so round r gives a pair
+(a_r, b_r) that shares whatever drifted at that moment of the run. The difference d_r = a_r - b_r
+is what the rounds agree or disagree on. Without assuming any distribution of the noise, the sorted
+differences d_(1) <= ... <= d_(n) bound their median: it lies in [d_(k), d_(n+1-k)] with probability
+1 - 2 P(Binomial(n, 1/2) <= k - 1) (the sign test's interval). With 7 rounds the interval from the
+smallest to the largest difference holds the median with probability 98.4 %; with 3 rounds, only
+75 %, which is why three rounds cannot settle a difference of the size of the spread.
+
+The verdict names the side the whole interval lies on, or says that the run cannot tell: when the
+interval spans zero, or when the rounds are too few to hold the median with the coverage asked for
+(90 % by default: at least 5 rounds).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """``a - b`` over paired rounds: the median, a distribution-free interval and its coverage."""
+
+    a: str
+    b: str
+    rounds: int
+    median_ms: float
+    low_ms: float
+    high_ms: float
+    coverage: float
+    verdict: str
+
+    def line(self) -> str:
+        """One line for a table: '<a> - <b>: +0.41 ms (-1.20 .. +2.03 ms, 98% of medians): cannot tell'."""
+        return (f"{self.a} - {self.b}: {self.median_ms:+.3f} ms ({self.low_ms:+.3f} .. {self.high_ms:+.3f} ms holds the "
+                f"median with {self.coverage:.0%}, {self.rounds} paired rounds): {self.verdict}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def interval_coverage(n: int, k: int) -> float:
+    """Probability that [d_(k), d_(n+1-k)] of ``n`` paired differences holds their median."""
+    return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+
+def paired_difference(a: list[float], b: list[float], names: tuple[str, str] = ("a", "b"), *,
+                      coverage: float = 0.9) -> PairedDifference:
+    """Compare two variants timed in the same rounds (``a[r]`` and ``b[r]`` from round r).
+
+    The interval is the narrowest order-statistic interval that holds the median difference with at
+    least ``coverage``; when the rounds are too few for that, the widest one (smallest to largest),
+    and the verdict names no side however the differences fall.
+
+    >>> d = paired_difference([5.0, 5.2, 5.1, 5.3, 5.0, 5.2, 5.1], [6.0, 6.1, 6.3, 6.0, 6.2, 6.1, 6.0], ("on", "off"))
+    >>> d.verdict, round(d.median_ms, 2), d.rounds
+    ('on faster than off', -0.9, 7)
+    >>> paired_difference([5.0, 5.1, 5.2], [6.0, 6.0, 6.0]).verdict
+    'cannot tell a from b: 3 rounds hold the median with at most 75%'
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired rounds: {len(a)} and {len(b)} samples; each round must time both variants once")
+    n = len(a)
+    d = sorted(x - y for x, y in zip(a, b, strict=True))
+    k = 1
+    while k + 1 <= (n + 1) // 2 and interval_coverage(n, k + 1) >= coverage:
+        k += 1
+    low, high = d[k - 1], d[n - k]
+    cover = interval_coverage(n, k)
+    na, nb = names
+    if cover < coverage:
+        verdict = f"cannot tell {na} from {nb}: {n} rounds hold the median with at most {cover:.0%}"
+    elif low > 0:
+        verdict = f"{na} slower than {nb}"
+    elif high < 0:
+        verdict = f"{na} faster than {nb}"
+    else:
+        verdict = f"cannot tell {na} from {nb} ({cover:.0%} interval spans zero)"
+    return PairedDifference(na, nb, n, statistics.median(d), low, high, cover, verdict)
