@@ -121,13 +121,13 @@ def test_paired_rounds_figure_draws_every_round_and_the_interval():
     from wsharding.lab.bench.paired import paired_difference
     from wsharding.lab.viz.bench import paired_rounds_figure
 
-    runs = {"seven rounds": ([5.0, 5.1, 5.2, 5.0, 5.3, 5.1, 5.2], [6.0] * 7), "three rounds": ([7.0, 5.0, 6.5], [6.0] * 3)}
+    times = {"seven rounds": ([5.0, 5.1, 5.2, 5.0, 5.3, 5.1, 5.2], [6.0] * 7), "three rounds": ([7.0, 5.0, 6.5], [6.0] * 3)}
+    runs = {label: (a, b, paired_difference(a, b, ("lookahead", "no lookahead"))) for label, (a, b) in times.items()}
     fig = paired_rounds_figure(runs)
     bars = [t for t in fig.data if t.mode == "lines"]
     dots = [t for t in fig.data if t.mode == "markers"]
     assert [len(t.x) for t in dots] == [7, 3]  # every round drawn, not only the summary
-    for bar, (label, (a, b)) in zip(bars, runs.items(), strict=True):
-        d = paired_difference(a, b)
+    for bar, (label, (_a, _b, d)) in zip(bars, runs.items(), strict=True):
         assert tuple(bar.x) == (d.low_ms, d.high_ms) and bar.y[0] == label
     # the three-round run names no side: its bar is grey, its label says so
     assert bars[1].line.color == "#c7c7c7" and "too few rounds" in annotation(fig, "75%").text

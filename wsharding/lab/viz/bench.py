@@ -108,20 +108,17 @@ def forward_host_figure(probe: dict[str, Any]) -> go.Figure:
     return fig
 
 
-def paired_rounds_figure(runs: dict[str, tuple[list[float], list[float]]], names: tuple[str, str] = (
+def paired_rounds_figure(runs: dict[str, tuple[list[float], list[float], Any]], names: tuple[str, str] = (
         "lookahead", "no lookahead")) -> go.Figure:
     """One row per run: each round's difference ``a - b`` in ms (dots) and the interval that holds
-    their median (:func:`wsharding.lab.bench.paired.paired_difference`, the bar), against zero. ``runs``
-    maps a label to the two variants' per-round times."""
-    from wsharding.lab.bench.paired import paired_difference
-
+    their median (the bar). ``runs`` maps a label to the two variants' per-round times and their
+    :class:`~wsharding.lab.bench.paired.PairedDifference` (``paired_difference(a, b)``)."""
     fig = go.Figure()
     labels = list(runs)
     lows: list[float] = []
     highs: list[float] = []
     for k, label in enumerate(labels):
-        a, b = runs[label]
-        d = paired_difference(a, b, names)
+        a, b, d = runs[label]
         fig.add_trace(go.Scatter(x=[d.low_ms, d.high_ms], y=[label, label], mode="lines",
                                  line={"width": 10, "color": COLORS["sharded"] if d.coverage >= 0.9 else "#c7c7c7"},
                                  name=f"{d.coverage:.0%} of the median", showlegend=False,
