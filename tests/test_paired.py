@@ -31,7 +31,7 @@ def test_pairs_are_taken_round_by_round_not_sorted_apart():
     b = [6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0]
     d = paired_difference(a, b, ("on", "off"))
     assert (d.median_ms, d.low_ms, d.high_ms) == (-1.0, -1.0, -1.0)
-    assert d.verdict == "on faster than off"
+    assert d.verdict == "on faster than off" and d.enough_rounds
 
 
 def test_three_rounds_never_name_a_side():
@@ -39,6 +39,7 @@ def test_three_rounds_never_name_a_side():
     d = paired_difference([7.0, 7.1, 7.2], [6.0, 6.0, 6.0], ("lookahead", "no lookahead"))
     assert d.low_ms > 0 and d.coverage == 0.75
     assert d.verdict == "cannot tell lookahead from no lookahead: 3 rounds hold the median with at most 75%"
+    assert not d.enough_rounds
     assert paired_difference([7.0, 7.1, 7.2], [6.0, 6.0, 6.0], coverage=0.7).verdict == "a slower than b"
 
 

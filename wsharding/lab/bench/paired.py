@@ -33,6 +33,8 @@ class PairedDifference:
     high_ms: float
     coverage: float
     verdict: str
+    #: Whether the rounds were enough for the coverage asked for (otherwise no side is named).
+    enough_rounds: bool
 
     def line(self) -> str:
         """One line for a table: '<a> - <b>: +0.41 ms (-1.20 .. +2.03 ms, 98% of medians): cannot tell'."""
@@ -80,4 +82,4 @@ def paired_difference(a: list[float], b: list[float], names: tuple[str, str] = (
         verdict = f"{na} faster than {nb}"
     else:
         verdict = f"cannot tell {na} from {nb} ({cover:.0%} interval spans zero)"
-    return PairedDifference(na, nb, n, statistics.median(d), low, high, cover, verdict)
+    return PairedDifference(na, nb, n, statistics.median(d), low, high, cover, verdict, cover >= coverage)

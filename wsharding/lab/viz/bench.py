@@ -119,21 +119,23 @@ def paired_rounds_figure(runs: dict[str, tuple[list[float], list[float], Any]], 
     highs: list[float] = []
     for k, label in enumerate(labels):
         a, b, d = runs[label]
+        diffs = [x - y for x, y in zip(a, b, strict=True)]
         fig.add_trace(go.Scatter(x=[d.low_ms, d.high_ms], y=[label, label], mode="lines",
-                                 line={"width": 10, "color": COLORS["sharded"] if d.coverage >= 0.9 else "#c7c7c7"},
+                                 line={"width": 10, "color": COLORS["sharded"] if d.enough_rounds else "#c7c7c7"},
                                  name=f"{d.coverage:.0%} of the median", showlegend=False,
                                  hovertemplate=f"{d.verdict}<extra></extra>"))
-        fig.add_trace(go.Scatter(x=[x - y for x, y in zip(a, b, strict=True)], y=[label] * len(a), mode="markers",
+        fig.add_trace(go.Scatter(x=diffs, y=[label] * len(a), mode="markers",
                                  marker={"color": COLORS["sharded_no_lookahead"], "size": 8},
                                  name="one round", showlegend=k == 0))
-        said = "too few rounds" if d.coverage < 0.9 else d.verdict.split(" (")[0]
+        said = d.verdict.split(" (")[0] if d.enough_rounds else "too few rounds"
         fig.add_annotation(x=d.high_ms, y=label, text=f"  {d.coverage:.0%}: {said}",
                            showarrow=False, xanchor="left", font={"size": 11})
-        lows.append(min(d.low_ms, *(x - y for x, y in zip(a, b, strict=True))))
-        highs.append(max(d.high_ms, *(x - y for x, y in zip(a, b, strict=True))))
+        lows.append(min(d.low_ms, *diffs))
+        highs.append(max(d.high_ms, *diffs))
     fig.add_vline(x=0, line={"color": COLORS["floor_ms"], "dash": "dash"})
-    span = max(max(highs, default=1.0), 0.0) - min(min(lows, default=-1.0), 0.0) or 1.0
-    fig.update_xaxes(range=[min(min(lows, default=-1.0), 0.0) - 0.1 * span, max(max(highs, default=1.0), 0.0) + 0.1 * span])
+    low, high = min(min(lows, default=-1.0), 0.0), max(max(highs, default=1.0), 0.0)
+    span = high - low or 1.0
+    fig.update_xaxes(range=[low - 0.1 * span, high + 0.1 * span])
     fig.update_layout(height=140 + 60 * len(labels), xaxis_title=f"{names[0]} - {names[1]} (ms per step, per round)",
                       margin={"l": 240, "r": 300},
                       title=f"{names[0]} against {names[1]}, round by round: the bar holds the median difference "
