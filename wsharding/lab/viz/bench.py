@@ -138,6 +138,6 @@ def paired_rounds_figure(runs: dict[str, tuple[list[float], list[float], Any]], 
     fig.update_xaxes(range=[low - 0.1 * span, high + 0.1 * span])
     fig.update_layout(height=140 + 60 * len(labels), xaxis_title=f"{names[0]} - {names[1]} (ms per step, per round)",
                       margin={"l": 240, "r": 300},
-                      title=f"{names[0]} against {names[1]}, round by round: the bar holds the median difference "
-                            "(grey: too few rounds to name a side)")
+                      title=f"{names[0]} against {names[1]}, round by round<br><sub>the bar holds the median "
+                            "difference; grey: too few rounds to name a side</sub>")
     return fig
