@@ -34,7 +34,7 @@ import torch
 
 from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
 from wsharding.cuda_graph import capture_graph
-from wsharding.lab.bench.paired import PairedDifference, paired_difference
+from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import link_floor
 from wsharding.lab.cliargs import (
@@ -250,10 +250,8 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
                                                                   strict=True)]
                             for k in TIMED_VARIANTS},
         "exposed_gather_fraction": sum(r["exposed_gather_fraction"] for r in reports) / len(reports),
-        # round by round, the slowest rank: does lookahead beat no lookahead beyond the run's noise?
-        "lookahead_vs_off": paired_difference(
-            *([max(col) for col in zip(*(r["step_ms_samples"][k] for r in reports), strict=True)]
-              for k in ("sharded", "sharded_no_lookahead")), ("lookahead", "no lookahead")).as_dict(),
+        # does lookahead beat no lookahead beyond the run's noise? (paired rounds, the slowest rank)
+        "lookahead_vs_off": lookahead_vs_off([r["step_ms_samples"] for r in reports]).as_dict(),
         "tokens_per_rank": [r["tokens"] for r in reports],
         "trace": [rec for r in reports for rec in r["trace"]["lookahead"]],
         "trace_no_lookahead": [rec for r in reports for rec in r["trace"]["no_lookahead"]],

@@ -83,3 +83,11 @@ def paired_difference(a: list[float], b: list[float], names: tuple[str, str] = (
     else:
         verdict = f"cannot tell {na} from {nb} ({cover:.0%} interval spans zero)"
     return PairedDifference(na, nb, n, statistics.median(d), low, high, cover, verdict, cover >= coverage)
+
+
+def lookahead_vs_off(per_rank: list[dict[str, list[float]]]) -> PairedDifference:
+    """``sharded`` against ``sharded_no_lookahead`` from every rank's per-round times: round by round
+    the slowest rank's (a step ends when every rank ends), then :func:`paired_difference`."""
+    slowest = [[max(col) for col in zip(*(r[v] for r in per_rank), strict=True)]
+               for v in ("sharded", "sharded_no_lookahead")]
+    return paired_difference(*slowest, ("lookahead", "no lookahead"))

@@ -36,7 +36,7 @@ import torch
 from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
 from wsharding.cuda_graph import capture_graph
-from wsharding.lab.bench.paired import PairedDifference, paired_difference
+from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import checked_text, int_at_least, number_list
@@ -381,11 +381,7 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
         if floor:
             merged["sharded_vs_floor"] = merged["sharded"] / floor
         if "sharded" in row and "sharded_no_lookahead" in row:
-            # round by round, the slowest rank (a step ends when every rank ends): paired rounds
-            slowest = {v: [max(col) for col in zip(*(r["rows"][i][v] for r in results), strict=True)]
-                       for v in ("sharded", "sharded_no_lookahead")}
-            merged["lookahead_vs_off"] = paired_difference(slowest["sharded"], slowest["sharded_no_lookahead"],
-                                                           ("lookahead", "no lookahead")).as_dict()
+            merged["lookahead_vs_off"] = lookahead_vs_off([r["rows"][i] for r in results]).as_dict()
         for key in ("host_overhead_us_per_layer", "host_overhead_mapped_us_per_layer"):
             if key in row:  # the slowest rank's (median, q1, q3) of paired differences (paired_host_us)
                 merged[key], merged[f"{key}_q1"], merged[f"{key}_q3"] = max((r["rows"][i][key] for r in results),
