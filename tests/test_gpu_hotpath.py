@@ -77,3 +77,42 @@ def test_gpu_gathers_launched_as_graphs_equal_direct_calls_and_go_with_the_shard
             assert r["equal"] == [(how, [True] * 3) for how in ("graph", "direct", "graph")], r
             # the graphs go before the sharding's windows: NCCL's destroy would wait for them forever
             assert r["graphs_after_close"] == 0
+
+
+# ---- [Note: the issue thread] (wsharding/comm/issue_thread.py) -----------------------------------------
+def _issue_thread_cluster(task_timeout: float) -> RankCluster:
+    if _gpus() < 1 or not _ours():
+        pytest.skip("needs a GPU and NCCL >= 2.28.3 with symmetric windows")
+    if _gpus() < 2 and multi_rank_per_gpu_supported():
+        return RankCluster(2, backend="gloo", task_timeout=task_timeout)  # peers: the NCCL graphs run
+    return RankCluster(min(_gpus(), 2), backend="nccl", task_timeout=task_timeout)
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_gpu_issue_thread_equals_replicated_and_holds_no_host(lookahead):
+    from wsharding.lab.tasks.model import model_equality
+
+    counts = [[3, 5], [6, 2], [0, 3], [1, 8]]
+    with _issue_thread_cluster(300) as c:
+        counts = [row[: c.world_size] for row in counts]
+        for r in c.run(model_equality, "small", counts, lookahead=lookahead, comm="nccl", issue_thread=True):
+            assert r["max_abs_diff"] == 0.0 and all(e in (True, None) for e in r["equal"]) and any(r["equal"])
+            assert r["gathers"] == [len(r["sharded_layers"])] * len(counts)
+            # lookahead: every gather went through the thread (warm-up step included); off: none did
+            # (a gather waited on at once is issued inline)
+            assert (r["issue_thread_pushes"] > 0) is lookahead, r
+        for r in c.run(host_not_held, "nccl", lookahead, "small", issue_thread=True):
+            assert r["returned_while_gpu_busy"], r
+            assert (r["issue_thread_pushes"] > 0) is lookahead
+
+
+def test_gpu_issue_thread_error_names_the_layer_and_aborts():
+    from wsharding.lab.tasks.hotpath import issue_thread_error
+
+    if _gpus() < 1 or not _ours():
+        pytest.skip("needs a GPU and NCCL >= 2.28.3 with symmetric windows")
+    with RankCluster(1, backend="nccl", task_timeout=120) as c:
+        (r,) = c.run(issue_thread_error)
+    assert r["sharded_layers"] >= 3 and r["pushes"] > 0
+    assert r["error"] is not None and "CUresult 1" in r["error"] and "rank 0" in r["error"], r
+    assert "layer" in r["error"] and r["aborted"], r

@@ -70,6 +70,14 @@ GRAPH_FUNCTIONS: tuple[DriverFn, ...] = (
     DriverFn("cuGraphDestroy", (CUgraph,), "free the captured graph"),
 )
 
+#: The context calls that let another thread issue on this thread's streams (``issue_thread.py``).
+CONTEXT_FUNCTIONS: tuple[DriverFn, ...] = (
+    # CUresult cuCtxGetCurrent(CUcontext *pctx)
+    DriverFn("cuCtxGetCurrent", (ctypes.POINTER(c_void_p),), "the context torch made current on this thread"),
+    # CUresult cuCtxSetCurrent(CUcontext ctx)
+    DriverFn("cuCtxSetCurrent", (c_void_p,), "make that context current on the issue thread"),
+)
+
 
 class CudaDriverError(RuntimeError):
     """A driver call returned an error code."""
@@ -88,11 +96,12 @@ def bind_functions(target: object, table: tuple[DriverFn, ...], path: str = "lib
 
 class CudaDriver:
     """The functions of :data:`FUNCTIONS`, type-checked by ctypes, each returning None or raising;
-    those of :data:`GRAPH_FUNCTIONS` as bound (``_cuGraphLaunch``...), checked with :meth:`check`."""
+    those of :data:`GRAPH_FUNCTIONS` and :data:`CONTEXT_FUNCTIONS` as bound (``_cuGraphLaunch``...),
+    checked with :meth:`check`."""
 
     def __init__(self, path: str = "libcuda.so.1") -> None:
         self.path = path
-        bind_functions(self, FUNCTIONS + GRAPH_FUNCTIONS, path)
+        bind_functions(self, FUNCTIONS + GRAPH_FUNCTIONS + CONTEXT_FUNCTIONS, path)
 
     def check(self, rc: int, what: str) -> None:
         if rc:
@@ -107,6 +116,14 @@ class CudaDriver:
         rc = self._cuStreamWaitEvent(stream, event, 0)
         if rc:
             raise CudaDriverError(f"cuStreamWaitEvent failed with CUresult {rc}")
+
+    def current_context(self) -> int:
+        """The calling thread's current CUDA context (torch's primary context once CUDA is in use)."""
+        ctx = c_void_p()
+        self.check(self._cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            raise CudaDriverError("no CUDA context is current on this thread (use a CUDA tensor first)")
+        return ctx.value
 
     def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         rc = self._cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream)

@@ -36,8 +36,9 @@ import torch
 
 from wsharding.comm.base import CommError, check_gather_args
 from wsharding.comm.captured_launch import CapturedLaunch
-from wsharding.comm.cuda_driver import CudaDriverError
+from wsharding.comm.cuda_driver import CudaDriverError, driver
 from wsharding.comm.groups import shard_group_ranks
+from wsharding.comm.issue_thread import IssueThread, IssueThreadError, IssueThreadUnavailable, fn_address
 from wsharding.comm.nccl.binding import (
     CTA_POLICY_NAMES,
     NCCL_IN_PROGRESS,
@@ -208,11 +209,16 @@ class NcclCommunicator:
         blocking: a blocking NCCL communicator (default; [Note: blocking communicator]) or a
             non-blocking one polled with the timeout.
         library: a loaded :class:`NcclLibrary` (default: discovery order of ``library.py``).
+        issue_thread: issue the prepared gathers from a native thread, so that the model's thread only
+            hands them over ([Note: the issue thread] in ``wsharding/comm/issue_thread.py``; off by
+            default until measured on two GPUs).
     """
 
     #: Every buffer is its own ncclMemAlloc, rounded up to the 4096-byte window alignment: the unit
     #: in which weight sharding's byte formula counts this backend's allocations.
     alloc_granularity = WINDOW_ALIGN
+    #: [Note: the issue thread]: set in __init__ when asked for.
+    issuer: IssueThread | None = None
 
     def __init__(
         self,
@@ -225,6 +231,7 @@ class NcclCommunicator:
         library: NcclLibrary | None = None,
         name: str = "wsharding",
         gather_launch: str = "graph",
+        issue_thread: bool = False,
     ) -> None:
         self.handle: int | None = None
         if gather_launch not in GATHER_LAUNCHES:
@@ -301,6 +308,8 @@ class NcclCommunicator:
         self.copy_stream = torch.cuda.Stream(self.device)
         self.gathers_issued = 0
         self._last_event: torch.cuda.Event | None = None
+        #: [Note: the issue thread]: None unless asked for.
+        self.issuer = self._start_issue_thread(name) if issue_thread else None
 
         #: Global ranks of this communicator's shard group, in group order ([Note: shard groups]).
         self.group_ranks = group_members(cpu_group, self.world_size)
@@ -323,6 +332,37 @@ class NcclCommunicator:
                                  stuck_after_s=self.stuck_exit_s or 0.0)
         if self.world_size > 1:
             self._set_up_copy_engine()
+
+    def _start_issue_thread(self, name: str) -> IssueThread:
+        cu = driver()
+        try:
+            return IssueThread(wait=fn_address(cu._cuStreamWaitEvent), launch=fn_address(cu._cuGraphLaunch),
+                               record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
+                               ctx=cu.current_context(), name=f"{name} issue thread of rank {self.rank}")
+        except IssueThreadUnavailable as e:
+            raise CommError(f"issue_thread=True on rank {self.rank}: {e}") from e
+
+    def set_issue_thread(self, on: bool) -> None:
+        """Start or stop the issue thread between steps ([Note: the issue thread]). Ranks may differ:
+        the thread changes who issues the gathers, not which gathers or in what order."""
+        self._check_open()
+        if on and self.issuer is None:
+            self.issuer = self._start_issue_thread("wsharding")
+        elif not on and self.issuer is not None:
+            self.drain_issued("stopping the issue thread")
+            issuer, self.issuer = self.issuer, None
+            if not issuer.stop(self.abort_wait_s):
+                raise CommError(f"the issue thread of rank {self.rank} did not stop within {self.abort_wait_s} s")
+
+    def drain_issued(self, what: str) -> None:
+        """Before a call that reaches the gather or copy stream (or NCCL) directly: let the issue
+        thread run everything pushed so far, so that the streams and NCCL see one order."""
+        if self.issuer is not None:
+            try:
+                self.issuer.drain(poll=lambda: self.raise_if_failed(what), timeout_s=self.timeout_s, what=what)
+            except IssueThreadError as e:
+                self.abort()  # the peers' gathers are left unmatched: end them too
+                raise CommError(f"{e}; the NCCL communicator of rank {self.rank} was aborted") from e
 
     def _set_up_copy_engine(self) -> None:
         """One small gather at init, with every rank present ([Note: blocking communicator]).
@@ -489,6 +529,7 @@ class NcclCommunicator:
         this communicator owns and destroys before itself ([Note: a gather launched as a graph]).
         Collective when ``record`` is: every rank captures the same calls in the same order."""
         self._check_open()
+        self.drain_issued(what)
         with self.lock:
             try:
                 launch = CapturedLaunch(stream, record, what)
@@ -525,6 +566,7 @@ class NcclCommunicator:
 
     def fork(self, event: torch.cuda.Event) -> None:
         """Order the copy and gather streams after ``event`` (recorded on the compute stream)."""
+        self.drain_issued("the fork of the gather streams")
         self.copy_stream.wait_event(event)
         self.stream.wait_event(event)
 
@@ -553,6 +595,7 @@ class NcclCommunicator:
         check_gather_args(self, full, chunk)
         for name, t in (("full", full), ("chunk", chunk)):
             self.require_window(t, name, what)
+        self.drain_issued(what)
         s = stream if stream is not None else self.stream
         if s.cuda_stream == 0:
             raise CommError(f"{what}: refusing the legacy default stream (NCCL 2.28 copy-engine collectives fail on "
@@ -582,6 +625,7 @@ class NcclCommunicator:
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Block until everything issued on :attr:`stream` finished (abort after the timeout)."""
         self._check_open()
+        self.drain_issued("synchronize")
         ev = torch.cuda.Event()
         ev.record(self.stream)
         self.poll_until(ev.query, f"work on the gather stream of rank {self.rank}", timeout_s)
@@ -616,12 +660,20 @@ class NcclCommunicator:
         """
         if self.handle and not self.aborted:
             self.aborted = True
+            self._stop_issue_thread()  # before the graphs it launches are destroyed
             for b in self.pool.buffers:
                 b.window = None
             self._abort_thread = threading.Thread(target=self._abort_now, args=(self.handle,),
                                                   name=f"wsharding-nccl-abort-r{self.rank}", daemon=True)
             self._abort_thread.start()
             self._abort_thread.join(self.abort_wait_s)
+
+    def _stop_issue_thread(self) -> None:
+        if self.issuer is not None and not self.issuer.stop(self.abort_wait_s):
+            # Held in a driver call: it keeps the graphs' memory referenced, like a stuck abort.
+            self._issuer_stuck = True
+
+    _issuer_stuck = False
 
     def _abort_now(self, handle: int) -> None:
         # NCCL's abort, like its destroy, waits until no graph references the communicator.
@@ -641,6 +693,12 @@ class NcclCommunicator:
         if self.watchdog is not None:
             self.watchdog.stop()
         try:
+            if self.issuer is not None and not error and not self.aborted:
+                try:
+                    self.drain_issued("close")
+                except CommError:
+                    pass  # aborted by drain_issued
+            self._stop_issue_thread()
             if self.handle and not self.aborted and not error:
                 try:
                     self.synchronize()
@@ -697,6 +755,7 @@ class NcclCommunicator:
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
             "blocking": self.blocking, "leaked": self.leaked, "emulation": self.emulation,
             "gather_launch": self.gather_launch, "captured_graphs": len(self._graphs),
+            "issue_thread": self.issuer is not None,
             "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
             "group_ranks": list(self.group_ranks),
             "cta_policy_name": CTA_POLICY_NAMES[self.cta_policy], "nccl": self.library.describe(),

@@ -32,6 +32,10 @@ first kernel: both wait for the end of the layer before). Only the peer copies, 
 copy engines, overlap compute for free. With N ranks the own chunk is 1/N of the layer, so this
 cost shrinks as the group grows.
 
+With the communicator's issue thread ([Note: the issue thread] in ``wsharding/comm/issue_thread.py``),
+the same sequence of driver calls is prepared once as a program; :meth:`start` pushes it with the
+gate, the native thread issues it, and :meth:`wait` first makes sure it was issued.
+
 Every pointer, size and handle is an int computed at init, and the CUDA calls go through the driver
 binding (``wsharding.comm.cuda_driver``), because the torch wrappers cost several times more host
 time per call. World size 1 has no peers: the copy is the whole gather.
@@ -45,6 +49,7 @@ import torch
 
 from wsharding.comm.base import CommError, check_gather_args, is_slice_of
 from wsharding.comm.cuda_driver import CudaDriverError, driver
+from wsharding.comm.issue_thread import OP_LAUNCH, OP_RECORD, OP_WAIT, OP_WAIT_GATE, IssueThread, IssueThreadError
 from wsharding.comm.nccl.binding import NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_UINT8
 
 
@@ -91,6 +96,37 @@ class NcclPreparedGather:
         self._copy_graph = comm.capture(self._copy_stream, self._copy_own_chunk, f"{what} (own chunk copy)") if (
             graphs and not self.in_place) else None
         self._launch_copy_graph = self._copy_graph
+        #: The push of the last start() through the issue thread, until wait() saw it issued (0: none).
+        self.seq = 0
+        #: start()'s driver calls as a program, and the issue thread it was named to (made at the first
+        #: start with that thread: the communicator may start and stop its thread between steps).
+        self._program = None
+        self._program_issuer = None
+        self._seq_issuer = None
+
+    def _make_program(self, issuer: IssueThread):
+        """start()'s driver calls as a program for ``issuer``, or None where a launch is not a graph
+        (a direct NCCL call stays on the calling thread)."""
+        self._program_issuer = issuer
+        nccl = self._launch_graph
+        copy = self._launch_copy_graph
+        if (self.comm.world_size > 1 and nccl is None) or (not self.in_place and copy is None):
+            return None
+        g, k = self._gather_stream, self._copy_stream
+        if self._peers_only:
+            ops = [(OP_WAIT_GATE, g, 0)]
+        else:
+            ops = [(OP_WAIT_GATE, k, 0)]
+            if not self.in_place:
+                ops.append((OP_LAUNCH, copy._handle, k))
+            ops.append((OP_RECORD, self._copied_ev, k))
+            if self.comm.world_size > 1:
+                ops.append((OP_WAIT, g, self._copied_ev))
+        if self.comm.world_size > 1:
+            ops += [(OP_LAUNCH, nccl._handle, g), (OP_RECORD, self._ready_ev, g)]
+        program = IssueThread.program(ops)
+        issuer.name_program(program, self.what)
+        return program
 
     @property
     def launch(self) -> str:
@@ -108,8 +144,10 @@ class NcclPreparedGather:
             raise ValueError(f"{self.what}: no captured graph to launch (communicator gather_launch="
                              f"{self.comm.gather_launch!r}, world size {self.comm.world_size})")
         graph = how == "graph"
+        self.comm.drain_issued(f"{self.what}: launch = {how!r}")
         self._launch_graph = self._graph if graph else None
         self._launch_copy_graph = self._copy_graph if graph else None
+        self._program = self._program_issuer = None  # made again for the new launch at the next start
 
     def _copy_own_chunk(self, stream: int) -> None:
         self._cu.memcpy_dtod_async(self._own_ptr, self._chunk_ptr, self.nbytes, stream)
@@ -128,11 +166,26 @@ class NcclPreparedGather:
         elif rc != NCCL_SUCCESS:
             comm.fail(rc, self.what)
 
-    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
+    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None, *,
+              inline: bool = False) -> None:
+        """See :class:`~wsharding.comm.base.PreparedGather`. ``inline``: issue on this thread even
+        with an issue thread (a gather waited on at once gains nothing from handing it over)."""
         comm = self.comm
         if comm.watchdog.error is not None:
             comm.raise_if_failed(self.what)
         capturing = torch.cuda.is_current_stream_capturing()
+        issuer = comm.issuer
+        if issuer is not None:
+            program = self._program if self._program_issuer is issuer else self._make_program(issuer)
+            self._program = program
+            if program is not None and marks is None and not capturing and not inline:
+                if comm.aborted:
+                    comm.raise_if_failed(self.what)
+                self.seq = issuer.push(program, gate.cuda_event if gate is not None else 0)
+                self._seq_issuer = issuer
+                comm.gathers_issued += 1
+                return
+            comm.drain_issued(self.what)  # one order on the streams: after what was handed over
         if capturing:
             comm.watchdog.pause_for_capture()
         cu = self._cu
@@ -178,17 +231,37 @@ class NcclPreparedGather:
             comm.watchdog.watch(self.ready, self.what)
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        if self.seq:
+            self._wait_issued()
         s = stream if stream is not None else torch.cuda.current_stream(self.comm.device)
         self._cu.stream_wait_event(s.cuda_stream, self._ready_ev)
 
+    def _wait_issued(self) -> None:
+        """The ready event holds this start's record only once the issue thread ran it."""
+        comm, seq, self.seq = self.comm, self.seq, 0
+        if comm.issuer is not self._seq_issuer:
+            return  # that thread was stopped (set_issue_thread), after it ran everything pushed
+        try:
+            comm.issuer.wait_issued(seq, poll=lambda: comm.raise_if_failed(self.what), timeout_s=comm.timeout_s,
+                                    what=self.what)
+        except IssueThreadError as e:
+            comm.abort()  # the peers' gather is left unmatched: end it for them too
+            raise CommError(f"{e} on rank {comm.rank}; the NCCL communicator was aborted") from e
+        comm.watchdog.watch(self.ready, self.what)
+
     def close(self) -> None:
         """Free the captured graph (idempotent); the communicator would otherwise at its close."""
+        if self.comm.issuer is not None and not self.comm.aborted and not self.comm.closed:
+            self.comm.drain_issued(f"{self.what}: close")  # nothing queued may launch a freed graph
+        self._program = self._program_issuer = None
         for graph in (self._graph, self._copy_graph):
             if graph is not None:
                 self.comm.drop_graph(graph)
         self._graph = self._launch_graph = self._copy_graph = self._launch_copy_graph = None
 
     def is_completed(self) -> bool:
+        if self.seq and self.comm.issuer is not None and self.comm.issuer.issued < self.seq:
+            return False
         return self.ready.query()
 
     def __repr__(self) -> str:

@@ -85,9 +85,13 @@ def paired_difference(a: list[float], b: list[float], names: tuple[str, str] = (
     return PairedDifference(na, nb, n, statistics.median(d), low, high, cover, verdict, cover >= coverage)
 
 
+def variants_paired(per_rank: list[dict[str, list[float]]], a: str, b: str, names: tuple[str, str]) -> PairedDifference:
+    """Variant ``a`` against ``b`` from every rank's per-round times: round by round the slowest
+    rank's (a step ends when every rank ends), then :func:`paired_difference`."""
+    slowest = [[max(col) for col in zip(*(r[v] for r in per_rank), strict=True)] for v in (a, b)]
+    return paired_difference(*slowest, names)
+
+
 def lookahead_vs_off(per_rank: list[dict[str, list[float]]]) -> PairedDifference:
-    """``sharded`` against ``sharded_no_lookahead`` from every rank's per-round times: round by round
-    the slowest rank's (a step ends when every rank ends), then :func:`paired_difference`."""
-    slowest = [[max(col) for col in zip(*(r[v] for r in per_rank), strict=True)]
-               for v in ("sharded", "sharded_no_lookahead")]
-    return paired_difference(*slowest, ("lookahead", "no lookahead"))
+    """``sharded`` against ``sharded_no_lookahead`` (:func:`variants_paired`)."""
+    return variants_paired(per_rank, "sharded", "sharded_no_lookahead", ("lookahead", "no lookahead"))

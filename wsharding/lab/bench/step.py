@@ -36,7 +36,7 @@ import torch
 from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
 from wsharding.cuda_graph import capture_graph
-from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off
+from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import checked_text, int_at_least, number_list
@@ -48,15 +48,20 @@ from wsharding.runtime import gpu_count, in_ci
 from wsharding.shard import WeightSharding
 from wsharding.units import ceil_div
 
-EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "sharded_mapped",
-         "sharded_mapped_next_step", "fsdp2")
+EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "sharded_issue_thread",
+         "sharded_mapped", "sharded_mapped_next_step", "sharded_mapped_issue_thread", "fsdp2")
 #: What the variants that are not self-explanatory measure (printed under the table).
 LEGEND = {"sharded_next_step": "sharded, with the next step's first gather issued while this step's last layers run "
                                "(planner.prefetch_next_step)",
           "sharded_mapped": "a second sharding of the model whose layers gather into views mapped over their chunks: "
                             "no own-chunk copy (map_own_chunk=True, NCCL >= 2.30)",
           "sharded_mapped_next_step": "sharded_mapped, with the next step's first gather issued while this step's last "
-                                      "layers run: both ways of taking a gather off the step's critical path"}
+                                      "layers run: both ways of taking a gather off the step's critical path",
+          "sharded_issue_thread": "sharded, the gathers issued by the communicator's native issue thread: the model's "
+                                  "thread only hands them over (NcclCommunicator.set_issue_thread)",
+          "sharded_mapped_issue_thread": "sharded_mapped, with the issue thread"}
+#: The variants that run with the communicator's issue thread on.
+ISSUE_THREAD = ("sharded_issue_thread", "sharded_mapped_issue_thread")
 GRAPH = ("graph_replicated", "graph_sharded", "graph_sharded_mapped")
 MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 #: Largest tokens per rank that --graph captures (decode sizes).
@@ -249,10 +254,11 @@ def direct_launch_host_us(ws: WeightSharding) -> float | None:
 # ---- one rank ---------------------------------------------------------------------------------------------
 def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: int = 10, warmup: int = 3,
                     comm: str = "auto", fsdp: bool = True, graph: bool = False, repeats: int = 1,
-                    mapped: bool = False) -> dict[str, Any]:
+                    mapped: bool = False, issue_thread: bool = False) -> dict[str, Any]:
     """On one rank: every variant at every tokens-per-rank value, in the same run. ``mapped``: also
     the ``sharded_mapped`` and ``sharded_mapped_next_step`` variants (a second sharding with
-    ``map_own_chunk=True``, without and with ``prefetch_next_step``)."""
+    ``map_own_chunk=True``, without and with ``prefetch_next_step``). ``issue_thread``: also the
+    ``*_issue_thread`` variants (our NCCL communicator only)."""
     c = shard_comm_for(ctx, comm)
     dev = c.device
     # FSDP2 runs on torch.distributed's own devices: not when ranks share a GPU over a gloo group.
@@ -266,6 +272,12 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     planner_us = planner_host_us(ws)
     planner_us_direct = direct_launch_host_us(ws)
     planner_us_mapped = planner_host_us(ws_mapped) if ws_mapped is not None else None
+    issue_thread = issue_thread and hasattr(c, "set_issue_thread")
+    planner_us_issue_thread = None
+    if issue_thread:
+        c.set_issue_thread(True)
+        planner_us_issue_thread = planner_host_us(ws)
+        c.set_issue_thread(False)
     rows = []
 
     def switch(variant: str) -> None:
@@ -273,6 +285,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
         planner.prefetch_next_step = variant == "sharded_next_step"
         if ws_mapped is not None:
             ws_mapped.planner.prefetch_next_step = variant == "sharded_mapped_next_step"
+        if issue_thread:
+            c.set_issue_thread(variant in ISSUE_THREAD)
 
     def measure(row: dict[str, Any], runs: dict[str, Callable[[], Any]]) -> None:
         # Every variant warmed up, then the repeats in rounds of rotating order (wsharding.lab.bench.rounds).
@@ -298,7 +312,9 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
         # the same count on every rank (the sharded forward is collective); at decode sizes, where the
         # host time matters, enough pairs that the median settles (the quartiles span ~20 us per layer)
         pairs = HOST_PAIRS if dev.type == "cuda" and row["tokens_per_rank"] <= GRAPH_MAX_TOKENS else max(steps * repeats, 8)
-        for variant, key in (("sharded", "host_overhead"), ("sharded_mapped", "host_overhead_mapped")):
+        for variant, key in (("sharded", "host_overhead"), ("sharded_mapped", "host_overhead_mapped"),
+                             ("sharded_issue_thread", "host_overhead_issue_thread"),
+                             ("sharded_mapped_issue_thread", "host_overhead_mapped_issue_thread")):
             if "replicated" in runs and variant in runs:
                 switch(variant)
                 c.barrier()
@@ -311,15 +327,19 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             row: dict[str, Any] = {"tokens_per_rank": t, "equal": bool(torch.equal(replicated(x), sharded(x)))}
             runs = {"replicated": _call(replicated, x), "sharded": _call(sharded, x),
                     "sharded_no_lookahead": _call(sharded, x), "sharded_next_step": _call(sharded, x)}
+            if issue_thread:
+                runs["sharded_issue_thread"] = _call(sharded, x)
             if sharded_mapped is not None:
                 row["equal"] = row["equal"] and bool(torch.equal(replicated(x), sharded_mapped(x)))
                 runs["sharded_mapped"] = runs["sharded_mapped_next_step"] = _call(sharded_mapped, x)
+                if issue_thread:
+                    runs["sharded_mapped_issue_thread"] = _call(sharded_mapped, x)
             if fsdp_model is not None:
                 runs["fsdp2"] = _call(fsdp_model, x)
             measure(row, runs)
             # The prefetching variants checked as they ran: a step that takes the gather its previous
             # step issued must compute what the replicated model does.
-            for variant in ("sharded_next_step", "sharded_mapped_next_step"):
+            for variant in ("sharded_next_step", "sharded_mapped_next_step", *ISSUE_THREAD):
                 if variant in runs:
                     switch(variant)
                     outs = [runs[variant]() for _ in range(2)]
@@ -346,6 +366,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
             "planner_host_us_per_layer_direct": planner_us_direct,
             "planner_host_us_per_layer_mapped": planner_us_mapped,
+            "planner_host_us_per_layer_issue_thread": planner_us_issue_thread,
             "gather_launch": getattr(c, "gather_launch", None),
             "nccl_blocking": getattr(c, "blocking", None),
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
@@ -382,7 +403,12 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
             merged["sharded_vs_floor"] = merged["sharded"] / floor
         if "sharded" in row and "sharded_no_lookahead" in row:
             merged["lookahead_vs_off"] = lookahead_vs_off([r["rows"][i] for r in results]).as_dict()
-        for key in ("host_overhead_us_per_layer", "host_overhead_mapped_us_per_layer"):
+        if "sharded" in row and "sharded_issue_thread" in row:
+            merged["issue_thread_vs_inline"] = variants_paired(
+                [r["rows"][i] for r in results], "sharded_issue_thread", "sharded",
+                ("issue thread", "issued inline")).as_dict()
+        for key in ("host_overhead_us_per_layer", "host_overhead_mapped_us_per_layer",
+                    "host_overhead_issue_thread_us_per_layer", "host_overhead_mapped_issue_thread_us_per_layer"):
             if key in row:  # the slowest rank's (median, q1, q3) of paired differences (paired_host_us)
                 merged[key], merged[f"{key}_q1"], merged[f"{key}_q3"] = max((r["rows"][i][key] for r in results),
                                                                             key=lambda m: m[0])
@@ -396,6 +422,9 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
                                                  if results[0].get("planner_host_us_per_layer_direct") else None),
             "planner_host_us_per_layer_mapped": (max(r["planner_host_us_per_layer_mapped"] for r in results)
                                                  if results[0].get("planner_host_us_per_layer_mapped") else None),
+            "planner_host_us_per_layer_issue_thread": (
+                max(r["planner_host_us_per_layer_issue_thread"] for r in results)
+                if results[0].get("planner_host_us_per_layer_issue_thread") else None),
             "gather_launch": results[0].get("gather_launch"),
             "nccl_blocking": results[0].get("nccl_blocking"),
             "replicated_bytes_per_rank": r0["replicated_bytes"],
@@ -415,6 +444,8 @@ def format_table(report: dict[str, Any]) -> str:
                     "ncclAllGather called per layer" if report.get("planner_host_us_per_layer_direct") else "")
                  + (f"; {report['planner_host_us_per_layer_mapped']:.1f} us with map_own_chunk"
                     if report.get("planner_host_us_per_layer_mapped") else "")
+                 + (f"; {report['planner_host_us_per_layer_issue_thread']:.1f} us with the issue thread, waits for "
+                    "it included" if report.get("planner_host_us_per_layer_issue_thread") else "")
                  + ")")
     lines.append(f"  sharded weights per rank: {report['replicated_bytes_per_rank'] / 2**20:.1f} MiB replicated, "
                  f"{report['sharded_resident_bytes_per_rank'] / 2**20:.1f} MiB sharded (R/N + 2 max|T|)"
@@ -442,8 +473,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"  {row['tokens_per_rank']:>11} " + "".join(f"{c:>{w}}" for c in cells)
                      + f"{floor:>11}  {_host_cell(row, 'host_overhead_us_per_layer'):>24}  {row['equal']}")
     lines += [f"  {c}: {LEGEND[c]}" for c in cols if c in LEGEND]
-    lines += [f"  {row['tokens_per_rank']} tokens/rank, {PairedDifference(**row['lookahead_vs_off']).line()}"
-              for row in report["rows"] if "lookahead_vs_off" in row]
+    lines += [f"  {row['tokens_per_rank']} tokens/rank, {PairedDifference(**row[key]).line()}"
+              for key in ("lookahead_vs_off", "issue_thread_vs_inline") for row in report["rows"] if key in row]
     first = report["rows"][0] if report["rows"] else {}
     if "host_overhead_us_per_layer_q1" in first:
         layers = report["sharded_layers"]
@@ -452,9 +483,12 @@ def format_table(report: dict[str, Any]) -> str:
                      f"forward itself takes {first['replicated_host_ms'] * 1e3 / layers:.0f} us of host per layer"
                      + ("; on CPU ranks host time is the step's wall time, waits for the gathers included"
                         if report["mode"].startswith("cpu") else "")
-                     + ("; with map_own_chunk: "
-                        + ", ".join(_host_cell(row, "host_overhead_mapped_us_per_layer") for row in report["rows"])
-                        if "host_overhead_mapped_us_per_layer" in first else ""))
+                     + "".join(f"; {label}: " + ", ".join(_host_cell(row, key) for row in report["rows"])
+                               for label, key in (("with map_own_chunk", "host_overhead_mapped_us_per_layer"),
+                                                  ("with the issue thread", "host_overhead_issue_thread_us_per_layer"),
+                                                  ("with map_own_chunk and the issue thread",
+                                                   "host_overhead_mapped_issue_thread_us_per_layer"))
+                               if key in first))
     if report.get("graph_error"):
         lines.append(f"  CUDA graph: not measured ({report['graph_error']})")
     return "\n".join(lines)
@@ -487,6 +521,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fsdp", action="store_true", help="leave FSDP2 out")
     p.add_argument("--mapped", action="store_true",
                    help="also a sharding whose gathers copy nothing of their own (map_own_chunk; NCCL >= 2.30)")
+    p.add_argument("--issue-thread", action="store_true",
+                   help="also the variants whose gathers a native thread issues (our NCCL communicator)")
     p.add_argument("--json", default="wsharding-out/bench_step", help="path prefix for .json and the figure ('' for none)")
 
 
@@ -510,7 +546,7 @@ def main(args: argparse.Namespace) -> int:
         backend = "gloo"  # several ranks per GPU: torch's NCCL refuses duplicate GPUs, our binding does not
     with RankCluster(n, backend=backend, ranks_per_gpu=rpg, task_timeout=3600) as cluster:
         results = cluster.run(step_bench_rank, model, tokens, steps=steps, comm=args.comm, fsdp=not args.no_fsdp,
-                              graph=args.graph, repeats=repeats, mapped=args.mapped)
+                              graph=args.graph, repeats=repeats, mapped=args.mapped, issue_thread=args.issue_thread)
     report = summarize(results, model, args.comm)
     print(format_table(report))
     if args.json:

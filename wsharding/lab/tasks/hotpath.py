@@ -19,11 +19,19 @@ from wsharding.runner import shard_blocks
 LONG_SLEEP_CYCLES = 2_000_000_000
 
 
-def host_not_held(ctx: RankContext, comm: str, lookahead: bool, model: str = "small") -> dict[str, Any]:
+def host_not_held(ctx: RankContext, comm: str, lookahead: bool, model: str = "small",
+                  issue_thread: bool = False) -> dict[str, Any]:
     """Queue a long GPU sleep on the compute stream, run a sharded forward, and report whether the
     forward returned to Python while the sleep was still running (it must: the hot path never waits
-    for the GPU). ``model``: a ToyDecoder preset, or ``tiny-blocks`` for the generic hook path."""
+    for the GPU). ``model``: a ToyDecoder preset, or ``tiny-blocks`` for the generic hook path.
+    ``issue_thread``: with our NCCL communicator's issue thread (stopped again at the end)."""
     c = shard_comm_for(ctx, comm)
+    if issue_thread:
+        c.set_issue_thread(True)
+        try:
+            return host_not_held(ctx, comm, lookahead, model) | {"issue_thread_pushes": c.issuer.pushes}
+        finally:
+            c.set_issue_thread(False)
     dev = c.device
     if model.endswith("blocks"):
         net = build_blocks(model, dev)
@@ -112,4 +120,38 @@ def launch_modes_equal(ctx: RankContext, model: str = "small", steps: int = 3) -
     torch.cuda.synchronize(c.device)
     ws.close()
     out["graphs_after_close"] = c.describe()["captured_graphs"]
+    return out
+
+
+def issue_thread_error(ctx: RankContext) -> dict[str, Any]:
+    """[Note: the issue thread]: a driver call that fails on the issue thread reaches the model's
+    thread as a :class:`CommError` naming the layer and rank, and aborts the communicator. The failure
+    is made by handing the thread ``cuInit`` in place of ``cuStreamWaitEvent``: called with a stream
+    handle as its flags it returns CUDA_ERROR_INVALID_VALUE (1), at the first gather that waits for a
+    gate. Leaves the communicator aborted: run it in a cluster of its own."""
+    import ctypes
+
+    from wsharding.comm.cuda_driver import driver
+    from wsharding.comm.issue_thread import IssueThread, fn_address
+
+    c = shard_comm_for(ctx, "nccl")
+    _, net = build_pair(decoder_config("tiny"), c)
+    x = torch.arange(3, device=c.device)
+    cu = driver()
+    failing_wait = ctypes.CDLL("libcuda.so.1").cuInit
+    out: dict[str, Any] = {"rank": ctx.rank, "error": None, "sharded_layers": len(net.weight_sharding.sharded_layer_ids)}
+    with torch.no_grad():
+        net(x)
+        torch.cuda.synchronize(c.device)
+        c.set_issue_thread(False)
+        c.issuer = IssueThread(wait=fn_address(failing_wait), launch=fn_address(cu._cuGraphLaunch),
+                               record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
+                               ctx=cu.current_context(), name="an issue thread whose stream waits fail")
+        try:
+            for _ in range(3):
+                net(x)
+        except CommError as e:
+            out["error"] = str(e)
+        out["aborted"] = c.aborted
+        out["pushes"] = c.issuer.pushes
     return out

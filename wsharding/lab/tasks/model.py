@@ -108,15 +108,25 @@ def group_of(comm: Any) -> list[int]:
 def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *, lookahead: bool = True,
                    group_size: int | None = None, seed: int = 0, comm: str = "torch",
                    prefetch_next_step: bool = False, map_own_chunk: bool = False,
-                   close: bool = False) -> dict[str, Any]:
+                   close: bool = False, issue_thread: bool = False) -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
     tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit.
     ``prefetch_next_step``: the planner's [Note: the next step's first gather]; ``map_own_chunk``:
     [Note: the own chunk mapped, not copied] (``in_place_gathers`` counts the gathers that copy nothing
     of their own). ``close``: close the sharding at the end and report the communicator's device
-    bytes before the build and after the close (our NCCL communicator; None for the others)."""
+    bytes before the build and after the close (our NCCL communicator; None for the others).
+    ``issue_thread``: the gathers issued by our NCCL communicator's native thread ([Note: the issue
+    thread]); it is stopped again at the end (the communicator is kept for later tasks)."""
     cfg = decoder_config(preset)
-    comm = shard_comm_for(ctx, comm, group_size)
+    comm_name, comm = comm, shard_comm_for(ctx, comm, group_size)
+    if issue_thread:
+        comm.set_issue_thread(True)  # the same communicator again below (kept in ctx.store)
+        try:
+            return model_equality(ctx, preset, counts, lookahead=lookahead, group_size=group_size, seed=seed,
+                                  comm=comm_name, prefetch_next_step=prefetch_next_step, map_own_chunk=map_own_chunk,
+                                  close=close) | {"issue_thread_pushes": comm.issuer.pushes}
+        finally:
+            comm.set_issue_thread(False)
     pool = getattr(comm, "pool", None)
     pool_before = pool.allocated_bytes if pool is not None else None
     replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead, map_own_chunk=map_own_chunk)
