@@ -132,3 +132,17 @@ def test_paired_rounds_figure_draws_every_round_and_the_interval():
     # the three-round run names no side: its bar is grey, its label says so
     assert bars[1].line.color == "#c7c7c7" and "too few rounds" in annotation(fig, "75%").text
     assert "faster" in annotation(fig, "98%").text
+
+
+def test_paired_rounds_figure_draws_a_saved_comparison_without_its_rounds():
+    """``bench step`` reports keep each comparison, not the rounds behind it: the bar alone."""
+    from wsharding.lab.bench.paired import PairedDifference, paired_difference
+    from wsharding.lab.viz.bench import paired_rounds_figure
+
+    d = paired_difference([5.0, 5.1, 5.2, 5.0, 5.3, 5.1, 5.2], [6.0] * 7, ("issue thread", "issued inline"))
+    saved = PairedDifference(**d.as_dict())
+    fig = paired_rounds_figure({"1 token": (None, None, saved)}, names=("issue thread", "issued inline"))
+    assert [t.mode for t in fig.data] == ["lines"]
+    assert tuple(fig.data[0].x) == (d.low_ms, d.high_ms)
+    assert "round by round" not in fig.layout.title.text and "issue thread against issued inline" in fig.layout.title.text
+    assert "faster" in annotation(fig, "98%").text

@@ -174,10 +174,6 @@ uint64_t ws_issuer_push(ws_issuer *q, const ws_program *program, void *gate) {
     return seq;
 }
 
-uint64_t ws_issuer_issued(const ws_issuer *q) { return atomic_load(&q->issued); }
-
-uint64_t ws_issuer_pushed(const ws_issuer *q) { return atomic_load(&q->pushed); }
-
 /* Wait (spinning, then yielding) until entry `seq` was run or `timeout_us` passed; returns the
  * seq of the last entry run. Called without the GIL (ctypes), so the Python side can poll its
  * watchdog between calls. */
@@ -221,4 +217,7 @@ int32_t ws_issuer_free(ws_issuer *q) {
     return 0;
 }
 
-int32_t ws_issuer_failed(const ws_issuer *q) { return atomic_load(&q->error); }
+/* The address of the issued counter: the Python side reads it as memory, without a call. */
+const _Atomic uint64_t *ws_issuer_issued_ptr(const ws_issuer *q) { return &q->issued; }
+const _Atomic uint64_t *ws_issuer_pushed_ptr(const ws_issuer *q) { return &q->pushed; }
+const _Atomic int32_t *ws_issuer_error_ptr(const ws_issuer *q) { return &q->error; }

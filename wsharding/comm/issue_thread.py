@@ -119,12 +119,12 @@ def library() -> ctypes.CDLL:
         for name, res, args in (
             ("ws_issuer_new", p, (p, p, p, p, p, d)),
             ("ws_issuer_push", u64, (p, ctypes.POINTER(Program), p)),
-            ("ws_issuer_issued", u64, (p,)),
-            ("ws_issuer_pushed", u64, (p,)),
+            ("ws_issuer_issued_ptr", p, (p,)),
+            ("ws_issuer_pushed_ptr", p, (p,)),
+            ("ws_issuer_error_ptr", p, (p,)),
             ("ws_issuer_wait", u64, (p, u64, d)),
             ("ws_issuer_error", i32, (p, ctypes.POINTER(u64), ctypes.POINTER(i32), ctypes.POINTER(p))),
             ("ws_issuer_exited", i32, (p,)),
-            ("ws_issuer_failed", i32, (p,)),
             ("ws_issuer_stop", None, (p,)),
             ("ws_issuer_free", i32, (p,)),
         ):
@@ -148,15 +148,22 @@ class IssueThread:
     """
 
     def __init__(self, *, wait: int, launch: int, record: int, ctx_set: int = 0, ctx: int = 0,
-                 spin_us: float = 50.0, name: str = "issue thread") -> None:
+                 spin_us: float | None = None, name: str = "issue thread") -> None:
         self._lib = library()
         self.name = name
-        self._q = self._lib.ws_issuer_new(ctx_set or None, ctx or None, wait, launch, record, float(spin_us))
+        #: How long the thread spins for the next push before it sleeps: a push that finds it asleep
+        #: pays for waking it (a futex call, microseconds). ``$WSHARDING_ISSUE_SPIN_US``, default 50.
+        self.spin_us = float(os.environ.get("WSHARDING_ISSUE_SPIN_US", 50.0) if spin_us is None else spin_us)
+        self._q = self._lib.ws_issuer_new(ctx_set or None, ctx or None, wait, launch, record, self.spin_us)
         if not self._q:
             raise IssueThreadUnavailable(f"{name}: could not start the native thread")
         self._push = self._lib.ws_issuer_push
-        self._issued = self._lib.ws_issuer_issued
-        self._failed = self._lib.ws_issuer_failed
+        # The issued counter read as memory (an aligned 8-byte load, atomic on the CPUs we run on):
+        # the hot path checks it once or twice per layer, and a ctypes call costs a microsecond or more.
+        self._issued_now = ctypes.c_uint64.from_address(self._lib.ws_issuer_issued_ptr(self._q))
+        self._pushed_now = ctypes.c_uint64.from_address(self._lib.ws_issuer_pushed_ptr(self._q))
+        self._error_now = ctypes.c_int32.from_address(self._lib.ws_issuer_error_ptr(self._q))
+        self._error_text: str | None = None  # kept when the thread is freed
         #: What each pushed program issues, for errors ("layer 3: gather of ..."): by program address.
         self._what: dict[int, str] = {}
         self.pushes = 0
@@ -190,14 +197,16 @@ class IssueThread:
     @property
     def issued(self) -> int:
         """The seq of the last entry run (or skipped after an error)."""
-        return self._issued(self._q)
+        return self._issued_now.value
 
     @property
     def pushed(self) -> int:
-        return self._lib.ws_issuer_pushed(self._q)
+        return self._pushed_now.value
 
     def error(self) -> str | None:
         """The first failed driver call, as text, or None."""
+        if self._q is None:
+            return self._error_text
         seq, op, program = ctypes.c_uint64(), ctypes.c_int32(), ctypes.c_void_p()
         rc = self._lib.ws_issuer_error(self._q, ctypes.byref(seq), ctypes.byref(op), ctypes.byref(program))
         if not rc:
@@ -215,7 +224,10 @@ class IssueThread:
         ``poll`` runs between waits of a millisecond (the communicator's ``raise_if_failed``: the
         watchdog may have found an error meanwhile); ``timeout_s`` bounds the whole wait.
         """
-        if self._issued(self._q) < seq:
+        if self._issued_now.value < seq:
+            if self._q is None:
+                raise IssueThreadError(f"{what or self.name}: the issue thread was stopped before it issued "
+                                       "this gather")
             self.waits += 1
             deadline = time.monotonic() + timeout_s
             while self._lib.ws_issuer_wait(self._q, seq, 1000.0) < seq:
@@ -227,7 +239,7 @@ class IssueThread:
                 if time.monotonic() > deadline:
                     raise IssueThreadError(f"{what or self.name}: not issued within {timeout_s:.1f} s (the issue "
                                            "thread is held inside a driver call)")
-        if self._failed(self._q):
+        if self._error_now.value:
             msg = self.error()
             raise IssueThreadError(f"{what}: {msg}" if what else msg)
 
@@ -247,6 +259,11 @@ class IssueThread:
             if time.monotonic() > deadline:
                 return False
             time.sleep(1e-4)
+        # What the Python side still reads, copied out of the memory about to be freed.
+        self._error_text = self.error()
+        self._issued_now = ctypes.c_uint64(self._issued_now.value)
+        self._pushed_now = ctypes.c_uint64(self._pushed_now.value)
+        self._error_now = ctypes.c_int32(self._error_now.value)
         self._lib.ws_issuer_free(self._q)
         self._q = None
         return True

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c", "sharded_no_lookahead": "#ff7f0e",
           "sharded_next_step": "#8c564b", "sharded_mapped": "#bcbd22",
           "sharded_mapped_next_step": "#393b79", "fsdp2": "#d62728",
+          "sharded_issue_thread": "#98df8a", "sharded_mapped_issue_thread": "#dbdb8d",
           "graph_replicated": "#17becf", "graph_sharded": "#9467bd", "graph_sharded_mapped": "#e377c2",
           "floor_ms": "#7f7f7f"}
 
@@ -108,36 +109,39 @@ def forward_host_figure(probe: dict[str, Any]) -> go.Figure:
     return fig
 
 
-def paired_rounds_figure(runs: dict[str, tuple[list[float], list[float], Any]], names: tuple[str, str] = (
-        "lookahead", "no lookahead")) -> go.Figure:
+def paired_rounds_figure(runs: dict[str, tuple[list[float] | None, list[float] | None, Any]],
+                         names: tuple[str, str] = ("lookahead", "no lookahead")) -> go.Figure:
     """One row per run: each round's difference ``a - b`` in ms (dots) and the interval that holds
     their median (the bar). ``runs`` maps a label to the two variants' per-round times and their
-    :class:`~wsharding.lab.bench.paired.PairedDifference` (``paired_difference(a, b)``)."""
+    :class:`~wsharding.lab.bench.paired.PairedDifference` (``paired_difference(a, b)``); a run whose
+    report kept only the comparison (``bench step`` keeps medians) passes None for both: its bar alone."""
     fig = go.Figure()
     labels = list(runs)
     lows: list[float] = []
     highs: list[float] = []
     for k, label in enumerate(labels):
         a, b, d = runs[label]
-        diffs = [x - y for x, y in zip(a, b, strict=True)]
+        diffs = [x - y for x, y in zip(a, b, strict=True)] if a is not None else []
         fig.add_trace(go.Scatter(x=[d.low_ms, d.high_ms], y=[label, label], mode="lines",
                                  line={"width": 10, "color": COLORS["sharded"] if d.enough_rounds else "#c7c7c7"},
                                  name=f"{d.coverage:.0%} of the median", showlegend=False,
                                  hovertemplate=f"{d.verdict}<extra></extra>"))
-        fig.add_trace(go.Scatter(x=diffs, y=[label] * len(a), mode="markers",
-                                 marker={"color": COLORS["sharded_no_lookahead"], "size": 8},
-                                 name="one round", showlegend=k == 0))
+        if diffs:
+            fig.add_trace(go.Scatter(x=diffs, y=[label] * len(diffs), mode="markers",
+                                     marker={"color": COLORS["sharded_no_lookahead"], "size": 8},
+                                     name="one round", showlegend=k == 0))
         said = d.verdict.split(" (")[0] if d.enough_rounds else "too few rounds"
         fig.add_annotation(x=d.high_ms, y=label, text=f"  {d.coverage:.0%}: {said}",
                            showarrow=False, xanchor="left", font={"size": 11})
-        lows.append(min(d.low_ms, *diffs))
-        highs.append(max(d.high_ms, *diffs))
+        lows.append(min([d.low_ms, *diffs]))
+        highs.append(max([d.high_ms, *diffs]))
+    dots = any(t.mode == "markers" for t in fig.data)
     fig.add_vline(x=0, line={"color": COLORS["floor_ms"], "dash": "dash"})
     low, high = min(min(lows, default=-1.0), 0.0), max(max(highs, default=1.0), 0.0)
     span = high - low or 1.0
     fig.update_xaxes(range=[low - 0.1 * span, high + 0.1 * span])
     fig.update_layout(height=140 + 60 * len(labels), xaxis_title=f"{names[0]} - {names[1]} (ms per step, per round)",
                       margin={"l": 240, "r": 300},
-                      title=f"{names[0]} against {names[1]}, round by round<br><sub>the bar holds the median "
-                            "difference; grey: too few rounds to name a side</sub>")
+                      title=f"{names[0]} against {names[1]}{', round by round' if dots else ''}<br><sub>the bar "
+                            "holds the median difference; grey: too few rounds to name a side</sub>")
     return fig
