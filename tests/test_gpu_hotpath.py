@@ -116,3 +116,79 @@ def test_gpu_issue_thread_error_names_the_layer_and_aborts():
     assert r["sharded_layers"] >= 3 and r["pushes"] > 0
     assert r["error"] is not None and "CUresult 1" in r["error"] and "rank 0" in r["error"], r
     assert "layer" in r["error"] and r["aborted"], r
+
+
+#: A stand-in for cuStreamWaitEvent that spins first: an issue thread that lags the model's thread by
+#: ``delay_us`` per gated gather, so that a layer reaches its wait long before its gather was issued.
+SLOW_WAIT_C = r"""
+#include <time.h>
+typedef int (*wait_fn)(void *, void *, unsigned);
+wait_fn real_wait;
+double delay_us;
+int slow_wait(void *stream, void *event, unsigned flags) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+    double end = t.tv_sec * 1e6 + t.tv_nsec * 1e-3 + delay_us, now;
+    do { clock_gettime(CLOCK_MONOTONIC, &t); now = t.tv_sec * 1e6 + t.tv_nsec * 1e-3; } while (now < end);
+    return real_wait(stream, event, flags);
+}
+"""
+
+
+def slow_issue_thread_equality(ctx, guard: bool, delay_us: float = 20000.0) -> dict:
+    """The ToyDecoder ``small`` with an issue thread that lags (SLOW_WAIT_C); ``guard=False`` takes
+    away the check that a gather was issued before its layer waits on its ready event."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from wsharding.comm.cuda_driver import driver
+    from wsharding.comm.issue_thread import IssueThread, fn_address
+    from wsharding.comm.nccl.gather import NcclPreparedGather
+    from wsharding.lab.tasks.model import shard_comm_for
+    from wsharding.models import build_pair, decoder_config
+
+    d = Path(tempfile.mkdtemp())
+    (d / "slow.c").write_text(SLOW_WAIT_C)
+    subprocess.run([shutil.which("cc") or "gcc", "-O1", "-shared", "-fPIC", str(d / "slow.c"), "-o", str(d / "slow.so")],
+                   check=True)
+    slow = ctypes.CDLL(str(d / "slow.so"))
+    cu = driver()
+    ctypes.c_void_p.in_dll(slow, "real_wait").value = fn_address(cu._cuStreamWaitEvent)
+    ctypes.c_double.in_dll(slow, "delay_us").value = delay_us
+    c = shard_comm_for(ctx, "nccl")
+    replicated, sharded = build_pair(decoder_config("small"), c)
+    kept = NcclPreparedGather._wait_issued
+    if not guard:
+        NcclPreparedGather._wait_issued = lambda self: setattr(self, "seq", 0)
+    equal = []
+    try:
+        with torch.no_grad():
+            c.issuer = IssueThread(wait=fn_address(slow.slow_wait), launch=fn_address(cu._cuGraphLaunch),
+                                   record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
+                                   ctx=cu.current_context(), name="a lagging issue thread")
+            for step in range(3):
+                x = torch.arange(4 + step, device=c.device) % 50
+                equal.append(bool(torch.equal(replicated(x), sharded(x))))
+            pushes = c.issuer.pushes
+            c.set_issue_thread(False)  # runs what is left, then stops
+    finally:
+        NcclPreparedGather._wait_issued = kept
+    return {"equal": equal, "pushes": pushes, "sharded_layers": len(sharded.weight_sharding.sharded_layer_ids)}
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_gpu_a_layer_waits_until_its_gather_was_issued(guard):
+    """[Note: the issue thread], "issued before waited on": the thread lags 20 ms per gated gather. With
+    the check, every output is bitwise the replicated one; without it, a layer's stream waits on the
+    previous step's record of its ready event and computes with what its slot held before."""
+    if _gpus() < 1 or not _ours():
+        pytest.skip("needs a GPU and NCCL >= 2.28.3 with symmetric windows")
+    with RankCluster(1, backend="nccl", task_timeout=300) as c:  # a cluster of its own: the task patches a class
+        (r,) = c.run(slow_issue_thread_equality, guard)
+    assert r["pushes"] > r["sharded_layers"]
+    if guard:
+        assert r["equal"] == [True] * 3, r
+    else:
+        assert not all(r["equal"]), r

@@ -160,9 +160,6 @@ class WeightShardPlanner:
         #: [Note: the issue thread] (``wsharding/comm/issue_thread.py``): the communicator's, or None;
         #: read at every step's reset (the communicator may start or stop it between steps).
         self._issuer = None
-        #: Per gating layer, the issue-thread push whose gather waits for its gate: the gate must not be
-        #: recorded again before that wait was issued.
-        self._gate_seq: dict[int, int] = {}
         self._compute: torch.cuda.Stream | None = None
         self._compute_handle = 0
         # Per-step state: the step in which each layer was issued / waited / finished (no clearing).
@@ -200,10 +197,7 @@ class WeightShardPlanner:
             # Once per step (6.6 us on an H200), not once per layer.
             self._compute = torch.cuda.current_stream(self.device)
             self._compute_handle = self._compute.cuda_stream
-            issuer = getattr(self.comm, "issuer", None)
-            if issuer is not self._issuer:
-                self._gate_seq.clear()  # pushes of another thread
-                self._issuer = issuer
+            self._issuer = getattr(self.comm, "issuer", None)
         self.trace = StepTrace(self.step, self.comm.rank, self.cuda, self.device) if self.trace_enabled else None
 
     def pre_dispatch(self, start_layer: int, end_layer: int | None = None) -> None:
@@ -297,8 +291,6 @@ class WeightShardPlanner:
             return
         self._finished[layer] = self.step
         if self.cuda and layer in self._gating:
-            if self._issuer is not None:
-                self._gate_issued(layer)
             self._cu.event_record(self._done_handle[layer], self._compute_handle)
         if self.trace is not None:
             self.trace.mark(layer, "compute_end")
@@ -311,13 +303,6 @@ class WeightShardPlanner:
                     self._issue(waiting, gated=True)
 
     # ---- internals -------------------------------------------------------------------------------
-    def _gate_issued(self, layer: int) -> None:
-        """Before ``layer``'s gate event is recorded again: the issue thread has issued the wait on its
-        last record (with lookahead that happened a layer ago; this is one counter read)."""
-        seq = self._gate_seq.get(layer, 0)
-        if seq and self._issuer.issued < seq:
-            self.comm.drain_issued(f"layer {layer}: recording its end again")
-
     def _gate_open(self, layer: int) -> bool:
         prev = self._prev[layer]
         # A layer before this step's first layer ran in an earlier step: finished (CPU) or ordered
@@ -369,8 +354,6 @@ class WeightShardPlanner:
             elif self._issuer is not None:
                 # Waited on at once (lookahead off): handing it to the issue thread would only add its wake-up.
                 g.start(gate, marks, inline=here)
-                if gate is not None and not here:
-                    self._gate_seq[prev] = g.seq
             else:
                 g.start(gate, marks)
         except CommError as e:
@@ -467,8 +450,6 @@ class WeightShardPlanner:
         gate = self._done[self._wrap_gate] if self.cuda else None
         try:
             self._gathers[first].start(gate, None)
-            if self._issuer is not None:
-                self._gate_seq[self._wrap_gate] = self._gathers[first].seq
         except CommError as e:
             raise CommError(self._stuck_message(first, e)) from e
         self._issued[first] = self.step + 1

@@ -25,8 +25,9 @@ What keeps it correct (the Python callers' side of the contract):
   :meth:`IssueThread.wait_issued` makes sure; with lookahead it has always happened already.
 * **A gate is not recorded again before the wait on it was issued.** ``cuStreamWaitEvent`` waits on
   the record the event holds when the wait is *issued*; were the gate recorded again first, the
-  gather would wait for a later layer -- one that itself waits for this gather. The planner checks
-  before it records a gate again (``WeightShardPlanner.update_done_event``).
+  gather would wait for a later layer -- one that itself waits for this gather. The rule above keeps
+  this one: the planner records a gate again only after a later layer of the next step ran, and
+  before that layer computed, every gather that waits on the gate was seen issued.
 * **Errors reach the model's thread.** A driver call that fails stops the queue (later entries are
   skipped, not run) and the next check on the model's thread raises it, naming the layer.
 
