@@ -83,6 +83,9 @@ def test_bad_input_is_one_line_before_any_work(argv, message, capsys, no_ranks):
     (["demo", "--ranks", "1000"], f"--ranks 1000: at most {cliargs.MAX_CPU_RANKS} CPU rank processes"),
     (["demo", "--map-own-chunk"], "--map-own-chunk maps each layer's own chunk under its gather range: that "
                                   "needs our NCCL binding on GPUs (--comm nccl, NCCL >= 2.30); this machine has no CUDA GPU"),
+    (["bench", "step", "--issue-thread"], "--issue-thread is a thread of our NCCL binding on GPUs"),
+    (["demo", "--issue-thread"], "--issue-thread starts a thread that issues the gathers of our NCCL binding on GPUs "
+                                 "(--comm nccl); this machine has no CUDA GPU"),
     (["bench", "allgather", "--ranks", "1000"], f"--ranks 1000: at most {cliargs.MAX_CPU_RANKS} CPU rank processes"),
 ])
 def test_cpu_machine_refuses_what_needs_gpus(argv, message, capsys, no_ranks):

@@ -134,15 +134,19 @@ def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, co
 
 def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
               group_size: int | None = None, comm: str = "torch", kv_context: int | None = None,
-              graph: bool = False, rounds: int = 3, map_own_chunk: bool = False) -> dict[str, Any]:
+              graph: bool = False, rounds: int = 3, map_own_chunk: bool = False,
+              issue_thread: bool = False) -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
     variants side by side (:func:`side_by_side`, ``rounds`` times), trace one lookahead step and one step without lookahead. Also what the
     saving buys: KV-cache tokens and sequences of ``kv_context`` tokens (default 4096 on GPUs, 256 on
     CPU ranks) replicated vs sharded, from the memory free after finalize. ``graph``: also one-token
     decode eager vs replayed from a CUDA graph (:func:`decode_graph_times`), where it can run.
-    ``map_own_chunk``: the layers gather into views mapped over their chunks (NCCL >= 2.30)."""
+    ``map_own_chunk``: the layers gather into views mapped over their chunks (NCCL >= 2.30).
+    ``issue_thread``: our NCCL communicator's native thread issues the gathers ([Note: the issue thread])."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
+    if issue_thread:
+        comm.set_issue_thread(True)
     replicated, sharded, load = build_pair_measured(cfg, comm, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding
     planner = ws.planner
@@ -204,6 +208,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "formula_bytes": ws.formula_bytes(),
         "slot_bytes": ws.slots.slot_bytes,
         "map_own_chunk": ws.map_own_chunk,
+        "issue_thread": getattr(comm, "issuer", None) is not None,
         "slot_resident_bytes": ws.held_bytes()["slots"],
         "layout_bytes": {i: ws.layouts[i].total_bytes for i in ws.sharded_layer_ids},
         "step_ms": {k: statistics.median(v) for k, v in samples.items()},
@@ -238,6 +243,7 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "formula_bytes_per_rank": r0["formula_bytes"],
         "slot_bytes": r0["slot_bytes"],
         "map_own_chunk": r0["map_own_chunk"],
+        "issue_thread": r0.get("issue_thread", False),
         "slot_resident_bytes": r0["slot_resident_bytes"],
         "max_abs_diff": max(r["max_abs_diff"] for r in reports),
         "outputs_equal": all(all(r["equal"]) for r in reports),
@@ -286,6 +292,8 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if report["emulation"]:
         lines.append(f"  NOTE: {report['emulation']}")
+    if report.get("issue_thread"):
+        lines.append("  gathers issued by the communicator's native issue thread (--issue-thread)")
     lines += [
         f"  layers {report['layers']}, sharded {report['sharded_layers'][0]}..{report['sharded_layers'][-1]}, "
         f"gathers per step {report['gathers_per_step']}",
@@ -379,6 +387,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map-own-chunk", action="store_true",
                    help="each layer gathers into a range mapped over its own chunk: no own-chunk copy, slots of "
                         "(N-1)/N (GPUs, our NCCL binding, NCCL >= 2.30)")
+    p.add_argument("--issue-thread", action="store_true",
+                   help="our NCCL communicator's native thread issues each layer's gather; the model's thread only "
+                        "hands it over (GPUs, --comm nccl; off by default)")
     add_json_option(p, "the report", "--report")
     p.add_argument("--figures", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder for the figures (default ./{DEFAULT_OUT}/, git-ignored; '' for none; "
@@ -437,6 +448,9 @@ def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
         raise InputError("--map-own-chunk maps each layer's own chunk under its gather range: that needs our NCCL "
                          "binding on GPUs (--comm nccl, NCCL >= 2.30); this machine has no CUDA GPU; leave "
                          "--map-own-chunk out")
+    if args.issue_thread and not gpus:
+        raise InputError("--issue-thread starts a thread that issues the gathers of our NCCL binding on GPUs "
+                         "(--comm nccl); this machine has no CUDA GPU; leave --issue-thread out")
     n = args.ranks or (gpus if backend == "nccl" else 4)
     if backend == "gloo" and n > MAX_CPU_RANKS:
         raise InputError(f"--ranks {n}: at most {MAX_CPU_RANKS} CPU rank processes (each is a Python process "
@@ -476,6 +490,11 @@ def main(args: argparse.Namespace) -> int:
     if on_gpus and len(set(devices)) < n and comm == "torch":
         print(f"wsharding demo: error: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
         return 2
+    if args.issue_thread and comm != "nccl":
+        print("wsharding demo: error: --issue-thread is a thread of our NCCL binding (--comm nccl), and it gathers "
+              "with torch.distributed here ('wsharding info' shows the libnccl found); leave --issue-thread out",
+              file=sys.stderr)
+        return 2
     if args.map_own_chunk and comm != "nccl":
         # --comm torch, or auto where libnccl does not support ours
         print("wsharding demo: error: --map-own-chunk needs our NCCL binding (--comm nccl), and it gathers with "
@@ -485,7 +504,7 @@ def main(args: argparse.Namespace) -> int:
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),
                               comm=comm, graph=args.graph, rounds=args.rounds or (7 if on_gpus else 3),
-                              map_own_chunk=args.map_own_chunk)
+                              map_own_chunk=args.map_own_chunk, issue_thread=args.issue_thread)
     report = summarize(reports, preset, n)
     if args.json != "-":
         print(format_table(report))

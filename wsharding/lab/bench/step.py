@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -534,6 +535,11 @@ def _figure(report: dict[str, Any]) -> Any:
 
 def main(args: argparse.Namespace) -> int:
     gpus = gpu_count()
+    if args.issue_thread and (not gpus or args.comm == "torch"):
+        print("wsharding bench step: error: --issue-thread is a thread of our NCCL binding on GPUs (--comm nccl or "
+              f"auto); {'this machine has no CUDA GPU' if not gpus else 'it gathers with torch.distributed here'}; "
+              "leave --issue-thread out", file=sys.stderr)
+        return 2
     backend = "nccl" if gpus else "gloo"
     n = args.ranks or (gpus if gpus else 2)
     model = args.model or ("llama8b-blocks" if gpus and not in_ci() else "tiny-blocks")
