@@ -60,6 +60,8 @@ class PreparedGather(Protocol):
 
     # Optional: ``close()``, to free what the gather holds beyond its buffers (our NCCL gather's
     # captured graph); the planner calls it, when present, as the weight sharding closes.
+    # A communicator with an ``issuer`` (our NCCL one, [Note: the issue thread]) gives its gathers a
+    # keyword ``start(..., inline=True)``: issue on the calling thread a gather that is waited on at once.
 
 
 @runtime_checkable
