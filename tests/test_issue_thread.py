@@ -176,5 +176,6 @@ def test_a_program_holds_one_to_eight_known_calls():
 
 def test_no_compiler_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises((it.IssueThreadUnavailable, FileNotFoundError)):
+    with pytest.raises(it.IssueThreadUnavailable, match="no-such-cc.*could not be run.*set \\$CC"):
         it.build_library(out_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no half-built file left behind

@@ -100,7 +100,12 @@ def build_library(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     cmd = [cc, "-O2", "-std=c11", "-shared", "-fPIC", "-pthread", str(source), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        os.unlink(tmp)
+        raise IssueThreadUnavailable(f"the C compiler {cc!r} could not be run to build {source.name} ({e}): set $CC "
+                                     "to a working one, or leave the issue thread off") from e
     if done.returncode != 0:
         os.unlink(tmp)
         raise IssueThreadUnavailable(f"compiling {source.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()}")
