@@ -144,7 +144,7 @@ def slow_issue_thread_equality(ctx, guard: bool, delay_us: float = 20000.0) -> d
     from pathlib import Path
 
     from wsharding.comm.cuda_driver import driver
-    from wsharding.comm.issue_thread import IssueThread, fn_address
+    from wsharding.comm.issue_thread import driver_issue_thread, fn_address
     from wsharding.comm.nccl.gather import NcclPreparedGather
     from wsharding.lab.tasks.model import shard_comm_for
     from wsharding.models import build_pair, decoder_config
@@ -165,9 +165,7 @@ def slow_issue_thread_equality(ctx, guard: bool, delay_us: float = 20000.0) -> d
     equal = []
     try:
         with torch.no_grad():
-            c.issuer = IssueThread(wait=fn_address(slow.slow_wait), launch=fn_address(cu._cuGraphLaunch),
-                                   record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
-                                   ctx=cu.current_context(), name="a lagging issue thread")
+            c.issuer = driver_issue_thread("a lagging issue thread", wait=fn_address(slow.slow_wait))
             for step in range(3):
                 x = torch.arange(4 + step, device=c.device) % 50
                 equal.append(bool(torch.equal(replicated(x), sharded(x))))

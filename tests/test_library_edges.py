@@ -62,7 +62,7 @@ class LoopbackGather:
     def __init__(self, comm: Loopback, full: torch.Tensor, chunk: torch.Tensor, what: str) -> None:
         self.comm, self.full, self.chunk, self.what = comm, full, chunk, what
 
-    def start(self, gate=None, marks=None) -> None:
+    def start(self, gate=None, marks=None, *, inline=False) -> None:
         if self.comm.fail and self.comm.fail in self.what:
             raise CommError(f"{self.what}: the peer went away")
         self.comm.started.append(self.what.split(":")[0])

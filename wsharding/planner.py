@@ -157,9 +157,6 @@ class WeightShardPlanner:
             self._here.record()
             self._here_handle = self._here.cuda_event
         self._backpressure_step = -1
-        #: [Note: the issue thread] (``wsharding/comm/issue_thread.py``): the communicator's, or None;
-        #: read at every step's reset (the communicator may start or stop it between steps).
-        self._issuer = None
         self._compute: torch.cuda.Stream | None = None
         self._compute_handle = 0
         # Per-step state: the step in which each layer was issued / waited / finished (no clearing).
@@ -197,7 +194,6 @@ class WeightShardPlanner:
             # Once per step (6.6 us on an H200), not once per layer.
             self._compute = torch.cuda.current_stream(self.device)
             self._compute_handle = self._compute.cuda_stream
-            self._issuer = getattr(self.comm, "issuer", None)
         self.trace = StepTrace(self.step, self.comm.rank, self.cuda, self.device) if self.trace_enabled else None
 
     def pre_dispatch(self, start_layer: int, end_layer: int | None = None) -> None:
@@ -351,11 +347,9 @@ class WeightShardPlanner:
                 # Gate off (the race demonstration only): issue from a side stream that waits for nothing.
                 with torch.cuda.stream(self.slots_side_stream()):
                     g.start(None, marks)
-            elif self._issuer is not None:
-                # Waited on at once (lookahead off): handing it to the issue thread would only add its wake-up.
-                g.start(gate, marks, inline=here)
             else:
-                g.start(gate, marks)
+                # Waited on at once (lookahead off): handing it to an issue thread would only add its wake-up.
+                g.start(gate, marks, inline=here)
         except CommError as e:
             raise CommError(self._stuck_message(layer, e)) from e
         if trace is not None and not self.cuda:

@@ -29,6 +29,27 @@ def own_times(prof: cProfile.Profile) -> dict[str, float]:
     return {f"{os.path.basename(k[0])}:{k[1]}:{k[2]}": v[2] for k, v in st.stats.items()}  # tottime
 
 
+def paired(a, b, calls: int, dev, layers: int):
+    """Host time of ``a`` and ``b`` in pairs (order alternating, GPU drained before each timed call):
+    (median b - a in us per layer, its quartiles, median ms of a, median ms of b). Each is a
+    (setup, call) pair; setup runs untimed before its call."""
+    diffs, ta, tb = [], [], []
+    for k in range(calls):
+        took = {}
+        for name, (setup, call) in (((0, a), (1, b)) if k % 2 == 0 else ((1, b), (0, a))):
+            setup()
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            call()
+            took[name] = time.perf_counter() - t0
+        diffs.append((took[1] - took[0]) * 1e6 / layers)
+        ta.append(took[0] * 1e3)
+        tb.append(took[1] * 1e3)
+    torch.cuda.synchronize(dev)
+    q1, med, q3 = statistics.quantiles(diffs, n=4)
+    return (med, q1, q3), statistics.median(ta), statistics.median(tb)
+
+
 def probe(ctx, tokens: int, issue_thread: bool, calls: int = 100, mapped: bool = False, ab: bool = True):
     c = shard_comm_for(ctx, "nccl")
     dev = c.device
@@ -43,20 +64,10 @@ def probe(ctx, tokens: int, issue_thread: bool, calls: int = 100, mapped: bool =
         assert torch.equal(rep(x), sh(x))
         for _ in range(5):
             rep(x), sh(x)
-        diffs, hr, hs = [], [], []
-        for k in range(calls):
-            took = {}
-            for name, m in ((("r", rep), ("s", sh)) if k % 2 == 0 else (("s", sh), ("r", rep))):
-                torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                m(x)
-                took[name] = time.perf_counter() - t0
-            diffs.append((took["s"] - took["r"]) * 1e6 / out["layers"])
-            hr.append(took["r"] * 1e3)
-            hs.append(took["s"] * 1e3)
-        torch.cuda.synchronize(dev)
-        out["host_ms"] = {"replicated": statistics.median(hr), "sharded": statistics.median(hs)}
-        out["extra_us_per_layer"] = statistics.median(diffs)
+        nothing = lambda: None  # noqa: E731
+        extra, hr, hs = paired((nothing, lambda: rep(x)), (nothing, lambda: sh(x)), calls, dev, out["layers"])
+        out["host_ms"] = {"replicated": hr, "sharded": hs}
+        out["extra_us_per_layer"] = extra[0]
         profs = {}
         for name, m in (("replicated", rep), ("sharded", sh)):
             p = cProfile.Profile()
@@ -76,23 +87,13 @@ def probe(ctx, tokens: int, issue_thread: bool, calls: int = 100, mapped: bool =
         # Inline against the issue thread, in pairs in this one process (the host drifts between runs).
         for spin_us in (50.0, 1000.0) if ab else ():
             os.environ["WSHARDING_ISSUE_SPIN_US"] = str(spin_us)
-            diffs, ti, tt = [], [], []
-            for k in range(calls):
-                took = {}
-                for name in (("inline", "thread") if k % 2 == 0 else ("thread", "inline")):
-                    c.set_issue_thread(name == "thread")
-                    sh(x)  # one step to settle the switch
-                    torch.cuda.synchronize(dev)
-                    t0 = time.perf_counter()
-                    sh(x)
-                    took[name] = time.perf_counter() - t0
-                diffs.append((took["thread"] - took["inline"]) * 1e6 / out["layers"])
-                ti.append(took["inline"] * 1e3)
-                tt.append(took["thread"] * 1e3)
-            torch.cuda.synchronize(dev)
-            q1, med, q3 = statistics.quantiles(diffs, n=4)
-            out[f"thread_minus_inline_us_per_layer_spin{int(spin_us)}"] = (med, q1, q3)
-            out[f"host_ms_spin{int(spin_us)}"] = {"inline": statistics.median(ti), "thread": statistics.median(tt)}
+            def switched(on: bool):
+                return lambda: (c.set_issue_thread(on), sh(x))  # one step to settle the switch
+
+            diff, ti, tt = paired((switched(False), lambda: sh(x)), (switched(True), lambda: sh(x)), calls, dev,
+                                  out["layers"])
+            out[f"thread_minus_inline_us_per_layer_spin{int(spin_us)}"] = diff
+            out[f"host_ms_spin{int(spin_us)}"] = {"inline": ti, "thread": tt}
         c.set_issue_thread(False)
         assert torch.equal(rep(x), sh(x))
     return out

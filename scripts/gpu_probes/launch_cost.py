@@ -57,7 +57,7 @@ def linears(ws):
 
 from wsharding.comm.captured_launch import CapturedLaunch  # noqa: E402
 from wsharding.comm.cuda_driver import driver  # noqa: E402
-from wsharding.comm.issue_thread import OP_LAUNCH, IssueThread, fn_address  # noqa: E402
+from wsharding.comm.issue_thread import OP_LAUNCH, IssueThread, driver_issue_thread  # noqa: E402
 
 cu = driver()
 small_a = torch.empty(2**20, dtype=torch.uint8, device=dev)
@@ -68,9 +68,7 @@ graphs = {
     "small": CapturedLaunch(side.cuda_stream, lambda st: cu.memcpy_dtod_async(small_b.data_ptr(), small_a.data_ptr(),
                                                                                 small_a.numel(), st), "1 MB copy"),
 }
-issuer = IssueThread(wait=fn_address(cu._cuStreamWaitEvent), launch=fn_address(cu._cuGraphLaunch),
-                     record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
-                     ctx=cu.current_context(), spin_us=2000.0)
+issuer = driver_issue_thread("launch-cost probe", spin_us=2000.0)
 programs = {k: IssueThread.program([(OP_LAUNCH, g._handle, side.cuda_stream)]) for k, g in graphs.items()}
 
 

@@ -47,10 +47,13 @@ class PreparedGather(Protocol):
     #: What is gathered, for error messages ("layer 3: gather of 1024 B into slot B").
     what: str
 
-    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
+    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None, *,
+              inline: bool = False) -> None:
         """Issue the gather. On CUDA it is ordered after ``gate`` (an event on the compute stream:
         the end of the layer that last read this slot) and never blocks the host; on CPU it runs on
-        the backend's thread. ``marks``: (start, end) trace events to record around it (CUDA)."""
+        the backend's thread. ``marks``: (start, end) trace events to record around it (CUDA).
+        ``inline``: the caller waits on it at once, so a backend that hands its launches to another
+        thread ([Note: the issue thread]) issues this one on the calling thread; others ignore it."""
         ...
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -60,8 +63,6 @@ class PreparedGather(Protocol):
 
     # Optional: ``close()``, to free what the gather holds beyond its buffers (our NCCL gather's
     # captured graph); the planner calls it, when present, as the weight sharding closes.
-    # A communicator with an ``issuer`` (our NCCL one, [Note: the issue thread]) gives its gathers a
-    # keyword ``start(..., inline=True)``: issue on the calling thread a gather that is waited on at once.
 
 
 @runtime_checkable

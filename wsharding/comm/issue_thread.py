@@ -277,3 +277,15 @@ class IssueThread:
     def __repr__(self) -> str:
         state = "stopped" if self.closed else f"pushed {self.pushes}"
         return f"IssueThread({self.name!r}, {state})"
+
+
+def driver_issue_thread(name: str, *, wait: int | None = None, spin_us: float | None = None) -> IssueThread:
+    """An :class:`IssueThread` on the CUDA driver (``wsharding.comm.cuda_driver``), in the calling
+    thread's current context. ``wait``: another function in place of ``cuStreamWaitEvent`` (tests
+    that make the thread fail or lag)."""
+    from wsharding.comm.cuda_driver import driver
+
+    cu = driver()
+    return IssueThread(wait=wait or fn_address(cu._cuStreamWaitEvent), launch=fn_address(cu._cuGraphLaunch),
+                       record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
+                       ctx=cu.current_context(), spin_us=spin_us, name=name)

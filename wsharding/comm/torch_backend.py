@@ -63,7 +63,8 @@ class TorchPreparedGather:
         self._in_place = is_slice_of(chunk, full, comm.rank)
         self._work: dist.Work | None = None
 
-    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None) -> None:
+    def start(self, gate: torch.cuda.Event | None = None, marks: tuple | None = None, *,
+              inline: bool = False) -> None:  # always on the calling thread
         comm = self.comm
         comm.gathers_issued += 1
         if marks is not None:

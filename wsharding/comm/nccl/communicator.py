@@ -36,9 +36,9 @@ import torch
 
 from wsharding.comm.base import CommError, check_gather_args
 from wsharding.comm.captured_launch import CapturedLaunch
-from wsharding.comm.cuda_driver import CudaDriverError, driver
+from wsharding.comm.cuda_driver import CudaDriverError
 from wsharding.comm.groups import shard_group_ranks
-from wsharding.comm.issue_thread import IssueThread, IssueThreadError, IssueThreadUnavailable, fn_address
+from wsharding.comm.issue_thread import IssueThread, IssueThreadError, IssueThreadUnavailable, driver_issue_thread
 from wsharding.comm.nccl.binding import (
     CTA_POLICY_NAMES,
     NCCL_IN_PROGRESS,
@@ -334,11 +334,8 @@ class NcclCommunicator:
             self._set_up_copy_engine()
 
     def _start_issue_thread(self, name: str) -> IssueThread:
-        cu = driver()
         try:
-            return IssueThread(wait=fn_address(cu._cuStreamWaitEvent), launch=fn_address(cu._cuGraphLaunch),
-                               record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
-                               ctx=cu.current_context(), name=f"{name} issue thread of rank {self.rank}")
+            return driver_issue_thread(f"{name} issue thread of rank {self.rank}")
         except IssueThreadUnavailable as e:
             raise CommError(f"issue_thread=True on rank {self.rank}: {e}") from e
 
@@ -669,11 +666,10 @@ class NcclCommunicator:
             self._abort_thread.join(self.abort_wait_s)
 
     def _stop_issue_thread(self) -> None:
-        if self.issuer is not None and not self.issuer.stop(self.abort_wait_s):
-            # Held in a driver call: it keeps the graphs' memory referenced, like a stuck abort.
-            self._issuer_stuck = True
-
-    _issuer_stuck = False
+        # A thread held in a driver call longer than abort_wait_s is left to end on its own (stop()
+        # returns False): the process is on its way out after an abort, like a stuck abort's.
+        if self.issuer is not None:
+            self.issuer.stop(self.abort_wait_s)
 
     def _abort_now(self, handle: int) -> None:
         # NCCL's abort, like its destroy, waits until no graph references the communicator.

@@ -107,7 +107,6 @@ class NcclPreparedGather:
     def _make_program(self, issuer: IssueThread):
         """start()'s driver calls as a program for ``issuer``, or None where a launch is not a graph
         (a direct NCCL call stays on the calling thread)."""
-        self._program_issuer = issuer
         nccl = self._launch_graph
         copy = self._launch_copy_graph
         if (self.comm.world_size > 1 and nccl is None) or (not self.in_place and copy is None):
@@ -176,8 +175,9 @@ class NcclPreparedGather:
         capturing = torch.cuda.is_current_stream_capturing()
         issuer = comm.issuer
         if issuer is not None:
-            program = self._program if self._program_issuer is issuer else self._make_program(issuer)
-            self._program = program
+            if self._program_issuer is not issuer:
+                self._program, self._program_issuer = self._make_program(issuer), issuer
+            program = self._program
             if program is not None and marks is None and not capturing and not inline:
                 if comm.aborted:
                     comm.raise_if_failed(self.what)

@@ -131,22 +131,18 @@ def issue_thread_error(ctx: RankContext) -> dict[str, Any]:
     gate. Leaves the communicator aborted: run it in a cluster of its own."""
     import ctypes
 
-    from wsharding.comm.cuda_driver import driver
-    from wsharding.comm.issue_thread import IssueThread, fn_address
+    from wsharding.comm.issue_thread import driver_issue_thread, fn_address
 
     c = shard_comm_for(ctx, "nccl")
     _, net = build_pair(decoder_config("tiny"), c)
     x = torch.arange(3, device=c.device)
-    cu = driver()
     failing_wait = ctypes.CDLL("libcuda.so.1").cuInit
     out: dict[str, Any] = {"rank": ctx.rank, "error": None, "sharded_layers": len(net.weight_sharding.sharded_layer_ids)}
     with torch.no_grad():
         net(x)
         torch.cuda.synchronize(c.device)
         c.set_issue_thread(False)
-        c.issuer = IssueThread(wait=fn_address(failing_wait), launch=fn_address(cu._cuGraphLaunch),
-                               record=fn_address(cu._cuEventRecord), ctx_set=fn_address(cu._cuCtxSetCurrent),
-                               ctx=cu.current_context(), name="an issue thread whose stream waits fail")
+        c.issuer = driver_issue_thread("an issue thread whose stream waits fail", wait=fn_address(failing_wait))
         try:
             for _ in range(3):
                 net(x)

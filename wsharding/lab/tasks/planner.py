@@ -188,8 +188,8 @@ class LandingGather:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def start(self, gate: Any = None, marks: tuple | None = None) -> None:
-        self.inner.start(gate, marks)
+    def start(self, gate: Any = None, marks: tuple | None = None, *, inline: bool = False) -> None:
+        self.inner.start(gate, marks, inline=inline)
         self.in_flight.append(self.inner)
 
     def wait(self, stream: Any = None) -> None:
