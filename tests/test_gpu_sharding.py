@@ -7,6 +7,7 @@ import torch
 
 from wsharding.cluster import RankCluster
 from wsharding.lab.tasks.model import graph_replay, memory_over_steps, model_equality, multi_rank_per_gpu_supported
+from wsharding.units import align_up
 
 pytestmark = pytest.mark.gpu
 
@@ -205,6 +206,34 @@ def test_gpu_mapped_views_one_rank():
         # alone, a rank has no peers' pages: after finalize the layer views are the chunks themselves
         assert r["formula_bytes"] == r["pool_bytes_sharded"] == sum(r["chunk_bytes"])
         assert r["in_place_gathers"] == len(r["sharded_layers"]) and r["pool_bytes"][0] == r["pool_bytes"][1]
+
+
+def test_gpu_map_own_chunk_auto_maps_where_it_can_and_holds_no_more():
+    """[Note: map_own_chunk="auto"], the package's default: with NCCL >= 2.30 the `small` model
+    (7.5 MiB layers) is mapped and the `tiny` one (KiB layers, each chunk would be a 2 MiB page) keeps
+    plain slots; with an older NCCL neither is mapped, and the reason names the version."""
+    if not _gpus():
+        pytest.skip("needs a GPU")
+    with RankCluster(1, backend="nccl", task_timeout=600) as c:
+        (small,) = c.run(model_equality, "small", [[3], [6]], comm="nccl", map_own_chunk="auto", close=True)
+        (tiny,) = c.run(model_equality, "tiny", [[3], [6]], comm="nccl", map_own_chunk="auto", close=True)
+    for r in (small, tiny):
+        assert r["max_abs_diff"] == 0.0 and all(r["equal"])
+        assert r["resident_bytes"] == r["formula_bytes"] == r["pool_bytes_sharded"]
+        assert r["pool_bytes"][0] == r["pool_bytes"][1]
+    if _mapped_supported():
+        assert small["map_own_chunk"] and small["in_place_gathers"] == len(small["sharded_layers"])
+        assert small["map_own_chunk_reason"].startswith("own chunk mapped: ")
+        # world size 1, mapped: the layer views are the chunks, no slot page is left
+        assert small["formula_bytes"] == sum(small["chunk_bytes"])
+        assert not tiny["map_own_chunk"] and tiny["in_place_gathers"] == 0
+        assert "2 MiB page padding of every chunk" in tiny["map_own_chunk_reason"]
+        g = 4096  # our NCCL communicator's allocation unit (alloc_granularity)
+        assert tiny["formula_bytes"] == (sum(align_up(b, g) for b in tiny["chunk_bytes"])
+                                         + 2 * align_up(max(tiny["layout_bytes"]), g))
+    else:
+        for r in (small, tiny):
+            assert not r["map_own_chunk"] and "is older than 2.30.0" in r["map_own_chunk_reason"]
 
 
 def test_gpu_mapped_views_refused_by_an_older_nccl():

@@ -11,7 +11,7 @@ from wsharding.comm.nccl.library import NcclLibrary, NcclLibraryError
 from wsharding.comm.nccl.symmetric import WINDOW_ALIGN, SymmetricBuffer, SymmetricPool
 from wsharding.mapped_slots import mapping_page_bytes
 from wsharding.rowloaders import ShardingError
-from wsharding.shard import WeightSharding
+from wsharding.shard import WeightSharding, resident_formula
 
 
 class _PlainComm:
@@ -37,6 +37,78 @@ def test_the_version_gate_refuses_an_nccl_that_would_share_only_the_first_alloca
     with pytest.raises(NcclLibraryError, match=r"map_own_chunk .* needs NCCL >= 2\.30\.0, but the library loaded is "
                                                r"NCCL 2\.28\.9 from /opt/nccl/libnccl\.so\.2"):
         mapping_page_bytes(Comm())
+
+
+# ---- [Note: map_own_chunk="auto"] ------------------------------------------------------------------
+PAGE = 2 << 20
+
+
+def _nccl(version_code: int) -> NcclLibrary:
+    return NcclLibrary("/opt/nccl/libnccl.so.2", "nvidia-nccl-cu12 wheel", version_code, None)
+
+
+class _Ours(_PlainComm):
+    """What auto asks of our NCCL communicator: its pool, and a library that can window several allocations."""
+
+    pool = object()
+    library = _nccl(23203)
+    alloc_granularity = 4096
+
+
+def _blocks(rows: int, cols: int, layers: int = 3) -> list[torch.nn.Module]:
+    out = []
+    for _ in range(layers):
+        b = torch.nn.Module()
+        b.fc = torch.nn.Linear(cols, rows, bias=False)
+        out.append(b)
+    return out
+
+
+def _auto(monkeypatch, rows: int, cols: int) -> WeightSharding:
+    # the page is the GPU's allocation granularity (asked of the CUDA driver); 2 MiB on an H200
+    monkeypatch.setattr("wsharding.shard.mapping_page_bytes", lambda comm: PAGE)
+    ws = WeightSharding(_Ours(), _blocks(rows, cols), {i: ["fc"] for i in range(3)})
+    assert ws.map_own_chunk and ws.layouts[0].chunk_bytes % PAGE == 0  # tentative until setup
+    return ws.setup()
+
+
+def test_auto_keeps_plain_slots_where_page_padding_would_cost_more(monkeypatch):
+    ws = _auto(monkeypatch, 64, 64)  # 16 KiB per layer: each chunk would be padded to a 2 MiB page
+    assert not ws.map_own_chunk
+    assert [lay.chunk_bytes for lay in ws.layouts.values()] == [8192] * 3  # the layouts rebuilt without pages
+    # plain: three 8 KiB chunks and two 16 KiB slots; mapped would be three pages and two peer pages
+    assert ws.formula_bytes() == resident_formula(ws.layouts.values(), 2, 4096, mapped=False) == 3 * 8192 + 2 * 16384
+    assert ws.map_own_chunk_reason == ("own chunk copied: mapped, the 2 MiB page padding of every chunk would hold "
+                                       "10.0 MiB per rank against 0.1 MiB with plain slots")
+
+
+def test_auto_maps_where_it_holds_no_more(monkeypatch):
+    ws = _auto(monkeypatch, 1024, 1024)  # 4 MiB per layer: 2 MiB chunks, already whole pages
+    assert ws.map_own_chunk and ws.layouts[0].chunk_bytes == PAGE
+    # three chunks and the peer's page of each slot, against three chunks and two 4 MiB slots
+    assert ws.formula_bytes() == 3 * PAGE + 2 * PAGE
+    assert resident_formula(ws.layouts.values(), 2, 4096, mapped=False) == 3 * PAGE + 2 * 2 * PAGE
+    assert ws.map_own_chunk_reason == ("own chunk mapped: 10.0 MiB per rank against 14.0 MiB with plain slots, "
+                                       "and no own-chunk copy per gather")
+
+
+def test_auto_is_off_with_the_reason_where_mapping_cannot_run():
+    plain = WeightSharding(_PlainComm(), _blocks(64, 64), {i: ["fc"] for i in range(3)})
+    assert not plain.map_own_chunk and plain.layouts[0].chunk_alignment == plain.layouts[0].alignment
+    assert plain.map_own_chunk_reason == ("own chunk copied: _PlainComm gathers into plain buffers (mapping needs "
+                                          "comm='nccl', our NCCL communicator)")
+
+    class OldNccl(_Ours):
+        library = _nccl(22809)
+
+    old = WeightSharding(OldNccl(), _blocks(64, 64), {i: ["fc"] for i in range(3)})
+    assert not old.map_own_chunk
+    assert old.map_own_chunk_reason == ("own chunk copied: NCCL 2.28.9 (nvidia-nccl-cu12 wheel) is older than 2.30.0: "
+                                        "it cannot window several allocations")
+    off = WeightSharding(_Ours(), _blocks(64, 64), {i: ["fc"] for i in range(3)}, map_own_chunk=False)
+    assert not off.map_own_chunk and off.map_own_chunk_reason == "own chunk copied: asked for (map_own_chunk=False)"
+    with pytest.raises(ShardingError, match="map_own_chunk must be True, False or 'auto', got 'yes'"):
+        WeightSharding(_Ours(), map_own_chunk="yes")
 
 
 class _Binding:

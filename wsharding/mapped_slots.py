@@ -34,6 +34,18 @@ What it needs, each checked before anything is allocated:
 * every chunk whole pages of the allocation granularity (2 MiB on an H200): the layouts are built
   with ``chunk_alignment`` = that page, which adds at most a page of padding per layer and rank.
 
+[Note: map_own_chunk="auto"]
+It is the default of :class:`~wsharding.shard.WeightSharding` and ``shard_blocks``: on where it can
+run, off with the reason kept (``ws.map_own_chunk_reason``). Measured on two H200s (2026-12-01,
+``figures/device/bench_step_h200x2_2026-12-01_llama8b-blocks_nccl-mapped.json``) the mapped sharding
+was faster than the plain one at every token count (1 to 8192 per rank) and it holds less after
+finalize; where it cannot run (another communicator, an NCCL older than 2.30) nothing changes. The
+one case where it costs: page padding. Every chunk is rounded up to a 2 MiB page, so a model of many
+small layers could hold more mapped than plain. ``setup()``, once every layer is declared, prices
+both with :func:`~wsharding.shard.resident_formula` and keeps the layouts of the smaller; a tie goes to
+mapping (no own-chunk copy). ``map_own_chunk=True`` forces it (and raises where it cannot run),
+``False`` keeps plain slots.
+
 Measured (``scripts/gpu_probes/layer_view.py``, one H200, NCCL 2.32.3, 2 and 4 ranks on the GPU,
 2026-12-01): the range registers, the in-place copy-engine gather fills every slice, the chunk's
 pages are untouched, no kernel runs.
@@ -54,6 +66,18 @@ from wsharding.slots import SLOT_NAMES, SlotPool
 
 #: A window over several allocations (see the note).
 MIN_NCCL_MAPPED_VIEW = (2, 30, 0)
+
+
+def mapping_unavailable(comm: Communicator) -> str | None:
+    """Why ``comm`` cannot map layer views, in one line; None when it can (what ``map_own_chunk="auto"``
+    asks before choosing, [Note: map_own_chunk="auto"])."""
+    library = getattr(comm, "library", None)
+    if getattr(comm, "pool", None) is None or library is None:
+        return f"{type(comm).__name__} gathers into plain buffers (mapping needs comm='nccl', our NCCL communicator)"
+    if not library.supports(MIN_NCCL_MAPPED_VIEW):
+        return (f"NCCL {library.version_str} ({library.source}) is older than "
+                f"{'.'.join(map(str, MIN_NCCL_MAPPED_VIEW))}: it cannot window several allocations")
+    return None
 
 
 def mapping_page_bytes(comm: Communicator) -> int:

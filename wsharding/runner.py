@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ def shard_blocks(
     keep_initial_weights: bool = True,
     load: Callable[[WeightSharding], Any] | None = None,
     prefetch_next_step: bool = False,
-    map_own_chunk: bool = False,
+    map_own_chunk: bool | Literal["auto"] = "auto",
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
 
@@ -101,7 +101,8 @@ def shard_blocks(
 
     ``map_own_chunk``: no gather copies the rank's own chunk -- each block gathers into a range mapped
     over it ([Note: the own chunk mapped, not copied] in ``wsharding/mapped_slots.py``; our NCCL
-    communicator, NCCL >= 2.30); off by default.
+    communicator, NCCL >= 2.30). ``"auto"`` (the default) maps where it can run and holds no more;
+    ``ws.map_own_chunk_reason`` says which ([Note: map_own_chunk="auto"]).
 
     ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
     row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).

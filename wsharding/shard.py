@@ -27,7 +27,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from wsharding.bound import guard_bound_weight
 from wsharding.comm.base import Communicator
 from wsharding.layout import FlatLayout
 from wsharding.linear.base import LinearBase, rebind_tensor
-from wsharding.mapped_slots import mapping_page_bytes, slot_pool_for
+from wsharding.mapped_slots import mapping_page_bytes, mapping_unavailable, slot_pool_for
 from wsharding.planner import ShardedLayer, WeightShardPlanner
 from wsharding.redistribute import agree_or_raise, redistribute_layer, set_weight_data
 from wsharding.rowloaders import (
@@ -127,7 +127,10 @@ class WeightSharding:
 
     ``map_own_chunk``: each layer gathers into an address range whose own slice is mapped over its
     resident chunk, so no gather copies the rank's own chunk ([Note: the own chunk mapped, not copied]
-    in ``wsharding/mapped_slots.py``); needs our NCCL communicator and NCCL >= 2.30; off by default.
+    in ``wsharding/mapped_slots.py``); needs our NCCL communicator and NCCL >= 2.30. ``"auto"`` (the
+    default): on where it can run and holds no more than plain slots, decided at :meth:`setup`
+    ([Note: map_own_chunk="auto"]); ``map_own_chunk_reason`` says which and why. True forces it
+    (raises where it cannot run), False keeps plain slots.
     """
 
     def __init__(
@@ -141,12 +144,23 @@ class WeightSharding:
         trace: bool = False,
         keep_initial_weights: bool = True,
         prefetch_next_step: bool = False,
-        map_own_chunk: bool = False,
+        map_own_chunk: bool | Literal["auto"] = "auto",
     ) -> None:
         self.comm = comm
-        self.map_own_chunk = map_own_chunk
+        if map_own_chunk not in (True, False, "auto"):
+            raise ShardingError(f"map_own_chunk must be True, False or 'auto', got {map_own_chunk!r}")
+        self._map_auto = map_own_chunk == "auto"
+        why_not = mapping_unavailable(comm) if self._map_auto else None
+        #: Whether the layers gather into views mapped over their chunks. With "auto" it is the
+        #: tentative choice until :meth:`setup` settles it.
+        self.map_own_chunk = map_own_chunk is True or (self._map_auto and why_not is None)
+        #: One line: mapped or not, and why.
+        self.map_own_chunk_reason = (f"own chunk copied: {why_not}" if why_not is not None
+                                     else "own chunk mapped: asked for (map_own_chunk=True)" if map_own_chunk is True
+                                     else "own chunk copied: asked for (map_own_chunk=False)" if map_own_chunk is False
+                                     else "own chunk mapped (tentative: setup() compares the page padding)")
         # Checked before anything is declared: a chunk must be whole pages to be mapped.
-        self._chunk_alignment = mapping_page_bytes(comm) if map_own_chunk else None
+        self._chunk_alignment = mapping_page_bytes(comm) if self.map_own_chunk else None
         self.lookahead = lookahead
         self.prefetch_next_step = prefetch_next_step
         self.trace = trace
@@ -324,12 +338,37 @@ class WeightSharding:
         self._shrunk.add(layer_id)
 
     def setup(self) -> WeightSharding:
-        """:meth:`setup_layer` for every declared layer."""
+        """:meth:`setup_layer` for every declared layer (after settling ``map_own_chunk="auto"``: every
+        layer is declared now)."""
         self._expect("declared", "setup")
+        self._settle_mapping()
         for i in sorted(self.targets):
             self.setup_layer(i)
         self.stage = "setup"
         return self
+
+    def _settle_mapping(self) -> None:
+        """[Note: map_own_chunk="auto"]: keep the page-aligned layouts only if mapping holds no more
+        than plain slots would. The layouts are metadata until finalize: nothing was cut by them yet
+        (setup keeps rows, and rows do not depend on the chunk size)."""
+        if not (self._map_auto and self.map_own_chunk and self.layouts):
+            return
+        n, g = self.comm.world_size, getattr(self.comm, "alloc_granularity", 1)
+        plain = {i: FlatLayout([(e.name, e.shape, e.dtype) for e in lay.entries], n, alignment=lay.alignment)
+                 for i, lay in self.layouts.items()}
+        mapped_bytes = resident_formula(self.layouts.values(), n, g, mapped=True)
+        plain_bytes = resident_formula(plain.values(), n, g, mapped=False)
+        mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+        if mapped_bytes <= plain_bytes:
+            self.map_own_chunk_reason = (f"own chunk mapped: {mib(mapped_bytes)} per rank against {mib(plain_bytes)} with "
+                                         "plain slots, and no own-chunk copy per gather")
+            return
+        self.map_own_chunk = False
+        self._chunk_alignment = None
+        self.layouts = plain
+        self.map_own_chunk_reason = (f"own chunk copied: mapped, the {mapping_page_bytes(self.comm) >> 20} MiB page padding of "
+                                     f"every chunk would hold {mib(mapped_bytes)} per rank against {mib(plain_bytes)} "
+                                     "with plain slots")
 
     # ---- 3. finalize: row shards -> flat chunks, slots, views --------------------------------------
     def finalize(self, observe: Callable[[str, int | None], None] | None = None) -> WeightSharding:
@@ -505,11 +544,8 @@ class WeightSharding:
         ``alloc_granularity``) rounds each chunk and slot up to that unit. With ``map_own_chunk`` a
         slot keeps only the peers' pages after finalize: ``2 * (N-1)/N * max_l |T_l|``.
         """
-        g = getattr(self.comm, "alloc_granularity", 1)
-        chunks = sum(align_up(lay.chunk_bytes, g) for lay in self.layouts.values())
-        if self.map_own_chunk:
-            return chunks + 2 * (self.comm.world_size - 1) * self._slot_page_bytes()
-        return chunks + 2 * align_up(max(lay.total_bytes for lay in self.layouts.values()), g)
+        return resident_formula(self.layouts.values(), self.comm.world_size, getattr(self.comm, "alloc_granularity", 1),
+                                mapped=self.map_own_chunk)
 
     def _slot_page_bytes(self) -> int:
         """With ``map_own_chunk``: one rank's page of a slot, the largest chunk in allocation units."""
@@ -565,6 +601,17 @@ class WeightSharding:
             }
             for k, i in enumerate(self.sharded_layer_ids)
         ]
+
+
+def resident_formula(layouts: Iterable[FlatLayout], world_size: int, granularity: int = 1, *, mapped: bool) -> int:
+    """What a rank holds after finalize for these layer layouts: the chunks, plus two slots of
+    ``max |T|`` -- or, ``mapped``, the peers' ``N-1`` pages of the largest chunk per slot. Each
+    allocation is rounded up to ``granularity`` (a backend's allocation unit)."""
+    layouts = list(layouts)
+    chunks = sum(align_up(lay.chunk_bytes, granularity) for lay in layouts)
+    if mapped:
+        return chunks + 2 * (world_size - 1) * align_up(max(lay.chunk_bytes for lay in layouts), granularity)
+    return chunks + 2 * align_up(max(lay.total_bytes for lay in layouts), granularity)
 
 
 def _refuse(why: str, layer_id: int) -> Callable[..., None]:

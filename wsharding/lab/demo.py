@@ -134,14 +134,15 @@ def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, co
 
 def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
               group_size: int | None = None, comm: str = "torch", kv_context: int | None = None,
-              graph: bool = False, rounds: int = 3, map_own_chunk: bool = False,
+              graph: bool = False, rounds: int = 3, map_own_chunk: bool | str = "auto",
               issue_thread: bool = False) -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
     variants side by side (:func:`side_by_side`, ``rounds`` times), trace one lookahead step and one step without lookahead. Also what the
     saving buys: KV-cache tokens and sequences of ``kv_context`` tokens (default 4096 on GPUs, 256 on
     CPU ranks) replicated vs sharded, from the memory free after finalize. ``graph``: also one-token
     decode eager vs replayed from a CUDA graph (:func:`decode_graph_times`), where it can run.
-    ``map_own_chunk``: the layers gather into views mapped over their chunks (NCCL >= 2.30).
+    ``map_own_chunk``: the layers gather into views mapped over their chunks (NCCL >= 2.30; "auto": where it
+    can run and holds no more, [Note: map_own_chunk="auto"]).
     ``issue_thread``: our NCCL communicator's native thread issues the gathers ([Note: the issue thread])."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
@@ -208,6 +209,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "formula_bytes": ws.formula_bytes(),
         "slot_bytes": ws.slots.slot_bytes,
         "map_own_chunk": ws.map_own_chunk,
+        "map_own_chunk_reason": ws.map_own_chunk_reason,
         "issue_thread": getattr(comm, "issuer", None) is not None,
         "slot_resident_bytes": ws.held_bytes()["slots"],
         "layout_bytes": {i: ws.layouts[i].total_bytes for i in ws.sharded_layer_ids},
@@ -243,6 +245,7 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "formula_bytes_per_rank": r0["formula_bytes"],
         "slot_bytes": r0["slot_bytes"],
         "map_own_chunk": r0["map_own_chunk"],
+        "map_own_chunk_reason": r0.get("map_own_chunk_reason", ""),
         "issue_thread": r0.get("issue_thread", False),
         "slot_resident_bytes": r0["slot_resident_bytes"],
         "max_abs_diff": max(r["max_abs_diff"] for r in reports),
@@ -304,6 +307,9 @@ def format_table(report: dict[str, Any]) -> str:
           if not report.get("map_own_chunk") else
           [f"  formula R/N + 2 (N-1)/N slots        {mib(report['formula_bytes_per_rank'])}  (map_own_chunk)",
            f"  of which the peers' slot pages       {mib(report['slot_resident_bytes'])}"]),
+        # where mapping is a real choice (our NCCL communicator): which, and why
+        *([f"  {report['map_own_chunk_reason']}"] if report.get("communicator") == "NcclCommunicator"
+          and report.get("map_own_chunk_reason") else []),
         f"  outputs equal bit for bit: {'yes' if report['outputs_equal'] else 'NO'}   "
         f"max_abs_diff {report['max_abs_diff']}",
         f"  step time replicated {ms['replicated']:.3f} ms | sharded {ms['sharded']:.3f} ms "
@@ -384,9 +390,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
-    p.add_argument("--map-own-chunk", action="store_true",
+    p.add_argument("--map-own-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="each layer gathers into a range mapped over its own chunk: no own-chunk copy, slots of "
-                        "(N-1)/N (GPUs, our NCCL binding, NCCL >= 2.30)")
+                        "(N-1)/N (GPUs, our NCCL binding, NCCL >= 2.30). Default: where it can run and holds no more "
+                        "(the package's map_own_chunk='auto'); --no-map-own-chunk: plain slots")
     p.add_argument("--issue-thread", action="store_true",
                    help="our NCCL communicator's native thread issues each layer's gather; the model's thread only "
                         "hands it over (GPUs, --comm nccl; off by default)")
@@ -444,7 +451,7 @@ def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
     if args.comm == "nccl" and not ours_supported():
         raise InputError("--comm nccl needs libnccl >= 2.28.3 (symmetric windows, copy engine); "
                          "'wsharding info' shows the library found; use --comm torch")
-    if args.map_own_chunk and not gpus:
+    if args.map_own_chunk is True and not gpus:
         raise InputError("--map-own-chunk maps each layer's own chunk under its gather range: that needs our NCCL "
                          "binding on GPUs (--comm nccl, NCCL >= 2.30); this machine has no CUDA GPU; leave "
                          "--map-own-chunk out")
@@ -495,7 +502,7 @@ def main(args: argparse.Namespace) -> int:
               "with torch.distributed here ('wsharding info' shows the libnccl found); leave --issue-thread out",
               file=sys.stderr)
         return 2
-    if args.map_own_chunk and comm != "nccl":
+    if args.map_own_chunk is True and comm != "nccl":
         # --comm torch, or auto where libnccl does not support ours
         print("wsharding demo: error: --map-own-chunk needs our NCCL binding (--comm nccl), and it gathers with "
               "torch.distributed here ('wsharding info' shows the libnccl found); leave --map-own-chunk out",
@@ -504,7 +511,8 @@ def main(args: argparse.Namespace) -> int:
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),
                               comm=comm, graph=args.graph, rounds=args.rounds or (7 if on_gpus else 3),
-                              map_own_chunk=args.map_own_chunk, issue_thread=args.issue_thread)
+                              map_own_chunk="auto" if args.map_own_chunk is None else args.map_own_chunk,
+                              issue_thread=args.issue_thread)
     report = summarize(reports, preset, n)
     if args.json != "-":
         print(format_table(report))

@@ -449,11 +449,11 @@ def decoder_config(preset: str | DecoderConfig, layers: int | None = None) -> De
 
 
 def build_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 0, lookahead: bool = True, trace: bool = False,
-               sharded_layers: range | None = None, map_own_chunk: bool = False) -> tuple[ToyDecoder, ToyDecoder]:
+               sharded_layers: range | None = None, map_own_chunk: bool | str = "auto") -> tuple[ToyDecoder, ToyDecoder]:
     """The replicated model and its sharded twin (same seed: the same weights) on this rank.
 
     The seed's default range leaves the dense layer 0 out: layers 1..L-1 are sharded.
-    ``map_own_chunk``: :class:`~wsharding.shard.WeightSharding`'s (no own-chunk copy per gather).
+    ``map_own_chunk``: :class:`~wsharding.shard.WeightSharding`'s (no own-chunk copy per gather; "auto" by default).
     """
     device = comm.device
     replicated = ToyDecoder(cfg, seed=seed, device=device).eval()

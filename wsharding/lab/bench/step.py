@@ -86,7 +86,7 @@ def _models(ctx: RankContext, model: str, comm: Communicator, fsdp: bool):
     dev = comm.device
     if model in BLOCK_PRESETS:
         replicated = build_blocks(model, dev)
-        sharded, ws = _sharded_twin(model, comm)
+        sharded, ws = _sharded_twin(model, comm, map_own_chunk=False)  # plain: --mapped adds the mapped twin
 
         def make_input(tokens: int, seed: int) -> torch.Tensor:
             return replicated.inputs(tokens, seed, dev)
@@ -94,7 +94,7 @@ def _models(ctx: RankContext, model: str, comm: Communicator, fsdp: bool):
         build = lambda: build_blocks(model, dev)  # noqa: E731
     else:
         cfg = decoder_config(model)
-        replicated, sharded = build_pair(cfg, comm)
+        replicated, sharded = build_pair(cfg, comm, map_own_chunk=False)
         ws = sharded.weight_sharding
 
         def make_input(tokens: int, seed: int) -> torch.Tensor:
@@ -222,7 +222,7 @@ def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
     end = max(ws.sharded_layer_ids) + 1
     cuda = planner.device.type == "cuda"
     total = 0.0
-    for _ in range(iters + 2):
+    for k in range(iters + 2):  # the first two are warm-up: not counted
         t0 = time.perf_counter()
         planner.reset()
         planner.pre_dispatch(0, end)
@@ -233,8 +233,9 @@ def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
         dt = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize(planner.device)
-        total += dt
-    return total / (iters + 2) / len(ws.sharded_layer_ids) * 1e6
+        if k >= 2:
+            total += dt
+    return total / iters / len(ws.sharded_layer_ids) * 1e6
 
 
 def direct_launch_host_us(ws: WeightSharding) -> float | None:

@@ -230,7 +230,7 @@ def build_pair_measured(cfg: DecoderConfig, comm, **kwargs: Any) -> tuple[ToyDec
     replicated = ToyDecoder(cfg, seed=kwargs.get("seed", 0), device=comm.device).eval()
     process_weights(replicated)
     ws = WeightSharding(comm, sharded_layers=range(1, cfg.layers), lookahead=kwargs.get("lookahead", True),
-                        trace=kwargs.get("trace", False), map_own_chunk=kwargs.get("map_own_chunk", False))
+                        trace=kwargs.get("trace", False), map_own_chunk=kwargs.get("map_own_chunk", "auto"))
     sharded = ToyDecoder(cfg, seed=kwargs.get("seed", 0), weight_sharding=ws, device=comm.device).eval()
     process_weights(sharded)
     gc.collect()

@@ -107,13 +107,13 @@ def group_of(comm: Any) -> list[int]:
 
 def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *, lookahead: bool = True,
                    group_size: int | None = None, seed: int = 0, comm: str = "torch",
-                   prefetch_next_step: bool = False, map_own_chunk: bool = False,
+                   prefetch_next_step: bool = False, map_own_chunk: bool | str = False,
                    close: bool = False, issue_thread: bool = False) -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
     tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit.
     ``prefetch_next_step``: the planner's [Note: the next step's first gather]; ``map_own_chunk``:
     [Note: the own chunk mapped, not copied] (``in_place_gathers`` counts the gathers that copy nothing
-    of their own). ``close``: close the sharding at the end and report the communicator's device
+    of their own); plain slots unless asked, ``"auto"`` as the package's default. ``close``: close the sharding at the end and report the communicator's device
     bytes before the build and after the close (our NCCL communicator; None for the others).
     ``issue_thread``: the gathers issued by our NCCL communicator's native thread ([Note: the issue
     thread]); it is stopped again at the end (the communicator is kept for later tasks)."""
@@ -170,6 +170,8 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "model_bytes": {"replicated": model_bytes(replicated), "sharded": sharded_model_bytes(sharded, ws)},
         "mode": comm.mode,
         "group": group_of(comm),
+        "map_own_chunk": ws.map_own_chunk,
+        "map_own_chunk_reason": ws.map_own_chunk_reason,
     }
     if close:
         ws.close()
