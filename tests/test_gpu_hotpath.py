@@ -158,7 +158,8 @@ def slow_issue_thread_equality(ctx, guard: bool, delay_us: float = 20000.0) -> d
     ctypes.c_void_p.in_dll(slow, "real_wait").value = fn_address(cu._cuStreamWaitEvent)
     ctypes.c_double.in_dll(slow, "delay_us").value = delay_us
     c = shard_comm_for(ctx, "nccl")
-    replicated, sharded = build_pair(decoder_config("small"), c)
+    # plain slots: a layer's gather copies into its slot, so a wait on a stale record reads stale bytes
+    replicated, sharded = build_pair(decoder_config("small"), c, map_own_chunk=False)
     kept = NcclPreparedGather._wait_issued
     if not guard:
         NcclPreparedGather._wait_issued = lambda self: setattr(self, "seq", 0)

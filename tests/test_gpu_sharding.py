@@ -208,6 +208,63 @@ def test_gpu_mapped_views_one_rank():
         assert r["in_place_gathers"] == len(r["sharded_layers"]) and r["pool_bytes"][0] == r["pool_bytes"][1]
 
 
+class WideBlock(torch.nn.Module):
+    """``x + fc(x)[:, :d]`` with ``rows`` output rows: blocks of different sizes that still chain."""
+
+    def __init__(self, d: int, rows: int, seed: int, device: torch.device) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc = torch.nn.Linear(d, rows, bias=False, dtype=torch.bfloat16, device=device)
+        with torch.no_grad():
+            self.fc.weight.copy_((torch.randn(rows, d, generator=g) / d**0.5).to(torch.bfloat16))
+
+    def forward(self, x):
+        return x + self.fc(x)[:, : x.shape[1]]
+
+
+class WideStack(torch.nn.Module):
+    def __init__(self, rows: list[int], device: torch.device) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(WideBlock(1024, r, 40 + i, device) for i, r in enumerate(rows))
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return x
+
+
+def mapped_mixed_sizes(ctx) -> dict:
+    """Layers 0 and 1 of 2 MiB, 2 and 3 of 8 MiB, mapped: slot A holds layers 0 and 2, whose chunks (2
+    and 4 MiB over 2 ranks, in 2 MiB pages) end at different bytes of the peer's page."""
+    from wsharding.lab.tasks.model import shard_comm_for
+    from wsharding.runner import shard_blocks
+
+    comm = shard_comm_for(ctx, "nccl")
+    model = WideStack([1024, 1024, 4096, 4096], comm.device)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3)).to(comm.device, torch.bfloat16)
+    with torch.no_grad():
+        ref = model(x)
+        ws = shard_blocks(model, "layers", ["fc"], comm, map_own_chunk=True)
+        equal = [bool(torch.equal(model(x), ref)) for _ in range(3)]
+    out = {"equal": equal, "segments": [ws.slots.segment_bytes(0), ws.slots.segment_bytes(1)],
+           "resident": ws.resident_bytes(), "formula": ws.formula_bytes()}
+    ws.close()
+    return out
+
+
+def test_gpu_mapped_views_of_layers_of_different_sizes():
+    """A peer's slice of a smaller layer's view must be whole allocations: before the pages were cut
+    at every chunk size (MappedSlotPool.segment_bytes), its cuMemMap failed with CUresult 801."""
+    if not multi_rank_per_gpu_supported():
+        pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1")
+    mib = 1 << 20
+    with RankCluster(2, backend="gloo", task_timeout=300) as c:
+        for r in c.run(mapped_mixed_sizes):
+            assert r["equal"] == [True] * 3
+            assert r["segments"] == [[2 * mib, 2 * mib], [2 * mib, 2 * mib]]
+            assert r["resident"] == r["formula"] == (2 + 2 + 4 + 4) * mib + 2 * 4 * mib
+
+
 def test_gpu_map_own_chunk_auto_maps_where_it_can_and_holds_no_more():
     """[Note: map_own_chunk="auto"], the package's default: with NCCL >= 2.30 the `small` model
     (7.5 MiB layers) is mapped and the `tiny` one (KiB layers, each chunk would be a 2 MiB page) keeps

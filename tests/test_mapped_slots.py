@@ -264,22 +264,41 @@ def _mapped_pool(rank: int, world: int):
     pool.comm = type("Comm", (), {"rank": rank, "world_size": world, "pool": _TrimPool()})()
     pool.layouts = {3: type("Layout", (), {"total_bytes": 64})(), 4: None}
     pool.buffers = (torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8))
-    pool._pages = [[torch.zeros(8, dtype=torch.uint8) for _ in range(world)] for _ in range(2)]
+    # each rank's page of a slot in two segments (segment_bytes: cut at every chunk size of the slot)
+    pool._pages = [[[torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)] for _ in range(world)]
+                   for _ in range(2)]
     pool._views = {}
     return pool
 
 
+def test_a_page_is_cut_at_every_chunk_size_of_its_slot():
+    """cuMemMap maps an allocation whole (the first bytes of a larger one: CUDA_ERROR_NOT_SUPPORTED on an
+    H200), so a layer whose chunk is smaller than the largest must find an allocation that ends there."""
+    from wsharding.mapped_slots import MappedSlotPool
+
+    pool = object.__new__(MappedSlotPool)
+    pool.comm = type("Comm", (), {"rank": 0, "world_size": 2})()
+    mib = 1 << 20
+    # a dense layer 0 smaller than the MoE layers after it (the draft model's shape), in 2 MiB pages
+    pool.layouts = {i: type("Layout", (), {"chunk_bytes": c})() for i, c in enumerate([2 * mib, 6 * mib, 4 * mib, 6 * mib])}
+    pool.layer_ids = [0, 1, 2, 3]
+    pool.slot_bytes = 12 * mib  # the largest layer: 2 ranks x 6 MiB
+    assert pool.segment_bytes(0) == [2 * mib, 2 * mib, 2 * mib]  # slot A: layers 0 and 2 end at 2 and 4 MiB
+    assert pool.segment_bytes(1) == [6 * mib]  # slot B: layers 1 and 3, one size: one allocation
+
+
 def test_trim_gives_back_the_slot_ranges_then_this_ranks_pages_and_refuses_a_second_finalize():
     pool = _mapped_pool(rank=1, world=3)
-    slots, pages = list(pool.buffers), [list(p) for p in pool._pages]
+    slots, pages = list(pool.buffers), [[list(page) for page in p] for p in pool._pages]
+    ptrs = lambda s, r: [seg.data_ptr() for seg in pages[s][r]]  # noqa: E731
     with pytest.raises(ShardingError, match=r"layers \[3, 4\]: trim\(\) before finalize made their views"):
         pool.trim()  # the views are made with the chunks, at finalize: the slots are still needed
     pool._views = {3: torch.zeros(1), 4: torch.zeros(1)}
     pool.trim()
     # the windows over the slot ranges first (collective), then this rank's pages, which only they reached
     assert pool.comm.pool.calls == [("release", [b.data_ptr() for b in slots]),
-                                    ("free_unshared", [pages[0][1].data_ptr(), pages[1][1].data_ptr()])]
-    assert [p.data_ptr() for p in pool.resident_buffers()] == [pages[s][r].data_ptr() for s in (0, 1) for r in (0, 2)]
+                                    ("free_unshared", ptrs(0, 1) + ptrs(1, 1))]
+    assert [p.data_ptr() for p in pool.resident_buffers()] == [p for s in (0, 1) for r in (0, 2) for p in ptrs(s, r)]
     pool.trim()  # once only
     assert len(pool.comm.pool.calls) == 2
     # finalize again would rebuild weights in a slot that is gone: refused, naming the layer

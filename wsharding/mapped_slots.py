@@ -110,19 +110,34 @@ class MappedSlotPool(SlotPool):
         self.comm = comm
         self.vm = VirtualMemory(comm.device.index)
         self._tag = tag
-        self._pages: list[list[torch.Tensor]] = []  # [slot][rank]
+        self._pages: list[list[list[torch.Tensor]]] = []  # [slot][rank][segment]
+        self._segments: list[list[int]] = []  # [slot]: the bytes of each segment of a page
         self._views: dict[int, torch.Tensor] = {}
         super().__init__(comm, layouts, tag=tag)
 
+    def segment_bytes(self, slot: int) -> list[int]:
+        """The allocations one rank's page of ``slot`` is made of, in bytes: cut at the chunk size of
+        every layer of the slot, so that a layer's view maps whole allocations.
+
+        Why cut: ``cuMemMap`` maps an allocation whole. Mapping only the first bytes of a larger one
+        fails with ``CUDA_ERROR_NOT_SUPPORTED`` (801) -- seen on an H200 with a draft model whose dense
+        layer 0 is smaller than its MoE layer 1 sharing a page with it. A model whose layers are all of
+        one size has one segment per page."""
+        piece = self.slot_bytes // self.comm.world_size  # the largest chunk: whole pages, checked above
+        cuts = sorted({self.layouts[i].chunk_bytes for k, i in enumerate(self.layer_ids) if k % 2 == slot} | {piece})
+        return [end - start for start, end in zip([0, *cuts[:-1]], cuts, strict=True)]
+
     def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
-        n = comm.world_size
-        piece = self.slot_bytes // n  # the largest chunk: a multiple of the page, checked above
         slots = []
-        for name in SLOT_NAMES:
+        for s, name in enumerate(SLOT_NAMES):
+            sizes = self.segment_bytes(s)
             # pages reached only through the slot's range and the layer views: no window of their own
-            pages = [comm.pool.alloc(piece, f"{tag}.{name}.page.{r}", window=False) for r in range(n)]
+            pages = [[comm.pool.alloc(b, f"{tag}.{name}.page.{r}.{j}", window=False) for j, b in enumerate(sizes)]
+                     for r in range(comm.world_size)]
             self._pages.append(pages)
-            slots.append(self._compose(f"{tag}.{name}", [(p, piece) for p in pages]))
+            self._segments.append(sizes)
+            slots.append(self._compose(f"{tag}.{name}", [(seg, b) for page in pages for seg, b in zip(page, sizes,
+                                                                                                    strict=True)]))
         return slots[0], slots[1]
 
     def _compose(self, tag: str, pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
@@ -161,8 +176,16 @@ class MappedSlotPool(SlotPool):
         the slot's pages of the other ranks."""
         c, rank = self.layouts[layer].chunk_bytes, comm.rank
         chunk = comm.pool.alloc(c, tag, window=False)
-        pages = self._pages[self.slot_of(layer)]
-        pieces = [(chunk if r == rank else pages[r], c) for r in range(comm.world_size)]
+        slot = self.slot_of(layer)
+        sizes = self._segments[slot]
+        # a peer's slice: the first segments of its page, which add up to this chunk (segment_bytes)
+        count = next(k for k in range(1, len(sizes) + 1) if sum(sizes[:k]) == c)
+        pieces: list[tuple[torch.Tensor, int]] = []
+        for r in range(comm.world_size):
+            if r == rank:
+                pieces.append((chunk, c))
+            else:
+                pieces += zip(self._pages[slot][r][:count], sizes[:count], strict=True)
         self._views[layer] = self._compose(f"{self._tag}.view.{layer}", pieces)
         return chunk
 
@@ -197,13 +220,13 @@ class MappedSlotPool(SlotPool):
         rank = self.comm.rank
         self.comm.pool.release(list(self.buffers))  # collective: the windows over the slot ranges
         self.buffers = ()
-        own = [pages[rank] for pages in self._pages]
+        own = [seg for pages in self._pages for seg in pages[rank]]
         self.comm.pool.free_unshared(own)  # reached through no range any more
         self._pages = [[p for r, p in enumerate(pages) if r != rank] for pages in self._pages]
 
     def resident_buffers(self) -> list[torch.Tensor]:
         """The slots' memory: all their pages before :meth:`trim`, the peers' pages after."""
-        return [p for pages in self._pages for p in pages]
+        return [seg for pages in self._pages for page in pages for seg in page]
 
     def owned_buffers(self) -> list[torch.Tensor]:
         return [*self._views.values(), *self.buffers, *self.resident_buffers()]

@@ -100,7 +100,7 @@ def launch_modes_equal(ctx: RankContext, model: str = "small", steps: int = 3) -
     captured graph, then with ``ncclAllGather`` called per layer, both against the replicated model
     bit for bit; report the graphs the communicator holds before and after the sharding closes."""
     c = shard_comm_for(ctx, "nccl")
-    replicated, net = build_pair(decoder_config(model), c)
+    replicated, net = build_pair(decoder_config(model), c, map_own_chunk=False)  # plain: every gather copies
     ws = net.weight_sharding
     gathers = list(ws.planner.prepared_gathers.values())
     graphs_open = c.describe()["captured_graphs"]
