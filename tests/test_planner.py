@@ -141,3 +141,18 @@ def test_no_memory_growth_over_50_steps(cluster_of):
         assert same_buffers and traces == 0  # trace off: nothing kept per step
         assert gathers == 55 * 4
         assert growth < 1 << 20, f"RSS grew by {growth} B over 50 steps"
+
+
+def test_exposed_gather_counts_only_waits_while_the_gather_ran():
+    """A wait measured on the compute stream also holds the time the GPU idled for the host: counted
+    whole, "exposed gather" exceeded the gathers themselves at host-bound steps (a fraction of 3.97)."""
+    from wsharding.trace import StepTrace
+
+    tr = StepTrace(0, 0, cuda=False)
+    tr.layers = {
+        1: {"gather_start": 0.0, "gather_end": 100.0, "wait_start": 150.0, "wait_end": 160.0},  # done long before
+        2: {"gather_start": 100.0, "gather_end": 300.0, "wait_start": 200.0, "wait_end": 320.0},  # 100 us of it
+        3: {"wait_start": 0.0, "wait_end": 5.0},  # no gather marks (a backend without them): the wait itself
+    }
+    assert tr.exposed_gather_us() == 105.0
+    assert tr.gather_us() == 300.0
