@@ -38,6 +38,11 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     assert "host +us/layer: what the sharded forward adds to the host" in text
     assert "emulated" in text and "fsdp2" in text and "floor" in text
     assert "sharded_next_step: sharded, with the next step's first gather issued" in text
+    # the planner's own calls, timed inside the forwards: the slowest rank's, one value per row
+    for i, row in enumerate(report["rows"]):
+        assert row["planner_calls_us_per_layer"] == max(r["rows"][i]["planner_calls_us_per_layer"] for r in results)
+    assert "of it, the planner's and the communicator's own calls, timed inside the forwards" in text
+    assert "on CPU ranks the waits for the gathers included): sharded " in text
 
 
 def test_step_bench_bytes_are_exact(cluster_of):

@@ -38,6 +38,7 @@ from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
 from wsharding.cuda_graph import capture_graph
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired
+from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import checked_text, int_at_least, number_list
@@ -69,6 +70,12 @@ MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 GRAPH_MAX_TOKENS = 256
 #: Paired calls behind the host overhead per layer at decode sizes on GPUs (paired_host_us).
 HOST_PAIRS = 200
+
+
+#: The variants whose planner calls are timed inside their forwards, and the row key of each.
+PLANNER_CALLS = {"sharded": "planner_calls_us_per_layer", "sharded_mapped": "planner_calls_mapped_us_per_layer",
+                 "sharded_issue_thread": "planner_calls_issue_thread_us_per_layer",
+                 "sharded_mapped_issue_thread": "planner_calls_mapped_issue_thread_us_per_layer"}
 
 
 # ---- the models ---------------------------------------------------------------------------------------
@@ -321,6 +328,14 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                 switch(variant)
                 c.barrier()
                 row[f"{key}_us_per_layer"] = paired_host_us(runs["replicated"], runs[variant], layers, pairs, dev)
+        # what of it is the planner's and the communicator's own calls, timed inside real forwards
+        drain = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+        for variant, key in PLANNER_CALLS.items():
+            if variant in runs:
+                switch(variant)
+                c.barrier()
+                owner = ws_mapped if "mapped" in variant else ws
+                row[key] = planner_calls_us_per_layer(owner.planner, runs[variant], steps, layers, drain)
         switch("sharded")  # no prefetch_next_step: a CUDA graph captured later must find nothing pending
 
     with torch.no_grad():
@@ -409,6 +424,9 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
             merged["issue_thread_vs_inline"] = variants_paired(
                 [r["rows"][i] for r in results], "sharded_issue_thread", "sharded",
                 ("issue thread", "issued inline")).as_dict()
+        for key in PLANNER_CALLS.values():
+            if key in row:
+                merged[key] = max(r["rows"][i][key] for r in results)
         for key in ("host_overhead_us_per_layer", "host_overhead_mapped_us_per_layer",
                     "host_overhead_issue_thread_us_per_layer", "host_overhead_mapped_issue_thread_us_per_layer"):
             if key in row:  # the slowest rank's (median, q1, q3) of paired differences (paired_host_us)
@@ -491,6 +509,12 @@ def format_table(report: dict[str, Any]) -> str:
                                                   ("with map_own_chunk and the issue thread",
                                                    "host_overhead_mapped_issue_thread_us_per_layer"))
                                if key in first))
+    if PLANNER_CALLS["sharded"] in first:
+        lines.append("  the planner's and the communicator's own calls, timed inside the forwards (us per sharded "
+                     "layer, by tokens/rank" + ("; on CPU ranks the waits for the gathers included" if
+                                                  report["mode"].startswith("cpu") else "") + "): "
+                     + "; ".join(f"{variant} " + ", ".join(f"{row[key]:.1f}" for row in report["rows"])
+                                 for variant, key in PLANNER_CALLS.items() if key in first))
     if report.get("graph_error"):
         lines.append(f"  CUDA graph: not measured ({report['graph_error']})")
     return "\n".join(lines)
