@@ -41,7 +41,7 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     # the planner's own calls, timed inside the forwards: the slowest rank's, one value per row
     for i, row in enumerate(report["rows"]):
         assert row["planner_calls_us_per_layer"] == max(r["rows"][i]["planner_calls_us_per_layer"] for r in results)
-    assert "of it, the planner's and the communicator's own calls, timed inside the forwards" in text
+    assert "the planner's and the communicator's own calls, timed inside the forwards" in text
     assert "on CPU ranks the waits for the gathers included): sharded " in text
 
 
