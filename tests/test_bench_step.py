@@ -41,6 +41,8 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     # the planner's own calls, timed inside the forwards: the slowest rank's, one value per row
     for i, row in enumerate(report["rows"]):
         assert row["planner_calls_us_per_layer"] == max(r["rows"][i]["planner_calls_us_per_layer"] for r in results)
+        assert sorted(row["planner_calls_us_per_layer_by_call"]) == sorted(
+            ["reset", "pre_dispatch", "maybe_dispatch", "wait_ready_once", "update_done_event", "finish_step"])
     assert "the planner's and the communicator's own calls, timed inside the forwards" in text
     assert "on CPU ranks the waits for the gathers included): sharded " in text
 

@@ -3,6 +3,8 @@ that they still run, and that the planner gets its own methods back. Timings are
 
 from __future__ import annotations
 
+import pytest
+
 from wsharding.lab.bench.planner_calls import CALLS, PlannerCallTimer
 
 
@@ -53,6 +55,7 @@ def test_every_call_counted_once_and_run():
     assert p.log == untimed  # every call still ran, in the same order
     # per step: reset, pre_dispatch, finish_step; per layer: dispatch, wait, done (the nested dispatch in it not again)
     assert timer.calls == 3 + 3 * 3
+    assert list(timer.by_call) == list(CALLS) and sum(timer.by_call.values()) == pytest.approx(timer.seconds, rel=1e-9)
     assert not any(name in p.__dict__ for name in CALLS)  # the class's own methods again
     _step(p, 1)
     assert timer.calls == 12  # nothing counted after the block

@@ -28,17 +28,18 @@ CALLS = ("reset", "pre_dispatch", "maybe_dispatch", "wait_ready_once", "update_d
 
 class PlannerCallTimer:
     """``with PlannerCallTimer(planner) as t: model(x)`` -> ``t.seconds`` spent inside the planner's
-    calls (timer cost taken off), ``t.calls`` counted. The calls go back to the class's own methods
-    on exit."""
+    calls (timer cost taken off), ``t.calls`` counted, ``t.by_call`` the seconds of each of
+    :data:`CALLS`. The calls go back to the class's own methods on exit."""
 
     def __init__(self, planner: Any) -> None:
         self.planner = planner
         self.seconds = 0.0
         self.calls = 0
+        self.by_call = dict.fromkeys(CALLS, 0.0)
         self._depth = 0  # a timed call made from inside another (pre_dispatch from the draft's variant)
         self._overhead_s = _timer_overhead_s()
 
-    def _timed(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.perf_counter
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -49,7 +50,9 @@ class PlannerCallTimer:
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds += clock() - t0 - self._overhead_s
+                took = clock() - t0 - self._overhead_s
+                self.seconds += took
+                self.by_call[name] += took
                 self.calls += 1
                 self._depth -= 1
 
@@ -57,7 +60,7 @@ class PlannerCallTimer:
 
     def __enter__(self) -> PlannerCallTimer:
         for name in CALLS:
-            setattr(self.planner, name, self._timed(getattr(self.planner, name)))
+            setattr(self.planner, name, self._timed(name, getattr(self.planner, name)))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -81,10 +84,10 @@ def _timer_overhead_s(samples: int = 2001) -> float:
 
 
 def planner_calls_us_per_layer(planner: Any, forward: Callable[[], Any], steps: int, layers: int,
-                               drain: Callable[[], None] | None = None) -> float:
+                               drain: Callable[[], None] | None = None) -> tuple[float, dict[str, float]]:
     """Microseconds per sharded layer that ``steps`` calls of ``forward`` spend inside the planner's
-    calls; ``drain`` (the GPU synchronised) runs before each, outside the timing, so that a full launch
-    queue or the planner's backpressure never holds a call."""
+    calls, and the same for each call; ``drain`` (the GPU synchronised) runs before each forward,
+    outside the timing, so that a full launch queue or the planner's backpressure never holds a call."""
     with PlannerCallTimer(planner) as timer:
         for _ in range(steps):
             if drain is not None:
@@ -92,4 +95,5 @@ def planner_calls_us_per_layer(planner: Any, forward: Callable[[], Any], steps: 
             forward()
     if drain is not None:
         drain()
-    return timer.seconds / (steps * layers) * 1e6
+    per_layer = lambda s: s / (steps * layers) * 1e6  # noqa: E731
+    return per_layer(timer.seconds), {name: per_layer(s) for name, s in timer.by_call.items()}

@@ -335,7 +335,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                 switch(variant)
                 c.barrier()
                 owner = ws_mapped if "mapped" in variant else ws
-                row[key] = planner_calls_us_per_layer(owner.planner, runs[variant], steps, layers, drain)
+                row[key], row[f"{key}_by_call"] = planner_calls_us_per_layer(owner.planner, runs[variant], steps,
+                                                                             layers, drain)
         switch("sharded")  # no prefetch_next_step: a CUDA graph captured later must find nothing pending
 
     with torch.no_grad():
@@ -425,8 +426,9 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
                 [r["rows"][i] for r in results], "sharded_issue_thread", "sharded",
                 ("issue thread", "issued inline")).as_dict()
         for key in PLANNER_CALLS.values():
-            if key in row:
-                merged[key] = max(r["rows"][i][key] for r in results)
+            if key in row:  # the slowest rank's, with its split by call
+                slowest = max(results, key=lambda r: r["rows"][i][key])["rows"][i]
+                merged[key], merged[f"{key}_by_call"] = slowest[key], slowest[f"{key}_by_call"]
         for key in ("host_overhead_us_per_layer", "host_overhead_mapped_us_per_layer",
                     "host_overhead_issue_thread_us_per_layer", "host_overhead_mapped_issue_thread_us_per_layer"):
             if key in row:  # the slowest rank's (median, q1, q3) of paired differences (paired_host_us)
@@ -511,7 +513,7 @@ def format_table(report: dict[str, Any]) -> str:
                                if key in first))
     if PLANNER_CALLS["sharded"] in first:
         lines.append("  the planner's and the communicator's own calls, timed inside the forwards (us per sharded "
-                     "layer, by tokens/rank" + ("; on CPU ranks the waits for the gathers included" if
+                     "layer, by tokens/rank; split by call in the JSON" + ("; on CPU ranks the waits for the gathers included" if
                                                   report["mode"].startswith("cpu") else "") + "): "
                      + "; ".join(f"{variant} " + ", ".join(f"{row[key]:.1f}" for row in report["rows"])
                                  for variant, key in PLANNER_CALLS.items() if key in first))
