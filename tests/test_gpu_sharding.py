@@ -73,16 +73,22 @@ def test_gpu_no_memory_growth_over_100_steps(gpu_cluster, comm):
 SLEEP_CYCLES = 100_000_000
 
 
+def _seeded_linear(d: int, rows: int, seed: int, device: torch.device) -> torch.nn.Linear:
+    """A bias-free BF16 ``d -> rows`` linear with weights from ``seed`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    fc = torch.nn.Linear(d, rows, bias=False, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        fc.weight.copy_((torch.randn(rows, d, generator=g) / d**0.5).to(torch.bfloat16))
+    return fc
+
+
 class HeavyBlock(torch.nn.Module):
     """Sleeps on the compute stream, then reads its slot-bound weight in a few GEMMs: an ungated gather
     into its slot certainly lands before the reads (the race made certain, not timed)."""
 
     def __init__(self, d: int, seed: int, device: torch.device) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.fc = torch.nn.Linear(d, d, bias=False, dtype=torch.bfloat16, device=device)
-        with torch.no_grad():
-            self.fc.weight.copy_((torch.randn(d, d, generator=g) / d**0.5).to(torch.bfloat16))
+        self.fc = _seeded_linear(d, d, seed, device)
 
     def forward(self, x):
         from wsharding.runner import prepare_layer_weight_shard_forward
@@ -213,10 +219,7 @@ class WideBlock(torch.nn.Module):
 
     def __init__(self, d: int, rows: int, seed: int, device: torch.device) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.fc = torch.nn.Linear(d, rows, bias=False, dtype=torch.bfloat16, device=device)
-        with torch.no_grad():
-            self.fc.weight.copy_((torch.randn(rows, d, generator=g) / d**0.5).to(torch.bfloat16))
+        self.fc = _seeded_linear(d, rows, seed, device)
 
     def forward(self, x):
         return x + self.fc(x)[:, : x.shape[1]]
