@@ -146,3 +146,28 @@ def test_paired_rounds_figure_draws_a_saved_comparison_without_its_rounds():
     assert tuple(fig.data[0].x) == (d.low_ms, d.high_ms)
     assert "round by round" not in fig.layout.title.text and "issue thread against issued inline" in fig.layout.title.text
     assert "faster" in annotation(fig, "98%").text
+
+
+def test_planner_calls_figure_stacks_the_split_and_marks_the_bare_loop():
+    import json
+    from pathlib import Path
+
+    from wsharding.lab.viz.bench import planner_calls_figure
+
+    folder = Path(__file__).resolve().parent.parent / "figures" / "device"
+    split = json.loads((folder / "bench_step_h200_2ranks-1gpu_2026-12-01_llama8b-blocks_planner-calls-split.json").read_text())
+    whole = json.loads((folder / "bench_step_h200_1gpu_2026-12-01_llama8b-blocks_planner-calls.json").read_text())
+    fig = planner_calls_figure({"one": whole, "two": split})
+    bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
+    row = split["rows"][0]
+    n_one = 4 * len(whole["rows"])  # plain, mapped, issue thread, mapped + thread, per tokens value
+    # a report without the split is one bar per variant; the split one stacks to its total
+    assert bars["in the forward"][:n_one] == [r[k] for k in ("planner_calls_us_per_layer", "planner_calls_mapped_us_per_layer",
+                                                             "planner_calls_issue_thread_us_per_layer",
+                                                             "planner_calls_mapped_issue_thread_us_per_layer")
+                                              for r in whole["rows"]]
+    stacked = sum(bars[call][n_one] for call in row["planner_calls_us_per_layer_by_call"])
+    assert stacked == pytest.approx(row["planner_calls_us_per_layer"])
+    bare = next(t for t in fig.data if t.name == "bare planner loop (no compute)")
+    assert split["planner_host_us_per_layer"] in list(bare.y)
+    assert "emulated" in fig.layout.title.text

@@ -109,6 +109,38 @@ def forward_host_figure(probe: dict[str, Any]) -> go.Figure:
     return fig
 
 
+def planner_calls_figure(reports: dict[str, dict[str, Any]]) -> go.Figure:
+    """The planner's and the communicator's own host time inside real forwards (``bench step``'s
+    ``planner_calls_*_us_per_layer``), one bar per run, variant and tokens per rank, stacked by call
+    where the report split it; a diamond marks the bare planner loop of the same run and variant (no
+    compute between the calls). ``reports``: saved ``bench step`` reports by label."""
+    prefix, suffix = "planner_calls", "_us_per_layer"
+    bars: list[tuple[str, dict[str, float], float | None]] = []  # (x label, us by call, bare loop)
+    emulated = False
+    for label, report in reports.items():
+        emulated = emulated or bool(report.get("emulation"))
+        first = report["rows"][0] if report["rows"] else {}
+        for key in [k for k in first if k.startswith(prefix) and k.endswith(suffix)]:
+            middle = key[len(prefix):-len(suffix)]  # "", "_mapped", "_issue_thread", ...
+            bare = report.get(f"planner_host_us_per_layer{middle}")
+            for row in report["rows"]:
+                split = row.get(f"{key}_by_call") or {"in the forward": row[key]}
+                bars.append((f"{label}<br>{middle.strip('_') or 'plain'}, {row['tokens_per_rank']} tok", split, bare))
+    fig = go.Figure()
+    calls = list(dict.fromkeys(call for _, split, _ in bars for call in split))
+    x = [name for name, _, _ in bars]
+    for call in calls:
+        fig.add_trace(go.Bar(x=x, y=[split.get(call) for _, split, _ in bars], name=call))
+    fig.add_trace(go.Scatter(x=[n for n, _, b in bars if b is not None], y=[b for _, _, b in bars if b is not None],
+                             mode="markers", name="bare planner loop (no compute)",
+                             marker={"symbol": "diamond", "size": 11, "color": "black"}))
+    note = " -- ranks time-slicing one GPU: emulated, not the timings of N GPUs" if emulated else ""
+    fig.update_layout(barmode="stack", height=500, yaxis_title="host us per sharded layer, on the model's thread",
+                      title="The planner's and communicator's own calls, inside real forwards<br><sub>bars: timed "
+                            f"inside the forwards; diamonds: the same calls with nothing between them{note}</sub>")
+    return fig
+
+
 def paired_rounds_figure(runs: dict[str, tuple[list[float] | None, list[float] | None, Any]],
                          names: tuple[str, str] = ("lookahead", "no lookahead")) -> go.Figure:
     """One row per run: each round's difference ``a - b`` in ms (dots) and the interval that holds
