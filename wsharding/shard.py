@@ -363,12 +363,12 @@ class WeightSharding:
             self.map_own_chunk_reason = (f"own chunk mapped: {mib(mapped_bytes)} per rank against {mib(plain_bytes)} with "
                                          "plain slots, and no own-chunk copy per gather")
             return
+        self.map_own_chunk_reason = (f"own chunk copied: mapped, the {self._chunk_alignment >> 20} MiB page padding of "
+                                     f"every chunk would hold {mib(mapped_bytes)} per rank against {mib(plain_bytes)} "
+                                     "with plain slots")
         self.map_own_chunk = False
         self._chunk_alignment = None
         self.layouts = plain
-        self.map_own_chunk_reason = (f"own chunk copied: mapped, the {mapping_page_bytes(self.comm) >> 20} MiB page padding of "
-                                     f"every chunk would hold {mib(mapped_bytes)} per rank against {mib(plain_bytes)} "
-                                     "with plain slots")
 
     # ---- 3. finalize: row shards -> flat chunks, slots, views --------------------------------------
     def finalize(self, observe: Callable[[str, int | None], None] | None = None) -> WeightSharding:
