@@ -17,8 +17,11 @@ def test_info_json_reports_the_wheel_library(capsys, monkeypatch):
     assert info["nccl"]["source"] == f"nvidia-nccl-cu12 {v} wheel"
     assert info["nccl"]["path"].endswith("nvidia/nccl/lib/libnccl.so.2")
     # No GPU here: nothing is usable, whatever the library offers -- one boolean per feature.
-    assert info["supports"] == {"symmetric_windows": False, "copy_engine_allgather": False, "multi_rank_per_gpu": False}
-    assert info["library_offers"] == ["symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu"]
+    assert info["supports"] == {"symmetric_windows": False, "copy_engine_allgather": False, "multi_rank_per_gpu": False,
+                                "mapped_layer_views": False}
+    # the wheel here is NCCL >= 2.30: it offers every feature, layer views mapped over chunks included
+    assert info["library_offers"] == ["symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu",
+                                      "mapped_layer_views"]
     assert "copy_engine_allgather" not in info["nccl"] and info["why"].startswith("no CUDA GPU")
     assert info["gpus"] == [] and info["auto"]["cluster_backend"] == "gloo"
     assert "emulated" in info["auto"]["gather_backend"]

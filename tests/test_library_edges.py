@@ -347,6 +347,8 @@ def test_library_found_described_and_refused(monkeypatch):
             L.find_library()
     old = dataclasses.replace(lib, version_code=22901)
     assert old.describe()["multi_rank_per_gpu"] is False and old.version_str == "2.29.1"
+    # 2.29 refuses a window over several allocations: map_own_chunk="auto" keeps plain slots there
+    assert old.describe()["mapped_layer_views"] is False and d["mapped_layer_views"] == (lib.version >= (2, 30, 0))
 
 
 # ---- the draft model's first layer (prefetch before the step) ------------------------------------------

@@ -59,13 +59,14 @@ import torch
 
 from wsharding.comm.base import Communicator
 from wsharding.comm.cuda_vmm import VirtualMemory
+from wsharding.comm.nccl.library import MIN_MAPPED_VIEW
 from wsharding.comm.nccl.symmetric import wrap_device_memory
 from wsharding.layout import FlatLayout
 from wsharding.rowloaders import ShardingError
 from wsharding.slots import SLOT_NAMES, SlotPool
 
 #: A window over several allocations (see the note).
-MIN_NCCL_MAPPED_VIEW = (2, 30, 0)
+MIN_NCCL_MAPPED_VIEW = MIN_MAPPED_VIEW
 
 
 def mapping_unavailable(comm: Communicator) -> str | None:

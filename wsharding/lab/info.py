@@ -1,8 +1,8 @@
 """``wsharding info [--json [PATH]]``: what this machine offers weight sharding.
 
 torch and CUDA versions, the GPUs, the NCCL library our backend would load (path, where it was
-found, version), what of symmetric windows, the copy-engine AllGather and several ranks on one GPU
-this machine can use (``supports``: one boolean per feature -- the library offers it *and* there
+found, version), what of symmetric windows, the copy-engine AllGather, several ranks on one GPU and
+layer views mapped over the chunks (``map_own_chunk="auto"`` maps where this is yes) this machine can use (``supports``: one boolean per feature -- the library offers it *and* there
 are CUDA GPUs; ``library_offers`` lists what the library version alone offers, and ``why`` says
 what is missing), and which backend ``RankCluster(backend="auto")`` would choose.
 """
@@ -19,7 +19,7 @@ import torch
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
-FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu")
+FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu", "mapped_layer_views")
 
 
 def _nccl_info() -> dict[str, Any]:

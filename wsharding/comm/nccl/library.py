@@ -26,6 +26,9 @@ ENV_VAR = "WSHARDING_NCCL_LIBRARY"
 MIN_SYMMETRIC = (2, 28, 3)
 #: Several ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1.
 MIN_MULTI_RANK_GPU = (2, 30, 0)
+#: A symmetric window over several allocations: layer views mapped over the resident chunks
+#: (``map_own_chunk``; 2.29 refuses such a window, 2.28 shares only its first allocation).
+MIN_MAPPED_VIEW = (2, 30, 0)
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
 
 HOW_TO_UPGRADE = (
@@ -151,6 +154,7 @@ class NcclLibrary:
             "symmetric_windows": self.supports(MIN_SYMMETRIC),
             "copy_engine_allgather": self.supports(MIN_SYMMETRIC),
             "multi_rank_per_gpu": self.supports(MIN_MULTI_RANK_GPU),
+            "mapped_layer_views": self.supports(MIN_MAPPED_VIEW),
         }
 
 
