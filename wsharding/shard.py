@@ -155,10 +155,12 @@ class WeightSharding:
         #: tentative choice until :meth:`setup` settles it.
         self.map_own_chunk = map_own_chunk is True or (self._map_auto and why_not is None)
         #: One line: mapped or not, and why.
-        self.map_own_chunk_reason = (f"own chunk copied: {why_not}" if why_not is not None
-                                     else "own chunk mapped: asked for (map_own_chunk=True)" if map_own_chunk is True
-                                     else "own chunk copied: asked for (map_own_chunk=False)" if map_own_chunk is False
-                                     else "own chunk mapped (tentative: setup() compares the page padding)")
+        if self._map_auto:
+            self.map_own_chunk_reason = (f"own chunk copied: {why_not}" if why_not is not None
+                                         else "own chunk mapped (tentative: setup() compares the page padding)")
+        else:
+            self.map_own_chunk_reason = (f"own chunk {'mapped' if map_own_chunk else 'copied'}: asked for "
+                                         f"(map_own_chunk={map_own_chunk})")
         # Checked before anything is declared: a chunk must be whole pages to be mapped.
         self._chunk_alignment = mapping_page_bytes(comm) if self.map_own_chunk else None
         self.lookahead = lookahead
@@ -354,8 +356,8 @@ class WeightSharding:
         if not (self._map_auto and self.map_own_chunk and self.layouts):
             return
         n, g = self.comm.world_size, getattr(self.comm, "alloc_granularity", 1)
-        plain = {i: FlatLayout([(e.name, e.shape, e.dtype) for e in lay.entries], n, alignment=lay.alignment)
-                 for i, lay in self.layouts.items()}
+        # the same entries at the same offsets: only the chunk's alignment (so the tail padding) differs
+        plain = {i: FlatLayout.from_entries(lay.entries, n, alignment=lay.alignment) for i, lay in self.layouts.items()}
         mapped_bytes = resident_formula(self.layouts.values(), n, g, mapped=True)
         plain_bytes = resident_formula(plain.values(), n, g, mapped=False)
         mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
