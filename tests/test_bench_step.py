@@ -43,7 +43,9 @@ def test_step_bench_measures_every_variant(cluster_of, model):
         assert row["planner_calls_us_per_layer"] == max(r["rows"][i]["planner_calls_us_per_layer"] for r in results)
         assert sorted(row["planner_calls_us_per_layer_by_call"]) == sorted(
             ["reset", "pre_dispatch", "maybe_dispatch", "wait_ready_once", "update_done_event", "finish_step"])
-    assert "the planner's and the communicator's own calls, timed inside the forwards" in text
+        # CPU ranks: no backpressure to wait in, and no GPU to drain
+        assert row["planner_calls_us_per_layer_gpu_wait"] == 0.0 and "planner_calls_us_per_layer_drained" not in row
+    assert "the planner's and the communicator's own calls, timed inside back-to-back forwards" in text
     assert "on CPU ranks the waits for the gathers included): sharded " in text
 
 

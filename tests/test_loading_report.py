@@ -24,6 +24,13 @@ def test_demo_reports_the_finalize_peak_within_its_bound(cluster_of):
     # lookahead against no lookahead, paired round by round over the demo's rounds (3 on CPU ranks)
     assert report["lookahead_vs_off"]["rounds"] == len(report["step_ms_samples"]["sharded"]) == 3
     assert "lookahead - no lookahead: " in format_table(report)
+    # the ratios are against the replicated ranks' mean; the slowest rank's are printed beside them
+    for variant, ms in report["step_ms"].items():
+        per_rank = [r[variant] for r in report["step_ms_per_rank"]]
+        assert ms == sum(per_rank) / 2 and report["step_ms_slowest_rank"][variant] == max(per_rank)
+    slow = report["step_ms_slowest_rank"]
+    assert (f"slowest rank: replicated {slow['replicated']:.3f} ms | sharded {slow['sharded']:.3f} ms "
+            f"({slow['sharded'] / slow['replicated']:.2f}x)") in format_table(report)
 
 
 def test_plan_reports_load_peaks():

@@ -18,6 +18,7 @@ from wsharding.lab.soak import (
     soak_ok,
     tokens_at,
 )
+from wsharding.lab.tasks.model import multi_rank_per_gpu_supported
 
 STEPS, WARMUP = 300, 50
 
@@ -93,5 +94,32 @@ def test_gpu_fault(fault):
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
     r = run_fault(fault, 2, backend="nccl", comm="nccl", collective_timeout=20.0)
+    assert fault_ok(r) == [], r
+    assert "did not complete within 20.0 s" in r["errors"][0], r
+
+
+# ---- one GPU: two ranks time-slicing it with our NCCL communicator (NCCL >= 2.30) ------------------
+SHARED_GPU = "needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1"
+
+
+@pytest.mark.gpu
+def test_gpu_soak_ranks_sharing_one_gpu():
+    """The soak where one GPU is lent: two rank processes (gloo between them) share it, gathers by our
+    NCCL communicator -- with map_own_chunk='auto', the default, its own chunk mapped into the slot."""
+    if not multi_rank_per_gpu_supported():
+        pytest.skip(SHARED_GPU)
+    results = run_soak(2, STEPS, warmup=WARMUP, backend="gloo", comm="nccl")
+    assert soak_ok(results) == []
+    assert all(r["mode"] == "gpu-nccl-shared" and r["map_own_chunk"] for r in results)
+    assert all(growth(r)["cuda_allocated"] == 0 for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault", FAULTS)
+def test_gpu_fault_ranks_sharing_one_gpu(fault):
+    """The fault runs of :func:`test_gpu_fault` with two ranks on one GPU (mapped views by default)."""
+    if not multi_rank_per_gpu_supported():
+        pytest.skip(SHARED_GPU)
+    r = run_fault(fault, 2, backend="gloo", comm="nccl", collective_timeout=20.0)
     assert fault_ok(r) == [], r
     assert "did not complete within 20.0 s" in r["errors"][0], r

@@ -145,6 +145,8 @@ class WeightShardPlanner:
 
             self._cu = driver()
             self._fork = torch.cuda.Event()
+            self._fork.record()  # created at its first record: the handle must exist
+            self._fork_handle = self._fork.cuda_event
             #: Fork events of the last two steps, in turn ([Note: backpressure]).
             self._step_forks = (torch.cuda.Event(), torch.cuda.Event())
             for ev in self._step_forks:
@@ -211,7 +213,7 @@ class WeightShardPlanner:
                 self._backpressure()
             # Fork: the side streams must not overwrite a slot that the previous step's last layers
             # may still be reading on the compute stream (and under capture, they join the capture here).
-            self._fork.record(self._compute)
+            self._cu.event_record(self._fork_handle, self._compute_handle)
             self.comm.fork(self._fork)
         if self.trace is not None:
             self.trace.start()

@@ -36,7 +36,7 @@ import torch
 
 from wsharding.comm.base import CommError, check_gather_args
 from wsharding.comm.captured_launch import CapturedLaunch
-from wsharding.comm.cuda_driver import CudaDriverError
+from wsharding.comm.cuda_driver import CudaDriverError, driver
 from wsharding.comm.groups import shard_group_ranks
 from wsharding.comm.issue_thread import IssueThread, IssueThreadError, IssueThreadUnavailable, driver_issue_thread
 from wsharding.comm.nccl.binding import (
@@ -564,8 +564,14 @@ class NcclCommunicator:
     def fork(self, event: torch.cuda.Event) -> None:
         """Order the copy and gather streams after ``event`` (recorded on the compute stream)."""
         self.drain_issued("the fork of the gather streams")
-        self.copy_stream.wait_event(event)
-        self.stream.wait_event(event)
+        # The driver's call, as the gathers make ([Note: the hot path] in wsharding/planner.py): torch's
+        # Stream.wait_event costs several times more host per call, once per step here.
+        handle = event.cuda_event
+        if handle == 0:  # torch creates the CUDA event at its first record: never recorded, nothing to wait for
+            return
+        cu = driver()
+        cu.stream_wait_event(self.copy_stream.cuda_stream, handle)
+        cu.stream_wait_event(self.stream.cuda_stream, handle)
 
     def register_all(self) -> int:
         """Collective: register every buffer allocated since the last call, sorted by tag."""

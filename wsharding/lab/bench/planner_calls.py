@@ -14,6 +14,15 @@ Two other numbers of ``bench step`` bound it from either side, and neither is it
 issue, hand-over to the thread, the check that it ran, the stream waits and event records. The
 timer's own cost (two ``perf_counter`` calls) is measured around a call that does nothing and taken
 off, so what is left is the calls' own time.
+
+[Note: steady forwards, the GPU wait taken out]
+A decode loop runs forward after forward without draining the GPU, so the calls are timed that way
+by default. Where the GPU is the bound (two ranks time-slicing one GPU, or a large gather), the
+planner's backpressure (``_backpressure``, called from ``pre_dispatch``) makes the host wait for the
+GPU to reach the step before last: that is the GPU's time, not the host's, so it is timed apart
+(``waiting_s``) and taken off the call it ran in. With ``drain`` the GPU is synchronised before each
+forward instead (outside the timing): the calls then run on an idle GPU, as the first step of a
+burst does.
 """
 
 from __future__ import annotations
@@ -24,19 +33,24 @@ from typing import Any
 
 #: The planner's calls that a step makes on the model's thread.
 CALLS = ("reset", "pre_dispatch", "maybe_dispatch", "wait_ready_once", "update_done_event", "finish_step")
+#: Where a call waits for the GPU rather than works: timed apart ([Note: steady forwards, the GPU wait taken out]).
+GPU_WAITS = ("_backpressure",)
 
 
 class PlannerCallTimer:
     """``with PlannerCallTimer(planner) as t: model(x)`` -> ``t.seconds`` spent inside the planner's
     calls (timer cost taken off), ``t.calls`` counted, ``t.by_call`` the seconds of each of
-    :data:`CALLS`. The calls go back to the class's own methods on exit."""
+    :data:`CALLS`, ``t.waiting_s`` the seconds they spent waiting for the GPU (:data:`GPU_WAITS`,
+    not in ``seconds``). The calls go back to the class's own methods on exit."""
 
     def __init__(self, planner: Any) -> None:
         self.planner = planner
         self.seconds = 0.0
         self.calls = 0
         self.by_call = dict.fromkeys(CALLS, 0.0)
+        self.waiting_s = 0.0
         self._depth = 0  # a timed call made from inside another (pre_dispatch from the draft's variant)
+        self._waited_inside = 0.0  # GPU waits inside the timed call now running
         self._overhead_s = _timer_overhead_s()
 
     def _timed(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,11 +60,12 @@ class PlannerCallTimer:
             if self._depth:
                 return inner(*args, **kwargs)
             self._depth += 1
+            self._waited_inside = 0.0
             t0 = clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                took = clock() - t0 - self._overhead_s
+                took = clock() - t0 - self._overhead_s - self._waited_inside
                 self.seconds += took
                 self.by_call[name] += took
                 self.calls += 1
@@ -58,13 +73,30 @@ class PlannerCallTimer:
 
         return timed
 
+    def _waiting(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter
+
+        def waiting(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                took = clock() - t0
+                self.waiting_s += took
+                self._waited_inside += took
+
+        return waiting
+
     def __enter__(self) -> PlannerCallTimer:
         for name in CALLS:
             setattr(self.planner, name, self._timed(name, getattr(self.planner, name)))
+        for name in GPU_WAITS:
+            if hasattr(self.planner, name):
+                setattr(self.planner, name, self._waiting(getattr(self.planner, name)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in CALLS:
+        for name in (*CALLS, *GPU_WAITS):
             self.planner.__dict__.pop(name, None)
 
 
@@ -84,10 +116,11 @@ def _timer_overhead_s(samples: int = 2001) -> float:
 
 
 def planner_calls_us_per_layer(planner: Any, forward: Callable[[], Any], steps: int, layers: int,
-                               drain: Callable[[], None] | None = None) -> tuple[float, dict[str, float]]:
+                               drain: Callable[[], None] | None = None) -> tuple[float, dict[str, float], float]:
     """Microseconds per sharded layer that ``steps`` calls of ``forward`` spend inside the planner's
-    calls, and the same for each call; ``drain`` (the GPU synchronised) runs before each forward,
-    outside the timing, so that a full launch queue or the planner's backpressure never holds a call."""
+    calls, the same for each call, and the microseconds per layer they waited for the GPU (not in the
+    first two). Forwards run back to back; ``drain`` (the GPU synchronised) runs before each, outside
+    the timing, to time the calls on an idle GPU ([Note: steady forwards, the GPU wait taken out])."""
     with PlannerCallTimer(planner) as timer:
         for _ in range(steps):
             if drain is not None:
@@ -96,4 +129,5 @@ def planner_calls_us_per_layer(planner: Any, forward: Callable[[], Any], steps: 
     if drain is not None:
         drain()
     per_layer = lambda s: s / (steps * layers) * 1e6  # noqa: E731
-    return per_layer(timer.seconds), {name: per_layer(s) for name, s in timer.by_call.items()}
+    return (per_layer(timer.seconds), {name: per_layer(s) for name, s in timer.by_call.items()},
+            per_layer(timer.waiting_s))

@@ -328,15 +328,20 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                 switch(variant)
                 c.barrier()
                 row[f"{key}_us_per_layer"] = paired_host_us(runs["replicated"], runs[variant], layers, pairs, dev)
-        # what of it is the planner's and the communicator's own calls, timed inside real forwards
+        # what of it is the planner's and the communicator's own calls, timed inside real forwards: back
+        # to back as a decode loop runs them (the waits for the GPU apart), and on a drained GPU
+        # ([Note: steady forwards, the GPU wait taken out] in planner_calls.py)
         drain = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
         for variant, key in PLANNER_CALLS.items():
             if variant in runs:
                 switch(variant)
                 c.barrier()
-                owner = ws_mapped if "mapped" in variant else ws
-                row[key], row[f"{key}_by_call"] = planner_calls_us_per_layer(owner.planner, runs[variant], steps,
-                                                                             layers, drain)
+                planner = (ws_mapped if "mapped" in variant else ws).planner
+                row[key], row[f"{key}_by_call"], row[f"{key}_gpu_wait"] = planner_calls_us_per_layer(
+                    planner, runs[variant], steps, layers)
+                if drain is not None:
+                    c.barrier()
+                    row[f"{key}_drained"] = planner_calls_us_per_layer(planner, runs[variant], steps, layers, drain)[0]
         switch("sharded")  # no prefetch_next_step: a CUDA graph captured later must find nothing pending
 
     with torch.no_grad():
@@ -428,7 +433,8 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
         for key in PLANNER_CALLS.values():
             if key in row:  # the slowest rank's, with its split by call
                 slowest = max(results, key=lambda r: r["rows"][i][key])["rows"][i]
-                merged[key], merged[f"{key}_by_call"] = slowest[key], slowest[f"{key}_by_call"]
+                merged.update({k: slowest[k] for k in (key, f"{key}_by_call", f"{key}_gpu_wait", f"{key}_drained")
+                               if k in slowest})
         for key in ("host_overhead_us_per_layer", "host_overhead_mapped_us_per_layer",
                     "host_overhead_issue_thread_us_per_layer", "host_overhead_mapped_issue_thread_us_per_layer"):
             if key in row:  # the slowest rank's (median, q1, q3) of paired differences (paired_host_us)
@@ -512,14 +518,20 @@ def format_table(report: dict[str, Any]) -> str:
                                                    "host_overhead_mapped_issue_thread_us_per_layer"))
                                if key in first))
     if PLANNER_CALLS["sharded"] in first:
-        lines.append("  the planner's and the communicator's own calls, timed inside the forwards (us per sharded "
-                     "layer, by tokens/rank; split by call in the JSON" + ("; on CPU ranks the waits for the gathers included" if
+        lines.append("  the planner's and the communicator's own calls, timed inside back-to-back forwards, their "
+                     "waits for the GPU apart (us per sharded layer, by tokens/rank; in brackets with the GPU drained "
+                     "before each forward; split by call in the JSON" + ("; on CPU ranks the waits for the gathers included" if
                                                   report["mode"].startswith("cpu") else "") + "): "
-                     + "; ".join(f"{variant} " + ", ".join(f"{row[key]:.1f}" for row in report["rows"])
+                     + "; ".join(f"{variant} " + ", ".join(_calls_cell(row, key) for row in report["rows"])
                                  for variant, key in PLANNER_CALLS.items() if key in first))
     if report.get("graph_error"):
         lines.append(f"  CUDA graph: not measured ({report['graph_error']})")
     return "\n".join(lines)
+
+
+def _calls_cell(row: dict[str, Any], key: str) -> str:
+    drained = row.get(f"{key}_drained")
+    return f"{row[key]:.1f}" + (f" ({drained:.1f})" if drained is not None else "")
 
 
 def _host_cell(row: dict[str, Any], key: str) -> str:
