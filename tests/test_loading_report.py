@@ -21,6 +21,10 @@ def test_demo_reports_the_finalize_peak_within_its_bound(cluster_of):
         # here (code pages touched for the first time); tests/test_loading_peaks.py checks the bound
         assert load["device_peak_bytes"] >= load["held_bytes"]
     assert "finalize peak per rank (max, measured)" in format_table(report)
+    assert "(CPU ranks: resident set, MiBs of process noise)" in format_table(report)
+    # ranks sharing one GPU are emulated as well, but their peak is the CUDA allocator's: no such note
+    on_gpu = dict(report, load_peak_per_rank=[dict(load, device_is_host=False) for load in report["load_peak_per_rank"]])
+    assert on_gpu["emulation"] and "resident set" not in format_table(on_gpu)
     # lookahead against no lookahead, paired round by round over the demo's rounds (3 on CPU ranks)
     assert report["lookahead_vs_off"]["rounds"] == len(report["step_ms_samples"]["sharded"]) == 3
     assert "lookahead - no lookahead: " in format_table(report)

@@ -103,23 +103,25 @@ SHARED_GPU = "needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GP
 
 
 @pytest.mark.gpu
-def test_gpu_soak_ranks_sharing_one_gpu():
+@pytest.mark.parametrize("mapped", ["auto", True])
+def test_gpu_soak_ranks_sharing_one_gpu(mapped):
     """The soak where one GPU is lent: two rank processes (gloo between them) share it, gathers by our
-    NCCL communicator -- with map_own_chunk='auto', the default, its own chunk mapped into the slot."""
+    NCCL communicator -- with map_own_chunk='auto' (the default: plain slots for ``tiny``, whose
+    layers are smaller than a 2 MiB page) and with the own chunk mapped into the slot (True)."""
     if not multi_rank_per_gpu_supported():
         pytest.skip(SHARED_GPU)
-    results = run_soak(2, STEPS, warmup=WARMUP, backend="gloo", comm="nccl")
+    results = run_soak(2, STEPS, warmup=WARMUP, backend="gloo", comm="nccl", map_own_chunk=mapped)
     assert soak_ok(results) == []
-    assert all(r["mode"] == "gpu-nccl-shared" and r["map_own_chunk"] for r in results)
+    assert all(r["mode"] == "gpu-nccl-shared" and r["map_own_chunk"] is (mapped is True) for r in results)
     assert all(growth(r)["cuda_allocated"] == 0 for r in results)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fault", FAULTS)
 def test_gpu_fault_ranks_sharing_one_gpu(fault):
-    """The fault runs of :func:`test_gpu_fault` with two ranks on one GPU (mapped views by default)."""
+    """The fault runs of :func:`test_gpu_fault` with two ranks on one GPU, the own chunk mapped."""
     if not multi_rank_per_gpu_supported():
         pytest.skip(SHARED_GPU)
-    r = run_fault(fault, 2, backend="gloo", comm="nccl", collective_timeout=20.0)
+    r = run_fault(fault, 2, backend="gloo", comm="nccl", collective_timeout=20.0, map_own_chunk=True)
     assert fault_ok(r) == [], r
     assert "did not complete within 20.0 s" in r["errors"][0], r

@@ -346,7 +346,9 @@ def format_table(report: dict[str, Any]) -> str:
         peak = max(r["device_peak_bytes"] for r in report["load_peak_per_rank"])
         lines.append(f"  finalize peak per rank (max, measured) {mib(peak)}  bound R/N + slots + one weight "
                      f"{mib(report['load_peak_per_rank'][0]['bound_bytes'])}"
-                     + ("  (CPU ranks: resident set, MiBs of process noise)" if report["emulation"] else ""))
+                     # CPU ranks only: ranks sharing a GPU are emulated too, but measure the CUDA allocator
+                     + ("  (CPU ranks: resident set, MiBs of process noise)"
+                        if report["load_peak_per_rank"][0]["device_is_host"] else ""))
     return "\n".join(lines)
 
 

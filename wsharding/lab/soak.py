@@ -111,12 +111,14 @@ class _Fault:
 
 def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm: str = "torch", warmup: int = 50,
               fault: str | None = None, fault_step: int = 3, bad_rank: int = 1,
-              keep_traces: bool = False) -> dict[str, Any]:
+              keep_traces: bool = False, map_own_chunk: bool | str = "auto") -> dict[str, Any]:
     """One rank of the soak (``fault=None``) or of a fault run (``fault`` in :data:`FAULTS`: rank
     ``bad_rank`` does it at ``fault_step``). Returns per-step equality, gathers and the resource
     counts at the end of the warm-up and at the end.
 
-    ``keep_traces``: a leak on purpose (every step's trace is kept), to show the check catches one."""
+    ``keep_traces``: a leak on purpose (every step's trace is kept), to show the check catches one.
+    ``map_own_chunk``: :class:`~wsharding.shard.WeightSharding`'s (``"auto"``, the default, keeps plain
+    slots for ``tiny``, whose layers are smaller than the 2 MiB page: True maps them anyway)."""
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"fault: {fault!r} is not one of {FAULTS}")
     if not 0 < warmup < steps:
@@ -130,7 +132,7 @@ def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm
         c = from_context(ctx, timeout_s=ctx.timeout.total_seconds())
     else:
         c = shard_comm_for(ctx, comm)
-    replicated, sharded = build_pair(cfg, c, trace=keep_traces)
+    replicated, sharded = build_pair(cfg, c, trace=keep_traces, map_own_chunk=map_own_chunk)
     planner = sharded.planner
     dev = c.device
     cuda = dev.type == "cuda"
@@ -202,15 +204,16 @@ def soak_ok(results: list[dict[str, Any]]) -> list[str]:
 
 
 def run_soak(ranks: int = 3, steps: int = 1000, *, preset: str = "tiny", backend: str = "gloo", comm: str = "torch",
-             warmup: int = 50, keep_traces: bool = False) -> list[dict[str, Any]]:
+             warmup: int = 50, keep_traces: bool = False, map_own_chunk: bool | str = "auto") -> list[dict[str, Any]]:
     """The soak on a cluster of its own; returns every rank's result."""
     env = {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES)}  # [Note: the flight recorder]
     with RankCluster(ranks, backend=backend, task_timeout=max(600.0, steps * 2.0), env=env) as cluster:
-        return cluster.run(soak_rank, preset, steps, comm=comm, warmup=warmup, keep_traces=keep_traces)
+        return cluster.run(soak_rank, preset, steps, comm=comm, warmup=warmup, keep_traces=keep_traces,
+                           map_own_chunk=map_own_chunk)
 
 
 def run_fault(fault: str, ranks: int = 3, *, preset: str = "tiny", backend: str = "gloo", comm: str = "torch",
-              collective_timeout: float = 5.0, steps: int = 8) -> dict[str, Any]:
+              collective_timeout: float = 5.0, steps: int = 8, map_own_chunk: bool | str = "auto") -> dict[str, Any]:
     """One fault run on a fresh cluster: what every rank said, how long it took, and which rank
     processes were still alive afterwards (must be none)."""
     bad_rank = ranks // 2
@@ -221,7 +224,8 @@ def run_fault(fault: str, ranks: int = 3, *, preset: str = "tiny", backend: str 
     kind = "none"
     t0 = time.monotonic()
     try:
-        cluster.run_with(soak_rank, (preset, steps), {"comm": comm, "warmup": 1, "fault": fault, "bad_rank": bad_rank},
+        cluster.run_with(soak_rank, (preset, steps), {"comm": comm, "warmup": 1, "fault": fault, "bad_rank": bad_rank,
+                                                      "map_own_chunk": map_own_chunk},
                          grace=collective_timeout + FAULT_MARGIN_S)
     except (WorkerDied, RemoteError) as e:
         kind = f"rank {e.rank} {'died' if isinstance(e, WorkerDied) else 'raised'}"
