@@ -82,3 +82,19 @@ def test_paired_host_us_subtracts_pair_by_pair(monkeypatch):
     median, q1, q3 = paired_host_us(base, other, layers=3, pairs=6, device=torch.device("cpu"))
     assert (median, q1, q3) == (1e6, 1e6, 1e6)  # 3 s over 3 layers, in microseconds
     assert order[:4] == ["base", "other", "other", "base"]  # who goes first alternates
+
+
+def test_saved_gpu_reports_print_the_calls_steady_and_drained():
+    # the reports of one H200 (world size 1, and two ranks sharing it): no bandwidth where nothing
+    # crosses a link, and the planner's calls printed steady with the drained value in brackets
+    import json
+    from pathlib import Path
+
+    device = Path(__file__).resolve().parents[1] / "figures" / "device"
+    one = json.loads((device / "bench_step_h200_1gpu_2026-12-01_llama8b-blocks_steady-calls.json").read_text())
+    two = json.loads((device / "bench_step_h200_2ranks-1gpu_2026-12-01_llama8b-blocks_steady-calls.json").read_text())
+    assert "no bus bandwidth at world size 1 (nothing crosses a link)" in format_table(one)
+    assert f"bus bandwidth {two['bus_bandwidth_GBps']:.1f} GB/s" in format_table(two)
+    row = two["rows"][0]
+    assert (f"sharded_mapped {row['planner_calls_mapped_us_per_layer']:.1f} "
+            f"({row['planner_calls_mapped_us_per_layer_drained']:.1f})") in format_table(two)

@@ -466,7 +466,9 @@ def format_table(report: dict[str, Any]) -> str:
     head = (f"wsharding bench step -- {report['mode']}, {report['world_size']} ranks, model {report['model']}, "
             f"comm {report['comm']}")
     lines = [head] + ([f"  NOTE: {report['emulation']}"] if report["emulation"] else [])
-    lines.append(f"  bus bandwidth {report['bus_bandwidth_GBps']:.1f} GB/s; planner + comm host time "
+    bandwidth = (f"bus bandwidth {report['bus_bandwidth_GBps']:.1f} GB/s" if report["world_size"] > 1
+                 else "no bus bandwidth at world size 1 (nothing crosses a link)")
+    lines.append(f"  {bandwidth}; planner + comm host time "
                  f"{report['planner_host_us_per_layer']:.1f} us per sharded layer (bare loop, no compute"
                  + (f"; gathers launched as graphs, {report['planner_host_us_per_layer_direct']:.1f} us with "
                     "ncclAllGather called per layer" if report.get("planner_host_us_per_layer_direct") else "")
