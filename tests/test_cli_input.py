@@ -132,6 +132,17 @@ def test_figures_from_a_saved_report_draws(tmp_path, capsys):
             "t_demo_memory.html"} <= {p.name for p in tmp_path.iterdir()}
 
 
+def test_readme_shows_the_saved_demo_report():
+    """The README's sample output is the committed CPU report as the demo prints it today: a change to
+    the demo's lines without a new run (``wsharding demo --json figures/demo_cpu_report.json --figures
+    figures``) fails here."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```\n", text.index("--json figures/demo_cpu_report.json --figures figures")) + 4
+    shown = text[start:text.index("\n```", start)]
+    saved = json.loads((ROOT / "figures" / "demo_cpu_report.json").read_text())
+    assert shown == demo.format_table(saved), "README's demo output is stale: run the demo as the README says"
+
+
 def test_check_output_path(tmp_path):
     check_output_path(tmp_path / "new" / "deeper" / "r.json", "--json")  # folders to be created: fine
     check_output_path(tmp_path, "--figures", directory=True)
