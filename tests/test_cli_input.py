@@ -143,6 +143,18 @@ def test_readme_shows_the_saved_demo_report():
     assert shown == demo.format_table(saved), "README's demo output is stale: run the demo as the README says"
 
 
+def test_one_rank_demo_says_why_sharding_holds_more(tmp_path, capsys):
+    """With one rank the sharded model holds the replicated bytes plus the two slots: the demo says so
+    under its header, and only there (the four-rank report above has no such line)."""
+    rc, out, err = run_cli(["demo", "--ranks", "1", "--figures", "", "--json", str(tmp_path / "r.json")], capsys)
+    assert rc == 0, err
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["world_size"] == 1
+    assert r["sharded_resident_bytes_per_rank"] == r["replicated_bytes_per_rank"] + 2 * r["slot_bytes"]
+    assert out.splitlines().count(f"  NOTE: {demo.ONE_RANK_NOTE}") == 1, out
+    assert demo.ONE_RANK_NOTE not in demo.format_table(json.loads((ROOT / "figures" / "demo_cpu_report.json").read_text()))
+
+
 def test_check_output_path(tmp_path):
     check_output_path(tmp_path / "new" / "deeper" / "r.json", "--json")  # folders to be created: fine
     check_output_path(tmp_path, "--figures", directory=True)

@@ -57,6 +57,9 @@ from wsharding.units import ceil_div
 
 #: Where the demo writes its figures by default: untracked, so a run never dirties the checkout.
 DEFAULT_OUT = "wsharding-out"
+#: Said under the header of a one-rank run, where the sharded model holds more than the replicated one.
+ONE_RANK_NOTE = ("one rank: nothing is shared, so sharding only adds the two slots (the saving needs 2 or more "
+                 "ranks; several ranks on one GPU need NCCL >= 2.30, which 'wsharding info' checks)")
 
 
 def default_counts(world: int, steps: int) -> list[list[int]]:
@@ -297,6 +300,8 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if report["emulation"]:
         lines.append(f"  NOTE: {report['emulation']}")
+    if report["world_size"] == 1:
+        lines.append(f"  NOTE: {ONE_RANK_NOTE}")
     if report.get("issue_thread"):
         lines.append("  gathers issued by the communicator's native issue thread (--issue-thread)")
     lines += [
