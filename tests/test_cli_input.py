@@ -144,8 +144,8 @@ def test_readme_shows_the_saved_demo_report():
 
 
 def test_one_rank_demo_says_why_sharding_holds_more(tmp_path, capsys):
-    """With one rank the sharded model holds the replicated bytes plus the two slots: the demo says so
-    under its header, and only there (the four-rank report above has no such line)."""
+    """With one rank the sharded model holds the replicated bytes plus the two slots (plain slots on CPU
+    ranks): the demo says why under its header, and only there (the four-rank report has no such line)."""
     rc, out, err = run_cli(["demo", "--ranks", "1", "--figures", "", "--json", str(tmp_path / "r.json")], capsys)
     assert rc == 0, err
     r = json.loads((tmp_path / "r.json").read_text())

@@ -58,8 +58,9 @@ from wsharding.units import ceil_div
 #: Where the demo writes its figures by default: untracked, so a run never dirties the checkout.
 DEFAULT_OUT = "wsharding-out"
 #: Said under the header of a one-rank run, where the sharded model holds more than the replicated one.
-ONE_RANK_NOTE = ("one rank: nothing is shared, so sharding only adds the two slots (the saving needs 2 or more "
-                 "ranks; several ranks on one GPU need NCCL >= 2.30, which 'wsharding info' checks)")
+ONE_RANK_NOTE = ("one rank: nothing is shared, so the sharded model holds no less than the replicated one (its "
+                 "slots or page padding come on top); the saving needs 2 or more ranks, and several ranks on one "
+                 "GPU need NCCL >= 2.30, which 'wsharding info' checks")
 
 
 def default_counts(world: int, steps: int) -> list[list[int]]:
