@@ -7,6 +7,7 @@ import pytest
 
 from wsharding.comm.base import CommError
 from wsharding.comm.nccl import communicator as C
+from wsharding.comm.nccl import group as G
 from wsharding.comm.nccl import symmetric as S
 from wsharding.units import align_up
 
@@ -72,7 +73,7 @@ def test_gloo_group_for_gloo_world_is_the_world():
     class Ctx:
         backend, world_size, store = "gloo", 4, {}
 
-    assert C.gloo_group_for(Ctx()) is None
+    assert G.gloo_group_for(Ctx()) is None
 
 
 class _StuckAbortBinding:

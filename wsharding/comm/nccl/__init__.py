@@ -1,6 +1,7 @@
 """Our NCCL backend: a ctypes binding of libnccl (``binding``), library discovery and version gate
-(``library``), symmetric buffers and windows (``symmetric``), the communicator (``communicator``)
-and the copy-engine checks (``probe``). Importing this package loads no library and needs no GPU."""
+(``library``), symmetric buffers and windows (``symmetric``), the shard group (``group``), the
+communicator (``communicator``) and the copy-engine checks (``probe``). Importing this package loads
+no library and needs no GPU."""
 
 from wsharding.comm.nccl.binding import FUNCTIONS, NcclBinding, NcclConfig, NcclError, NcclUniqueId, make_config
 from wsharding.comm.nccl.communicator import (

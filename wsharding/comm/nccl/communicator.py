@@ -37,7 +37,6 @@ import torch
 from wsharding.comm.base import CommError, check_gather_args
 from wsharding.comm.captured_launch import CapturedLaunch
 from wsharding.comm.cuda_driver import CudaDriverError, driver
-from wsharding.comm.groups import shard_group_ranks
 from wsharding.comm.issue_thread import IssueThread, IssueThreadError, IssueThreadUnavailable, driver_issue_thread
 from wsharding.comm.nccl.binding import (
     CTA_POLICY_NAMES,
@@ -50,6 +49,13 @@ from wsharding.comm.nccl.binding import (
     make_config,
 )
 from wsharding.comm.nccl.gather import NcclPreparedGather
+from wsharding.comm.nccl.group import (
+    exchange_over,
+    gloo_group_for,
+    gloo_shard_group_for,
+    group_members,
+    share_unique_id,
+)
 from wsharding.comm.nccl.library import (
     MIN_MULTI_RANK_GPU,
     MIN_SYMMETRIC,
@@ -139,41 +145,6 @@ def _close_all() -> None:
 # the watchdog thread in both modes. ``blocking=False`` keeps the old behaviour, for comparison
 # (``scripts/gpu_probes/blocking.py`` measures both side by side).
 
-# [Note: shard groups]
-# The first seed shards within intra-node groups of 8 ranks, (rank // 8) * 8, and runs DP across them.
-# Each group is its own NCCL communicator: rank 0 *of the group* makes an ncclUniqueId and shares it
-# over the group's gloo group only, so the groups never see each other's ids, and each communicator
-# owns its symmetric windows (registration is collective over the group, not the world). The same
-# grouping as ``wsharding.comm.groups`` and the torch.distributed backend (``new_shard_comms``).
-def exchange_over(cpu_group: Any, world_size: int, obj: Any) -> list[Any]:
-    """Every member's ``obj`` in group order, over the CPU (gloo) group; ``[obj]`` for a group of one."""
-    if world_size == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=cpu_group)
-    return out
-
-
-def share_unique_id(nccl: NcclBinding, rank_in_group: int, exchange: Any) -> bytes:
-    """Rank 0 of the group makes the ``ncclUniqueId``; ``exchange`` (over the group's CPU group) hands
-    it to every member. One id per group: ranks of other groups never receive it."""
-    uid = nccl.get_unique_id() if rank_in_group == 0 else None
-    return exchange(uid.to_bytes() if uid is not None else None)[0]
-
-
-def group_members(cpu_group: Any, world_size: int) -> tuple[int, ...]:
-    """Global ranks of ``cpu_group`` in group order (``None``: the default group, or a lone rank)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return tuple(range(world_size))
-    if cpu_group is None:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(cpu_group))
-
-
 class NcclGatherHandle:
     """A gather in flight on the communicator's stream (see :meth:`NcclCommunicator.all_gather_into`)."""
 
@@ -200,7 +171,7 @@ class NcclCommunicator:
 
     Args:
         cpu_group: a gloo process group over the same ranks -- the whole world, or one shard group
-            ([Note: shard groups]; :func:`from_context` with ``group_size``) -- used to share the unique
+            ([Note: shard groups] in ``group.py``; :func:`from_context` with ``group_size``) -- used to share the unique
             id and check window registration (``None``: the default group, or world size 1 when
             torch.distributed is not initialised). ``rank`` and ``world_size`` are those inside it.
         device: this rank's CUDA device (default: the current one).
@@ -311,7 +282,7 @@ class NcclCommunicator:
         #: [Note: the issue thread]: None unless asked for.
         self.issuer = self._start_issue_thread(name) if issue_thread else None
 
-        #: Global ranks of this communicator's shard group, in group order ([Note: shard groups]).
+        #: Global ranks of this communicator's shard group, in group order ([Note: shard groups] in ``group.py``).
         self.group_ranks = group_members(cpu_group, self.world_size)
         raw = share_unique_id(self.nccl, self.rank, self.exchange)
         self._config = make_config(blocking=self.blocking, cta_policy=cta_policy, comm_name=name.encode())
@@ -769,41 +740,6 @@ class NcclCommunicator:
         return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, group={list(self.group_ranks)}, "
                 f"mode={self.mode!r}, "
                 f"cta_policy={self.cta_policy}, nccl={format_version(self.library.version)})")
-
-
-def gloo_group_for(ctx: Any) -> Any:
-    """The CPU group of a rank context: the world group when it is gloo, else a new gloo group
-    (collective: every rank calls it, once; cached in ``ctx.store``)."""
-    if ctx.backend == "gloo" or ctx.world_size == 1:
-        return None
-    if "_wsharding_gloo" not in ctx.store:
-        import torch.distributed as dist
-
-        ctx.store["_wsharding_gloo"] = dist.new_group(backend="gloo")
-    return ctx.store["_wsharding_gloo"]
-
-
-def gloo_shard_group_for(ctx: Any, group_size: int) -> Any:
-    """The gloo group of this rank's shard group ``(rank // g) * g`` ([Note: shard groups]).
-
-    Collective: every rank calls it with the same ``group_size``; every group of the world is created
-    on every rank, in the same order (``new_group``'s rule), and cached in ``ctx.store``. A group size
-    of the whole world is :func:`gloo_group_for`.
-    """
-    groups = shard_group_ranks(ctx.world_size, group_size)
-    if len(groups) == 1:
-        return gloo_group_for(ctx)
-    key = ("_wsharding_gloo_shard_groups", len(groups[0]))
-    if key not in ctx.store:
-        import torch.distributed as dist
-
-        mine = None
-        for ranks in groups:
-            pg = dist.new_group(ranks, backend="gloo")
-            if ctx.rank in ranks:
-                mine = pg
-        ctx.store[key] = mine
-    return ctx.store[key]
 
 
 def from_context(ctx: Any, *, device: torch.device | str | None = None, group_size: int | None = None,

@@ -205,7 +205,7 @@ def group_unique_ids(ctx: RankContext, group_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from wsharding.comm.nccl.binding import NcclBinding
-    from wsharding.comm.nccl.communicator import exchange_over, gloo_shard_group_for, group_members, share_unique_id
+    from wsharding.comm.nccl.group import exchange_over, gloo_shard_group_for, group_members, share_unique_id
     from wsharding.comm.nccl.library import default_library
 
     group = gloo_shard_group_for(ctx, group_size)
