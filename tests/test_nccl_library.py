@@ -65,6 +65,16 @@ def test_too_old_version_names_version_path_and_fix(no_env):
     dataclasses.replace(old, version_code=22803).require(L.MIN_SYMMETRIC, "symmetric windows")
 
 
+def test_too_old_for_a_later_feature_names_that_version(no_env):
+    """A 2.28.9 asked for a 2.30 feature is told to install 2.30, not the 2.28.3 it already has."""
+    lib = dataclasses.replace(L.default_library(), version_code=22809)
+    with pytest.raises(L.NcclLibraryError) as e:
+        lib.require(L.MIN_MAPPED_VIEW, "map_own_chunk")
+    msg = str(e.value)
+    assert "needs NCCL >= 2.30.0" in msg and "NCCL 2.28.9" in msg
+    assert "'nvidia-nccl-cu12>=2.30.0'" in msg and "version 2.30.0 or later" in msg and "2.28.3" not in msg
+
+
 def test_communicator_refuses_old_library_before_touching_cuda(no_env):
     old = dataclasses.replace(L.default_library(), version_code=22709)
     with pytest.raises(L.NcclLibraryError, match=r"copy-engine AllGather needs NCCL >= 2.28.3, but the library loaded is NCCL 2.27.9"):

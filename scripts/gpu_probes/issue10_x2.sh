@@ -16,8 +16,8 @@
 #   tests2      the soak and faults, the draft prefetch, loading, KV cache and groups, the same way
 #
 # With NCCL >= 2.30 loaded (WSHARDING_NCCL_LIBRARY set to a carried libnccl.so.2), map_own_chunk="auto"
-# maps and --mapped measures it; with the image's NCCL 2.28.9 the mapped variants say why they cannot
-# run. Run from the repository root on nvidia-h200-x2.
+# maps and --mapped measures it; the image's NCCL 2.28.9 refuses --mapped (decode, prefill: rank 0 names
+# the version needed), so carry 2.32.3 first. Run from the repository root on nvidia-h200-x2.
 set -euo pipefail
 part=${1:?PART: decode, prefill, fsdp, demo, contention, tests or tests2}
 day=${2:?DAY, as 2026-12-01}

@@ -31,11 +31,6 @@ MIN_MULTI_RANK_GPU = (2, 30, 0)
 MIN_MAPPED_VIEW = (2, 30, 0)
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
 
-HOW_TO_UPGRADE = (
-    "install a newer wheel (pip install 'nvidia-nccl-cu12>=2.28.3' or 'nvidia-nccl-cu13>=2.28.3') "
-    f"or point {ENV_VAR} at a libnccl.so.2 of version 2.28.3 or later"
-)
-
 
 class NcclLibraryError(RuntimeError):
     """libnccl could not be found or loaded, or is too old for what was asked."""
@@ -53,6 +48,14 @@ def decode_version(code: int) -> tuple[int, int, int]:
 
 def format_version(v: tuple[int, int, int]) -> str:
     return ".".join(str(x) for x in v)
+
+
+def how_to_upgrade(minimum: tuple[int, int, int] = MIN_SYMMETRIC) -> str:
+    """The fix for a library older than ``minimum``, naming that version (not the oldest one the
+    package knows: a 2.28.9 told to install >= 2.28.3 for a 2.30 feature would change nothing)."""
+    v = format_version(minimum)
+    return (f"install a newer wheel (pip install 'nvidia-nccl-cu12>={v}' or 'nvidia-nccl-cu13>={v}') "
+            f"or point {ENV_VAR} at a libnccl.so.2 of version {v} or later")
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ class NcclLibrary:
         if not self.supports(minimum):
             raise NcclLibraryError(
                 f"{feature} needs NCCL >= {format_version(minimum)}, but the library loaded is NCCL "
-                f"{self.version_str} from {self.path} ({self.source}); {HOW_TO_UPGRADE}"
+                f"{self.version_str} from {self.path} ({self.source}); {how_to_upgrade(minimum)}"
             )
 
     def describe(self) -> dict[str, object]:
@@ -164,7 +167,7 @@ def load_library(path: str | None = None, source: str | None = None) -> NcclLibr
         choice = find_library()
         path, source = choice.path, choice.source
     if not os.path.isfile(path):
-        raise NcclLibraryError(f"NCCL library {path!r} does not exist; {HOW_TO_UPGRADE}")
+        raise NcclLibraryError(f"NCCL library {path!r} does not exist; {how_to_upgrade()}")
     try:
         handle = ctypes.CDLL(path)
     except OSError as e:
