@@ -16,6 +16,8 @@ from wsharding.lab.bench import allgather
 from wsharding.lab.cliargs import InputError, check_output_path, error_lines, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The committed CPU demo report: the README shows its table, --figures-from draws it.
+CPU_REPORT = ROOT / "figures" / "demo_cpu_report.json"
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answers need a machine without CUDA")
 
 
@@ -97,7 +99,7 @@ def test_cpu_machine_refuses_what_needs_gpus(argv, message, capsys, no_ranks):
     ["demo", "--json", "{file}/r.json"],
     ["demo", "--report", "{file}/r.json"],  # the old spelling, a hidden alias
     ["demo", "--figures", "{file}"],
-    ["demo", "--figures-from", str(ROOT / "figures" / "demo_cpu_report.json"), "--figures", "{file}/figs"],
+    ["demo", "--figures-from", str(CPU_REPORT), "--figures", "{file}/figs"],
     ["bench", "allgather", "--json", "{file}/a.json"],
     ["plan", "--preset", "kimi-k3-b200-fp8", "--json", "{file}/p.json"],
     ["info", "--json", "{file}/i.json"],
@@ -124,7 +126,7 @@ def test_figures_from_checks_the_file(tmp_path, capsys, no_ranks):
 
 
 def test_figures_from_a_saved_report_draws(tmp_path, capsys):
-    report = ROOT / "figures" / "demo_cpu_report.json"
+    report = CPU_REPORT
     rc, out, err = run_cli(["demo", "--figures-from", str(report), "--figures", str(tmp_path), "--prefix", "t_"], capsys)
     assert rc == 0, err
     assert "outputs equal bit for bit: yes" in out
@@ -139,7 +141,7 @@ def test_readme_shows_the_saved_demo_report():
     text = (ROOT / "README.md").read_text()
     start = text.index("```\n", text.index("--json figures/demo_cpu_report.json --figures figures")) + 4
     shown = text[start:text.index("\n```", start)]
-    saved = json.loads((ROOT / "figures" / "demo_cpu_report.json").read_text())
+    saved = json.loads(CPU_REPORT.read_text())
     assert shown == demo.format_table(saved), "README's demo output is stale: run the demo as the README says"
 
 
@@ -152,7 +154,7 @@ def test_one_rank_demo_says_why_sharding_holds_more(tmp_path, capsys):
     assert r["world_size"] == 1
     assert r["sharded_resident_bytes_per_rank"] == r["replicated_bytes_per_rank"] + 2 * r["slot_bytes"]
     assert out.splitlines().count(f"  NOTE: {demo.ONE_RANK_NOTE}") == 1, out
-    assert demo.ONE_RANK_NOTE not in demo.format_table(json.loads((ROOT / "figures" / "demo_cpu_report.json").read_text()))
+    assert demo.ONE_RANK_NOTE not in demo.format_table(json.loads(CPU_REPORT.read_text()))
 
 
 def test_check_output_path(tmp_path):
