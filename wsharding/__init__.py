@@ -2,10 +2,43 @@
 
 Every rank of a group stores 1/N of the weights that would otherwise be replicated on each GPU; one
 AllGather per layer rebuilds the layer's weights, into one of two slots, just before it computes.
-Storage is sharded; compute is not.
+Storage is sharded; compute is not: outputs are bit-identical to the replicated model.
+
+Where to start:
+
+* ``init_from_env()`` -- in a ``torchrun`` job, the rank's context; ``ctx.shard_comm(n)`` is the
+  communicator of its shard group (n ranks inside one node).
+* ``shard_blocks(model, "layers", ["attn.*_proj"], comm)`` -- shard a model that is already built
+  with its weights; returns the ``WeightSharding`` that owns the shards, the slots and the planner.
+* ``load_sharded(model, checkpoint, "layers", patterns, comm)`` -- build-then-load without ever
+  holding the replicated weights: each rank reads only its rows of a safetensors checkpoint.
+* ``WeightSharding`` -- the lifecycle underneath (declare, load, finalize, close), for models whose
+  layers call the planner themselves; ``FlatLayout`` -- one layer's weights as one flat byte buffer.
+
+Every error the package raises derives from ``WshardingError``.
 """
 
+from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
+from wsharding.cluster import RankContext, init_from_env
 from wsharding.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
+from wsharding.runner import shard_blocks
+from wsharding.shard import ShardingError, ShardingSkipWarning, WeightSharding
 
 __version__ = "0.1.0"
-__all__ = ["FlatLayout", "LayoutEntry", "LayoutError", "OwnedPiece", "__version__"]
+__all__ = [
+    "CheckpointError",
+    "FlatLayout",
+    "LayoutEntry",
+    "LayoutError",
+    "OwnedPiece",
+    "RankContext",
+    "ShardingError",
+    "ShardingSkipWarning",
+    "WeightSharding",
+    "__version__",
+    "init_from_env",
+    "load_checkpoint",
+    "load_sharded",
+    "save_checkpoint",
+    "shard_blocks",
+]
