@@ -83,6 +83,76 @@ def _shared_block(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return WeightSharding(_RankOfTwo(), [shared, other, shared], {i: ["fc"] for i in range(3)})
 
 
+class _CommOfTwo(_RankOfTwo):
+    """A communicator as far as shard_blocks' argument check can tell; the refusals below come before
+    any gather or allocation."""
+
+    def all_gather_into(self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False) -> object:
+        raise AssertionError("gathered before the arguments were checked")
+
+
+def _blocks_model() -> torch.nn.Module:
+    """A model of two blocks in ``model.layers``, each with linears ``fc1`` and ``fc2``."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+    for block in model.layers:
+        block.fc1 = torch.nn.Linear(4, 4, bias=False)
+        block.fc2 = torch.nn.Linear(4, 4, bias=False)
+    return model
+
+
+def _shard_blocks(**changes: object) -> object:
+    """``shard_blocks(model, "layers", ["fc1"], comm)`` with one argument changed (``blocks`` may be a
+    function of the model)."""
+    from wsharding.runner import shard_blocks
+
+    model = _blocks_model()
+    args = {"blocks": "layers", "patterns": ["fc1"], "comm": _CommOfTwo(), "sharded_layers": None, **changes}
+    blocks = args["blocks"](model) if callable(args["blocks"]) else args["blocks"]
+    return shard_blocks(model, blocks, args["patterns"], args["comm"], sharded_layers=args["sharded_layers"])
+
+
+def _patterns_glob_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(patterns="fc*")  # read character by character, "*" matched every linear
+
+
+def _patterns_name_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(patterns="fc1")  # read as "f", "c", "1": "no layer has a shardable target"
+
+
+def _blocks_list(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(blocks=lambda model: list(model.layers))  # the message held every block's repr
+
+
+def _blocks_unknown(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(blocks="model.layers")  # this model keeps them in "layers": an AttributeError
+
+
+def _comm_none(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(comm=None)  # an AttributeError on None, deep inside
+
+
+def _comm_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(comm="gloo")
+
+
+def _comm_context(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from datetime import timedelta
+
+    from wsharding.cluster import RankContext
+
+    ctx = RankContext(0, 2, torch.device("cpu"), "gloo", "cpu-gloo", "", timedelta(seconds=1))
+    return _shard_blocks(comm=ctx)
+
+
+def _sharded_layers_float(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(sharded_layers=[1.5])  # matched no layer: nothing sharded, nothing said
+
+
+def _sharded_layers_int(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(sharded_layers=1)  # a TypeError from set(1)
+
+
 def _old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.comm.nccl import library
     from wsharding.comm.nccl.communicator import NcclCommunicator
@@ -185,6 +255,12 @@ def _layout_group(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return FlatLayout([("w", (4, 4), torch.float16)], 0)
 
 
+def _layout_group_bool(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.layout import FlatLayout
+
+    return FlatLayout([("w", (4, 4), torch.float16)], group_size=True)  # a bool is an int: a group of 1
+
+
 def _layout_rank(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.layout import FlatLayout
 
@@ -223,6 +299,14 @@ def _unknown_cost_preset(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return load_preset("kimi-k4")
 
 
+def _binary_model_file(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.costmodel import load_model_file
+
+    path = tmp / "model.bin"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))  # a UnicodeDecodeError before
+    return load_model_file(path)
+
+
 def _unknown_group(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.linear.groups import ParallelState
 
@@ -248,6 +332,15 @@ def _report_path(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return check_output_path(str(tmp / "results" / "soak.json"), "--json")
 
 
+def _report_under_proc(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.lab import cliargs
+
+    mp.setattr(cliargs.os, "access", lambda *a, **k: True)  # as for root, who passes every permission bit
+    return cliargs.check_output_path("/proc/wsharding/soak.json", "--json")
+
+
+_EXAMPLE_COMM = "ctx.shard_comm(group_size)"
+
 CASES: dict[str, Case] = {
     "non-divisible rows": Case(
         "declared a weight whose rows the group size does not divide", "wsharding.shard:ShardingSkipWarning",
@@ -262,6 +355,40 @@ CASES: dict[str, Case] = {
         "declared one block (or one tied weight) at two layers", "wsharding.shard:ShardingError",
         ("layer 2 fc.weight", "rank 0", "same weight as layer 0 fc.weight"),
         "leave one of the layers out (sharded_layers=...) or untie the weights", _shared_block),
+    "shard_blocks patterns str": Case(
+        "gave shard_blocks (or load_sharded) one str as the patterns, \"fc*\"", "wsharding.shard:ShardingError",
+        ("patterns", "'fc*'", "character by character", "['fc*']"),
+        "pass a list of patterns, [\"fc*\"]: a str would be read character by character", _patterns_glob_str),
+    "shard_blocks pattern name str": Case(
+        "gave shard_blocks one pattern name as a str, \"fc1\"", "wsharding.shard:ShardingError",
+        ("patterns", "'fc1'", "['fc1']"), "pass a list, [\"fc1\"]", _patterns_name_str),
+    "shard_blocks blocks list": Case(
+        "gave shard_blocks the blocks as a Python list", "wsharding.shard:ShardingError",
+        ("blocks", "list of 2 modules", "nn.ModuleList", "'layers'"),
+        "pass the nn.ModuleList itself (model.layers) or its attribute name (\"layers\")", _blocks_list),
+    "shard_blocks blocks unknown": Case(
+        "named blocks that the model does not have", "wsharding.shard:ShardingError",
+        ("blocks", "'model.layers'", "its ModuleLists: 'layers'"),
+        "name the nn.ModuleList of blocks by its attribute path; the message lists the model's", _blocks_unknown),
+    "shard_blocks comm none": Case(
+        "gave shard_blocks comm=None", "wsharding.shard:ShardingError",
+        ("comm", "None", "not a communicator", _EXAMPLE_COMM, "init_from_env()"),
+        f"pass the shard group's communicator: {_EXAMPLE_COMM}, with ctx from wsharding.cluster.init_from_env() "
+        "(torchrun) or the context a RankCluster task receives", _comm_none),
+    "shard_blocks comm str": Case(
+        "gave shard_blocks a backend name as comm", "wsharding.shard:ShardingError",
+        ("comm", "'gloo'", "not a communicator", _EXAMPLE_COMM), f"pass a communicator, {_EXAMPLE_COMM}", _comm_str),
+    "shard_blocks comm context": Case(
+        "gave shard_blocks the rank's context as comm", "wsharding.shard:ShardingError",
+        ("comm", "RankContext", _EXAMPLE_COMM, "ctx.comm"), f"pass its communicator, {_EXAMPLE_COMM}",
+        _comm_context),
+    "sharded_layers float": Case(
+        "gave sharded_layers an index that is not a whole number", "wsharding.shard:ShardingError",
+        ("sharded_layers", "1.5", "not a layer index"), "pass whole numbers: [1, 2] or range(1, 8)",
+        _sharded_layers_float),
+    "sharded_layers int": Case(
+        "gave sharded_layers one int instead of a list", "wsharding.shard:ShardingError",
+        ("sharded_layers", "int 1", "[1]"), "pass a list or range: [1], range(1, 8)", _sharded_layers_int),
     "old nccl": Case(
         "used our NCCL communicator with an NCCL older than 2.28.3", "wsharding.comm.nccl.library:NcclLibraryError",
         ("NCCL >= 2.28.3", "NCCL 2.28.2", "WSHARDING_NCCL_LIBRARY"),
@@ -305,6 +432,10 @@ CASES: dict[str, Case] = {
     "layout group size": Case(
         "built a layout for a group of 0 ranks", "wsharding.layout:LayoutError",
         ("group_size", "got 0"), "the group size is a whole number >= 1", _layout_group),
+    "layout group size bool": Case(
+        "built a layout with group_size=True", "wsharding.layout:LayoutError",
+        ("group_size", "got True", "bool"), "a bool is not a number of ranks: pass the group size, an int >= 1",
+        _layout_group_bool),
     "layout rank": Case(
         "asked for the chunk of a rank outside the group", "wsharding.layout:LayoutError",
         ("rank 2", "[0, 2)"), "ranks of a group of N are 0 .. N-1", _layout_rank),
@@ -322,6 +453,10 @@ CASES: dict[str, Case] = {
         "named a cost-model preset that does not exist", "wsharding.costmodel:CostModelError",
         ("'kimi-k4'", "kimi-k3-b200-fp8"), "use one of the presets the message lists (wsharding plan --list)",
         _unknown_cost_preset),
+    "binary model file": Case(
+        "gave wsharding plan --model (load_model_file) a binary file", "wsharding.costmodel:CostModelError",
+        ("model.bin", "not a JSON/YAML model description", "binary file"),
+        "pass a .json or .yaml file in the format of costmodel.model_from_dict", _binary_model_file),
     "unknown group": Case(
         "built a linear on a parallel group that does not exist", "wsharding.linear.groups:GroupError",
         ("'dp_attn'", "attn_tp"), "use one of the group names the message lists", _unknown_group),
@@ -335,6 +470,10 @@ CASES: dict[str, Case] = {
         "asked for a report under a path that is a file", "wsharding.lab.cliargs:InputError",
         ("--json", "results", "is a file"), "choose another path; this is checked before any work starts",
         _report_path),
+    "report path under proc": Case(
+        "asked for a report where nothing can be created (under /proc, even as root)",
+        "wsharding.lab.cliargs:InputError", ("--json", "/proc/wsharding", "cannot create"),
+        "choose another path; the check creates the folders and the file, then removes them", _report_under_proc),
 }
 
 
@@ -357,6 +496,53 @@ def test_bad_input_gets_its_exact_error_naming_the_culprit(key, tmp_path, monkey
         message = str(info.value)
     missing = [c for c in case.culprit if c not in message]
     assert not missing, f"{key}: the message does not name {missing}: {message}"
+
+
+def test_load_sharded_refuses_the_same_mistakes_before_reading(tmp_path):
+    """load_sharded hands its arguments to shard_blocks' check: each mistake of the table is refused
+    before the checkpoint is opened (it does not even exist here) and before any weight is shrunk."""
+    from wsharding.checkpoint import load_sharded
+    from wsharding.shard import ShardingError
+
+    model = _blocks_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "absent.safetensors"
+    for args, kwargs, words in [
+        (("layers", "fc*", _CommOfTwo()), {}, "patterns: got the str 'fc*'"),
+        ((list(model.layers), ["fc1"], _CommOfTwo()), {}, "blocks: got a list of 2 modules"),
+        (("layers", ["fc1"], None), {}, "comm: got None, not a communicator"),
+        (("layers", ["fc1"], _CommOfTwo()), {"sharded_layers": [1.5]}, "sharded_layers: 1.5 (a float)"),
+    ]:
+        with pytest.raises(ShardingError) as info:
+            load_sharded(model, path, *args, **kwargs)
+        assert words in str(info.value)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_shard_blocks_refuses_what_is_not_a_model_or_a_pattern():
+    from wsharding.runner import shard_blocks
+    from wsharding.shard import ShardingError
+
+    model = _blocks_model()
+    with pytest.raises(ShardingError, match=r"patterns: 1 \(of type int\) is not a str"):
+        shard_blocks(model, "layers", ["fc1", 1], _CommOfTwo())  # fnmatch's TypeError before
+    with pytest.raises(ShardingError, match="model: a OrderedDict is not an nn.Module; pass the model whose blocks"):
+        shard_blocks(model.state_dict(), "layers", ["fc1"], _CommOfTwo())  # an AttributeError before
+    with pytest.raises(ShardingError, match=r"sharded_layers: True \(a bool\) is not a layer index"):
+        shard_blocks(model, "layers", ["fc1"], _CommOfTwo(), sharded_layers=[True])
+
+
+def test_patterns_given_as_a_generator_reach_every_block():
+    """A generator of patterns is read once, into a list: every block is matched against all of them
+    (read per block, it was empty from the second block on, which was then left unsharded)."""
+    from test_library_edges import Loopback
+
+    from wsharding.runner import shard_blocks
+
+    ws = shard_blocks(_blocks_model(), "layers", (p for p in ["fc1", "fc2"]), Loopback())
+    assert {i: [e.name for e in lay.entries] for i, lay in ws.layouts.items()} == {
+        0: ["fc1.weight", "fc2.weight"], 1: ["fc1.weight", "fc2.weight"]}
 
 
 def test_every_class_of_the_issue_is_in_the_table():

@@ -36,6 +36,9 @@ def no_ranks(monkeypatch):
     from wsharding.lab.bench import draft
 
     monkeypatch.setattr(draft, "RankCluster", refuse)
+    from wsharding.lab import soak
+
+    monkeypatch.setattr(soak, "RankCluster", refuse)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -66,6 +69,32 @@ BAD = [
     (["bench", "draft", "--commit-ms", "-1"], "argument --commit-ms: must be at least 0, got -1"),
     (["bench", "draft", "--json", "/etc/passwd/x"], "--json /etc/passwd/x.json: /etc/passwd is a file"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "0"], "ranks: must be >= 1, got 0"),
+    # nan passes every comparison and inf every lower bound: both ended in a traceback after parsing
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-pool-gib", "nan"], "argument --kv-pool-gib: 'nan' is not a finite"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-pool-gib", "inf"], "argument --kv-pool-gib: 'inf' is not a finite"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-pool-gib", "-1"], "argument --kv-pool-gib: must be at least 0, got -1"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--latency-us", "inf"], "argument --latency-us: 'inf' is not a finite"),
+    (["bench", "allgather", "--sizes", "nan"], "argument --sizes: 'nan' is not a finite number of MiB"),
+    (["bench", "allgather", "--sizes", "1,inf"], "argument --sizes: 'inf' is not a finite number of MiB"),
+    (["bench", "allgather", "--sizes", "1e-9"], "every size must be at least 16 bytes (1.53e-05 MiB)"),
+    (["bench", "allgather", "--cpu", "--overlap", "1"], "--overlap times gathers beside a bf16 GEMM on GPUs, and "
+                                                         "with --cpu the gloo variant runs; leave --overlap out"),
+    (["bench", "allgather", "--cpu", "--ranks-per-gpu", "2"], "--ranks-per-gpu 2 places ranks on GPUs, and with --cpu"),
+    (["bench", "draft", "--commit-ms", "nan"], "argument --commit-ms: 'nan' is not a finite number"),
+    (["bench", "draft", "--commit-ms", "inf"], "argument --commit-ms: 'inf' is not a finite number"),
+    (["bench", "draft", "--commit-ms", "1e9"], "argument --commit-ms: must be at most 1000, got 1e9"),
+    (["bench", "step", "--json", "/etc/passwd/x"], "--json /etc/passwd/x.json: /etc/passwd is a file"),
+    # the soak's ranks need a warm-up of 50 steps before the first count, and know the presets
+    (["soak", "--steps", "0"], "argument --steps: must be at least 51 (50 warm-up steps, then the checked ones), got 0"),
+    (["soak", "--steps", "-5"], "argument --steps: must be at least 51"),
+    (["soak", "--steps", "30"], "argument --steps: must be at least 51 (50 warm-up steps, then the checked ones), got 30"),
+    (["soak", "--preset", "nope"], "argument --preset: invalid choice: 'nope' (choose from"),
+    (["soak", "--ranks", "0"], "argument --ranks: must be at least 1, got 0"),
+    # an empty path passed every check and failed when the result was written, after the whole run
+    *[(argv + ["--json", ""], "argument --json: an empty path: give a file path, or --json alone (or -)")
+      for argv in (["demo"], ["plan", "--preset", "kimi-k3-b200-fp8"], ["soak"], ["bench", "allgather"], ["info"])],
+    (["demo", "--report", ""], "argument --report: an empty path"),
+    (["demo", "--figures-from", ""], "argument --figures-from: an empty path: give a file path"),  # ran the whole demo
 ]
 
 
@@ -89,6 +118,10 @@ def test_bad_input_is_one_line_before_any_work(argv, message, capsys, no_ranks):
     (["demo", "--issue-thread"], "--issue-thread starts a thread that issues the gathers of our NCCL binding on GPUs "
                                  "(--comm nccl); this machine has no CUDA GPU"),
     (["bench", "allgather", "--ranks", "1000"], f"--ranks 1000: at most {cliargs.MAX_CPU_RANKS} CPU rank processes"),
+    (["bench", "allgather", "--overlap", "1"], "--overlap times gathers beside a bf16 GEMM on GPUs, and this machine "
+                                               "has no CUDA GPU; leave --overlap out"),
+    (["bench", "allgather", "--ranks-per-gpu", "2"], "--ranks-per-gpu 2 places ranks on GPUs, and this machine has no "
+                                                     "CUDA GPU; leave --ranks-per-gpu out"),
 ])
 def test_cpu_machine_refuses_what_needs_gpus(argv, message, capsys, no_ranks):
     rc, out, err = run_cli(argv, capsys)
@@ -110,6 +143,63 @@ def test_unwritable_output_is_refused_first(argv, tmp_path, capsys, no_ranks):
     rc, out, err = run_cli([a.format(file=blocker) for a in argv], capsys)
     assert rc == 2 and err.count("\n") == 1, err
     assert str(blocker) in err and ("is a file" in err or "is not a folder" in err), err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("argv", [
+    ["demo", "--json", "/proc/wsharding-check/r.json"],
+    ["demo", "--json", "/proc/r.json"],
+    ["demo", "--figures", "/proc/wsharding-figures"],
+    ["demo", "--figures", "/proc/self"],  # a folder that exists, where no file can be made
+    ["plan", "--preset", "kimi-k3-b200-fp8", "--json", "/proc/p.json"],
+    ["soak", "--json", "/proc/s.json"],
+    ["bench", "allgather", "--json", "/proc/a.json"],
+    ["bench", "step", "--json", "/proc/bench_step"],
+    ["bench", "draft", "--json", "/proc/bench_draft"],
+    ["info", "--json", "/proc/i.json"],
+], ids=" ".join)
+def test_output_under_proc_is_refused_even_where_permission_bits_say_yes(argv, monkeypatch, capsys, no_ranks):
+    """Root passes ``os.access`` everywhere, yet can create nothing under /proc: the check creates
+    (and removes) what it needs instead of asking the permission bits -- made to lie here, as for root."""
+    monkeypatch.setattr(cliargs.os, "access", lambda *a, **k: True)
+    rc, out, err = run_cli(argv, capsys)
+    option = "--figures" if "--figures" in argv else "--json"
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"{option} /proc/" in err and ": cannot create /proc/" in err and "choose another path" in err, err
+
+
+def test_output_check_leaves_nothing_behind(tmp_path):
+    """The check creates the missing folders and the file to know it can, then removes what it made."""
+    (tmp_path / "kept.json").write_text("as it was")
+    check_output_path(tmp_path / "new" / "deeper" / "r.json", "--json")
+    check_output_path(tmp_path / "figs" / "sub", "--figures", directory=True)
+    check_output_path(tmp_path, "--figures", directory=True)
+    check_output_path(tmp_path / "kept.json", "--json")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.json"]
+    assert (tmp_path / "kept.json").read_text() == "as it was"
+
+
+def test_plan_refuses_a_binary_model_file(tmp_path, capsys):
+    """A binary file (a program, a checkpoint) given as --model was a UnicodeDecodeError traceback."""
+    binary = tmp_path / "model"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
+    rc, out, err = run_cli(["plan", "--model", str(binary)], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert f"wsharding plan: error: model file {binary}: not a JSON/YAML model description (a binary file" in err, err
+
+
+def test_soak_refuses_a_preset_that_does_not_fit_before_any_rank(monkeypatch, capsys, no_ranks):
+    """``soak --preset k3-like --ranks 2`` was killed for memory minutes in: its ranks build what the
+    demo's build, so the demo's check runs first (here with 4 GiB available)."""
+    from wsharding.lab import memory
+
+    monkeypatch.setattr(memory, "cpu_available", lambda: (4 * 2**30, "MemAvailable in /proc/meminfo"))
+    rc, out, err = run_cli(["soak", "--preset", "k3-like", "--ranks", "2", "--no-faults"], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("wsharding soak: error: --preset k3-like --ranks 2: a soak rank holds what a demo rank "
+                          "holds (the replicated model and its sharded twin), and demo --preset k3-like on 2 ranks "
+                          "needs about 2 x "), err
+    assert "this machine has 4.0 GiB available" in err and "instead." in err, err
 
 
 def test_figures_from_checks_the_file(tmp_path, capsys, no_ranks):

@@ -25,12 +25,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from wsharding.comm.base import Communicator
+from wsharding.guards import bound_weights
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import CheckpointShapeError
 from wsharding.runner import shard_blocks
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
-from wsharding.shard import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding
+from wsharding.shard import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
 
 #: merged module -> the checkpoint modules it is loaded from, with their shard ids
 STACKED: dict[str, list[tuple[str, Any]]] = {
@@ -71,11 +72,23 @@ def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str,
     """Write a replicated (tp 1) model's weights as a safetensors file, merged parameters split back
     into their checkpoint tensors.
 
-    ``state_dict``: tensors to write instead of the parameters' own values -- for a sharded model,
-    :meth:`wsharding.shard.WeightSharding.full_state_dict` (its sharded weights are slot views).
+    ``state_dict``: tensors to write instead of the parameters' own values. A sharded model (after
+    finalize) holds none of its sharded weights whole -- each is a view of a gather slot -- so it is
+    saved from :meth:`wsharding.shard.WeightSharding.full_state_dict`, a collective that every rank
+    of the shard group calls, and written by one rank::
+
+        full = ws.full_state_dict(model)          # every rank
+        if rank == 0:
+            save_checkpoint(model, path, state_dict=full)
+
+    Without a full weight for every sharded parameter it raises :class:`CheckpointError` at once,
+    before anything is written and with no collective. It is not collective itself: the usual
+    ``if rank == 0: save_checkpoint(...)`` would then leave rank 0 in gathers that the other ranks
+    never join (or that their next forward's gathers silently match).
     """
     params = dict(model.named_parameters())
     values = dict(state_dict) if state_dict is not None else {}
+    _refuse_bound_weights(model, params, values, state_dict is not None)
     out: dict[str, torch.Tensor] = {}
     for key, pname, shard_id in checkpoint_layout(model):
         p = values.get(pname, params[pname]).detach()
@@ -86,6 +99,40 @@ def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str,
             p = _shard_piece(module, params[pname], p, shard_id)
         out[key] = p.contiguous().cpu()
     save_file(out, str(path))
+
+
+def _refuse_bound_weights(model: nn.Module, params: dict[str, torch.Tensor], values: dict[str, torch.Tensor],
+                          given: bool) -> None:
+    """Raise :class:`CheckpointError` unless ``values`` holds the full weight of every sharded
+    parameter of ``model`` (see :func:`save_checkpoint`)."""
+    recipe = ("Gather the full weights first -- a collective: every rank of the shard group must call it -- then "
+              "write them on one rank:\n    full = ws.full_state_dict(model)   # ws: the model's WeightSharding\n"
+              "    if rank == 0: save_checkpoint(model, path, state_dict=full)")
+    for pname, b in bound_weights(model).items():
+        value = values.get(pname)
+        head = f"save_checkpoint: {pname} ({b.target.label}) is sharded: on rank {b.rank}"
+        if value is not None and tuple(value.shape) == b.target.shape and not _shares_storage(value, params[pname]):
+            continue
+        if b.closed:
+            raise CheckpointError(
+                f"{head} its weight sharding was closed and its sharded weights freed (the parameter holds 0 "
+                "elements). Take full = ws.full_state_dict(model) on every rank of the shard group before close(), "
+                "and save that: save_checkpoint(model, path, state_dict=full) on one rank")
+        if not given:
+            raise CheckpointError(f"{head} the parameter is a view of a gather slot, not the weight (this rank keeps "
+                                  f"only its chunk). {recipe}")
+        if value is None:
+            raise CheckpointError(f"{head} the parameter is a view of a gather slot, and state_dict has no {pname!r}. "
+                                  "Pass full = ws.full_state_dict(model), keyed by parameter name (without the model, "
+                                  "full_state_dict() is keyed by layer id)")
+        what = ("the parameter itself (a view of a gather slot)" if _shares_storage(value, params[pname])
+                else f"{list(value.shape)}, the full weight is {list(b.target.shape)}")
+        raise CheckpointError(f"{head} state_dict[{pname!r}] is {what}. {recipe}")
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ptr = b.untyped_storage().data_ptr()
+    return ptr != 0 and a.untyped_storage().data_ptr() == ptr
 
 
 def show_progress(rank: int | None = None) -> bool:
@@ -186,5 +233,14 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
     counts. Works for any model whose parameter names are the checkpoint's keys (a Hugging Face
     ``save_pretrained`` folder, or :func:`save_checkpoint`'s files).
     """
+    try:
+        # Opened (every header and the index checked) before anything is shrunk: a missing or damaged
+        # checkpoint leaves the model as it was.
+        Checkpoint(path).close()
+    except (SafetensorsError, OSError) as e:
+        error = CheckpointError(f"checkpoint {path}: {e}")
+        if hasattr(comm, "rank"):  # a bad comm is named by shard_blocks' checks, below
+            abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
+        raise error from e
     return shard_blocks(model, blocks, patterns, comm, keep_initial_weights=False,
                         load=lambda ws: load_checkpoint(model, path), **kwargs)

@@ -335,6 +335,10 @@ def load_model_file(path: str | Path) -> ModelSpec:
         text = path.read_text()
     except OSError as e:
         raise CostModelError(f"model file {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:  # a binary file (a program, a checkpoint) given by mistake
+        raise CostModelError(f"model file {path}: not a JSON/YAML model description (a binary file: byte "
+                             f"{e.object[e.start]:#04x} at offset {e.start} is not UTF-8 text); pass a .json or "
+                             ".yaml file in the format of costmodel.model_from_dict") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml

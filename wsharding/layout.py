@@ -137,8 +137,11 @@ class FlatLayout:
         alignment: int = ALIGNMENT,
         chunk_alignment: int | None = None,
     ) -> None:
-        if not isinstance(group_size, int) or group_size < 1:
-            raise LayoutError(f"group_size must be an integer >= 1, got {group_size!r}")
+        # a bool is an int in Python: FlatLayout(..., True) would be a group of one rank
+        whole = isinstance(group_size, int) and not isinstance(group_size, bool)
+        if not whole or group_size < 1:
+            kind = "" if whole else f" (a {type(group_size).__name__}, not a number of ranks)"
+            raise LayoutError(f"group_size must be an integer >= 1, got {group_size!r}{kind}")
         if alignment < ALIGNMENT or alignment & (alignment - 1):
             raise LayoutError(f"alignment must be a power of two >= {ALIGNMENT}, got {alignment}")
         _check_chunk_alignment(chunk_alignment, alignment)

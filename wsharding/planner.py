@@ -63,10 +63,24 @@ running one). The next step finds it issued and only waits. The rules it keeps:
 * a CUDA graph replays alone, with nothing pending before it: no prefetch is issued under capture,
   and capturing a step that would consume one is refused (turn it off and run one eager step);
 * it gathers the same slot as the draft's own first-layer prefetch, so the two are not combined.
+
+[Note: in-place edits of bound weights]
+A sharded weight is a view of its slot, and every gather of its layer refills the slot from the
+chunks: an in-place edit after finalize (``weight.mul_(2)``, an optimizer step) is silently undone
+by the layer's next gather -- and, made while the slot holds another layer, lands in that layer's
+bytes. It cannot be written back to the chunks in general (the bytes it reached may be another
+layer's), so it is refused. The Parameter keeps its own version counter, which only in-place ops
+through it (or its views) move -- a gather writes the slot buffer, never the Parameter -- so each
+layer's wait compares its weights' versions with those at finalize: one C-level map over the
+layer's few weights per layer and step. The first computation that would use (or lose) the edit
+is the layer's next one, which always goes through that wait: the refusal comes before it, on
+every rank that made the edit, and stays (the layer is refused from then on: its Parameters no
+longer say what it computes with). ``WeightSharding.full_state_dict`` refuses it too.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 
@@ -74,8 +88,11 @@ import torch
 
 from wsharding.comm.base import CommError, Communicator, PreparedGather
 from wsharding.layout import FlatLayout
+from wsharding.rowloaders import ShardingError
 from wsharding.slots import SLOT_NAMES, SlotPool
 from wsharding.trace import StepTrace
+
+_version = operator.attrgetter("_version")
 
 
 @dataclass
@@ -85,6 +102,9 @@ class ShardedLayer:
     layer: int
     layout: FlatLayout
     chunk: torch.Tensor
+    #: ``(label, weight)`` of the weights bound to the layer's slot views, whose version counters
+    #: its waits check ([Note: in-place edits of bound weights]).
+    weights: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 class PlannerClosedError(CommError):
@@ -122,6 +142,14 @@ class WeightShardPlanner:
             for i, st in layers.items()
         }
         self._slot_of = {i: slots.slot_of(i) for i in layers}
+        # [Note: in-place edits of bound weights]: each layer's bound weights and their versions now.
+        # Read through detached aliases, which share the Parameter's version counter: a Parameter's
+        # own ``_version`` goes through its ``__torch_function__`` check, several times slower. An
+        # inference tensor has no version counter (and refuses in-place edits outside inference mode).
+        tracked = {i: [(label, w) for label, w in st.weights if not w.is_inference()] for i, st in layers.items()}
+        self._bound = {i: tuple(w.detach() for _, w in ws) for i, ws in tracked.items()}
+        self._bound_labels = {i: tuple(label for label, _ in ws) for i, ws in tracked.items()}
+        self._bound_versions = {i: tuple(map(_version, ws)) for i, ws in self._bound.items()}
         self._prev = {i: slots.previous_occupant(i) for i in layers}
         #: Layers that gate a later gather (the previous occupant of some layer's slot).
         self._gating = {p for p in self._prev.values() if p is not None}
@@ -261,9 +289,10 @@ class WeightShardPlanner:
         if waited is None:
             return  # not a sharded layer
         if waited == self.step:
-            if self.slots.occupant[self._slot_of[layer]] == layer:
-                return
-            self._regather(layer)
+            if self.slots.occupant[self._slot_of[layer]] != layer:
+                self._regather(layer)
+            if tuple(map(_version, self._bound[layer])) != self._bound_versions[layer]:
+                self._refuse_edited(layer)
             return
         if self._issued[layer] != self.step:
             # Lookahead off, or a layer that was never dispatched: gather now and wait at once.
@@ -279,6 +308,8 @@ class WeightShardPlanner:
         except CommError as e:
             raise CommError(self._stuck_message(layer, e)) from e
         self.slots.occupant[self._slot_of[layer]] = layer
+        if tuple(map(_version, self._bound[layer])) != self._bound_versions[layer]:
+            self._refuse_edited(layer)
         if trace is not None:
             trace.mark(layer, "wait_end")
             trace.mark(layer, "compute_start")
@@ -391,6 +422,35 @@ class WeightShardPlanner:
         self.regathers += 1
         self.gathers_total += 1
 
+    def edited_weights(self) -> list[str]:
+        """``"<label> on rank r was changed in place after finalize (version a -> b)"`` for every bound
+        weight edited in place since finalize ([Note: in-place edits of bound weights])."""
+        rank = self.comm.rank
+        return [f"{label} on rank {rank} was changed in place after finalize (version {v0} -> {w._version})"
+                for i in self.sharded_ids
+                for label, w, v0 in zip(self._bound_labels[i], self._bound[i], self._bound_versions[i], strict=True)
+                if w._version != v0]
+
+    def _refuse_edited(self, layer: int) -> None:
+        """A weight of ``layer`` was edited in place: give up the step cleanly and raise."""
+        self.join_pending()
+        edited = [e for e in self.edited_weights() if e.startswith(f"layer {layer} ")]
+        raise ShardingError(edited_message(edited))
+
+    def join_pending(self) -> None:
+        """Wait for every gather this rank issued in this step (or for the next one) that no layer
+        has waited on: a step given up by an exception (a guard's refusal) must leave no gather that
+        could land in a slot during a later step. The ranks that give up the step at the same point
+        issued the same gathers, so this waits only for gathers that complete."""
+        stream = self._compute if self.cuda else None
+        for layer, g in self._gathers.items():
+            if self._issued[layer] >= self.step and self._issued[layer] != self._waited[layer]:
+                g.wait(stream)
+                self._issued[layer] = -1  # the slot holds it, but no layer may count on that
+        self._held.clear()
+        if self._next_first_step > self.step:
+            self._next_first_step = -1
+
     def _stuck_message(self, layer: int, err: Exception) -> str:
         return (
             f"weight gather of layer {layer} failed on rank {self.comm.rank} (step {self.step}): {err}. "
@@ -426,6 +486,10 @@ class WeightShardPlanner:
                 close()  # a captured gather graph goes before the windows it references
         self.closed = True
         self._gathers.clear()
+        # the aliases of the bound weights view the slots: nothing may keep those alive
+        self._bound = dict.fromkeys(self._bound, ())
+        self._bound_labels = dict.fromkeys(self._bound, ())
+        self._bound_versions = dict.fromkeys(self._bound, ())
 
     # ---- the next step's first gather ([Note: the next step's first gather]) -------------------------
     def _prefetch_next_first(self) -> None:
@@ -610,3 +674,13 @@ class WeightShardPlanner:
         if self.trace is not None:
             for kind in ("wait_start", "wait_end", "compute_start"):
                 self.trace.mark(first, kind)  # the wait happened before the step, outside it
+
+
+def edited_message(edited: list[str]) -> str:
+    """The refusal of weights edited in place after finalize (``edited``: lines of
+    :meth:`WeightShardPlanner.edited_weights`)."""
+    return (f"{'; '.join(edited)}: a sharded weight is a view of a gather slot that every gather of its layer "
+            "refills from the resident chunks, so the edit is silently undone, and it cannot be written back to "
+            "the chunks. Change weights before finalize, or take WeightSharding.full_state_dict(model) on every "
+            "rank of the shard group, change the copy, and load it into a freshly built model that you shard "
+            "again. The layer is refused from now on")

@@ -5,17 +5,25 @@
 allocated, and each full weight is rebuilt in slot B, in place: rows and chunks never coexist
 beyond one layer's padding, and the seed's temporary full weight costs nothing extra. The peak is
 ``R/N + padding/N + 2 slots`` plus one weight in flight (a transient of the backend or of loading).
+
+Before any of it the ranks agree (:func:`agree_or_raise`): the same layouts on every rank, and every
+rank able to finalize -- in buffers of their own, since a slot's size is one of the things that may
+differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from wsharding.comm.base import Communicator
-from wsharding.layout import FlatLayout
+from wsharding.layout import SUPPORTED_DTYPES, FlatLayout
 from wsharding.linear.base import LinearBase, rebind_tensor
 from wsharding.rowloaders import ShardingError, ShardTarget
 from wsharding.slots import SlotPool
@@ -53,15 +61,106 @@ def process_full_weight(t: ShardTarget, weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def agree_or_raise(comm: Communicator, slots: SlotPool, problems: list[str]) -> None:
-    """Every rank learns whether any rank cannot finalize (one gather of one byte per rank, in
-    slot B), so all raise together rather than some waiting in a gather that never comes."""
-    world = comm.world_size
-    flags = slots.buffers[1].narrow(0, 0, world)
-    mine = flags.narrow(0, comm.rank, 1)
-    mine.fill_(1 if problems else 0)
-    comm.all_gather_into(flags, mine, what="finalize: every rank's load check")
-    bad = [r for r, f in enumerate(flags.tolist()) if f]
+#: One rank's fixed-size record in the first exchange of :func:`agree_or_raise`: a load flag, the
+#: digest of its layout description and the description's length.
+_RECORD = struct.Struct("<B32sQ")
+
+
+def describe_layouts(layouts: Mapping[int, FlatLayout], world_size: int) -> dict[str, Any]:
+    """Every sharded layer's layout as plain data: what the ranks of a group must agree on."""
+    return {
+        "world_size": world_size,
+        "layers": [
+            [i, {
+                "weights": [[e.name, SUPPORTED_DTYPES[e.dtype], list(e.shape), e.offset, e.nbytes] for e in lay.entries],
+                "alignment": lay.alignment,
+                "chunk_alignment": lay.chunk_alignment,
+                "total_bytes": lay.total_bytes,
+                "group_size": lay.group_size,
+            }]
+            for i, lay in sorted(layouts.items())
+        ],
+    }
+
+
+def _names(layer: dict[str, Any] | None) -> str:
+    if layer is None or not layer["weights"]:
+        return "nothing"
+    names = [w[0] for w in layer["weights"]]
+    return f"{names[0]} only" if len(names) == 1 else ", ".join(names)
+
+
+def first_difference(a: dict[str, Any], b: dict[str, Any], ra: int, rb: int) -> str:
+    """The first place where rank ``ra``'s layout description ``a`` and rank ``rb``'s ``b`` differ, in
+    words: the layer, the weight, and both ranks' values."""
+    if a["world_size"] != b["world_size"]:
+        return f"rank {ra} is in a group of {a['world_size']} ranks, rank {rb} in one of {b['world_size']}"
+    la, lb = dict((i, x) for i, x in a["layers"]), dict((i, x) for i, x in b["layers"])
+    for i in sorted(set(la) | set(lb)):
+        x, y = la.get(i), lb.get(i)
+        if x is None or y is None or [w[0] for w in x["weights"]] != [w[0] for w in y["weights"]]:
+            return f"layer {i}: rank {ra} shards {_names(x)}, rank {rb} shards {_names(y)}"
+        for (name, dta, sha, offa, na), (_, dtb, shb, offb, nb) in zip(x["weights"], y["weights"], strict=True):
+            if (dta, sha) != (dtb, shb):
+                return f"layer {i} {name}: rank {ra} has {dta} {sha}, rank {rb} has {dtb} {shb}"
+            if (offa, na) != (offb, nb):
+                return (f"layer {i} {name}: rank {ra} places it at byte {offa} ({na} B), rank {rb} at byte {offb} "
+                        f"({nb} B)")
+        for key in ("group_size", "alignment", "chunk_alignment", "total_bytes"):
+            if x[key] != y[key]:
+                return f"layer {i}: {key.replace('_', ' ')} {x[key]} on rank {ra}, {y[key]} on rank {rb}"
+    return f"rank {ra} and rank {rb} describe their layouts differently"
+
+
+def _gather_bytes(comm: Communicator, data: bytes, tag: str, what: str) -> list[bytes]:
+    """Every rank's ``data`` (the same length on every rank), in rank order: one gather in a fresh
+    buffer, whose size depends on nothing a rank may disagree on (a slot's does)."""
+    n, world = len(data), comm.world_size
+    full = comm.alloc(n * world, tag=tag)
+    register_all = getattr(comm, "register_all", None)
+    if register_all is not None:
+        register_all()  # collective; only this buffer is pending, the same size on every rank
+    try:
+        mine = full.narrow(0, comm.rank * n, n)
+        mine.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        comm.all_gather_into(full, mine, what=what)
+        out = bytes(full.cpu().tolist())
+    finally:
+        release = getattr(comm, "release", None)
+        if release is not None:
+            release([full])  # collective, as the registration was
+    return [out[r * n : (r + 1) * n] for r in range(world)]
+
+
+def agree_or_raise(comm: Communicator, layouts: Mapping[int, FlatLayout], problems: list[str], *,
+                   tag: str = "agree") -> None:
+    """Every rank learns whether all ranks declared the same layouts and whether any rank cannot
+    finalize, so that all raise together rather than some waiting in a gather that never comes.
+
+    Collective, and it must come before anything whose size depends on the layouts (the slots,
+    their registration, the gathers): ranks that declared different targets, shapes, blocks or
+    ``sharded_layers`` would otherwise pair gathers of different weights -- of the same size, a
+    silently wrong model; of another size, an error or an aborted process on some backends. First a
+    gather of a fixed-size record per rank (load flag, digest of the layout description, its
+    length); only when the digests differ, a gather of the descriptions padded to the longest, so
+    every rank raises the same :class:`ShardingError` naming the first difference.
+    """
+    text = json.dumps(describe_layouts(layouts, comm.world_size), sort_keys=True, separators=(",", ":")).encode()
+    record = _RECORD.pack(1 if problems else 0, hashlib.sha256(text).digest(), len(text))
+    records = [_RECORD.unpack(r) for r in _gather_bytes(comm, record, tag, "finalize: every rank's layout and load check")]
+    bad = [r for r, (flag, _, _) in enumerate(records) if flag]
+    # A rank that cannot finalize first: one that gave up before declaring (abandon_sharding) has no
+    # layouts, and "it shards nothing" would hide its own error.
+    if not bad and len({digest for _, digest, _ in records}) > 1:
+        longest = max(length for _, _, length in records)
+        texts = _gather_bytes(comm, text.ljust(longest, b" "), f"{tag}.layouts", "finalize: every rank's layout")
+        described = [json.loads(t) for t in texts]
+        other = next(r for r, (_, digest, _) in enumerate(records) if digest != records[0][1])
+        raise ShardingError(
+            "finalize refused on every rank: the ranks of this group declared different sharded layouts -- "
+            f"{first_difference(described[0], described[other], 0, other)}. Every layer's gather pairs the same "
+            "bytes on every rank, so declare the same targets on every rank of the group: the same model, the same "
+            "targets (or patterns) and the same sharded_layers")
     if problems:
         raise ShardingError(f"finalize refused on rank {comm.rank}: " + "; ".join(problems) +
                             ". Load every row from a checkpoint (load_checkpoint) before finalize, or build the "

@@ -16,6 +16,7 @@ lives in ``shard.py``; this module only runs it.
 from __future__ import annotations
 
 import fnmatch
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from torch import nn
 from wsharding.comm.base import Communicator
 from wsharding.linear.base import LinearBase
 from wsharding.planner import WeightShardPlanner
-from wsharding.shard import ShardingError, WeightSharding
+from wsharding.shard import ShardingError, WeightSharding, abandon_sharding
 
 
 def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
@@ -76,6 +77,79 @@ def find_targets(block: nn.Module, patterns: Sequence[str]) -> list[str]:
     ]
 
 
+#: What a communicator has for sure (the :class:`~wsharding.comm.base.Communicator` protocol): an
+#: object without these is something else passed by mistake (None, a backend name, a RankContext).
+_COMM_ATTRIBUTES = ("rank", "world_size", "device", "all_gather_into")
+
+
+def check_shard_blocks_args(
+    model: nn.Module, blocks: str | nn.ModuleList, patterns: Sequence[str], comm: Communicator,
+    sharded_layers: Iterable[int] | None,
+) -> tuple[nn.ModuleList, list[str], list[int] | None]:
+    """The arguments of :func:`shard_blocks` (and :func:`wsharding.checkpoint.load_sharded`), checked
+    before anything is touched; returns the blocks, the patterns and the layer indices as lists.
+
+    Each mistake here would otherwise be read some other way: a str of patterns character by
+    character (``"fc*"`` holds ``"*"``, which shards every linear), a float layer index as no layer,
+    a generator of patterns as empty after the first block -- or end in an AttributeError far from
+    the cause (``comm=None``) or a message holding the repr of every block (a list of blocks).
+    """
+    if not isinstance(model, nn.Module):
+        raise ShardingError(f"model: a {type(model).__name__} is not an nn.Module; pass the model whose blocks are "
+                            "sharded")
+    if isinstance(blocks, str):
+        try:
+            block_list = model.get_submodule(blocks)
+        except AttributeError:
+            lists = [n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList)]
+            known = f" (its ModuleLists: {', '.join(map(repr, lists[:5]))})" if lists else " (it has no nn.ModuleList)"
+            raise ShardingError(f"blocks: {type(model).__name__} has no submodule {blocks!r}{known}; name the "
+                                "nn.ModuleList of blocks by its attribute path, e.g. 'model.layers'") from None
+        if not isinstance(block_list, nn.ModuleList):
+            raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
+    elif isinstance(blocks, nn.ModuleList):
+        block_list = blocks
+    else:
+        size = f" of {len(blocks)} modules" if isinstance(blocks, (list, tuple)) else ""
+        raise ShardingError(f"blocks: got a {type(blocks).__name__}{size}; pass the nn.ModuleList itself (e.g. "
+                            "model.layers) or its attribute name as a str (e.g. 'layers')")
+    if isinstance(patterns, (str, bytes)):
+        raise ShardingError(f"patterns: got the str {patterns!r}, which would be read character by character; pass "
+                            f"a list of patterns: [{patterns!r}]")
+    pattern_list = list(patterns)
+    odd = [p for p in pattern_list if not isinstance(p, str)]
+    if odd:
+        raise ShardingError(f"patterns: {odd[0]!r} (of type {type(odd[0]).__name__}) is not a str; every pattern "
+                            "is a str of fnmatch syntax, e.g. ['attn.*_proj', 'mlp.fc1']")
+    missing = [a for a in _COMM_ATTRIBUTES if not hasattr(comm, a)]
+    if missing:
+        if hasattr(comm, "shard_comm"):
+            raise ShardingError(f"comm: got a {type(comm).__name__}, the rank's context, not a communicator; pass "
+                                "ctx.shard_comm(group_size) (or ctx.comm for the whole world)")
+        got = "None" if comm is None else f"the str {comm!r}" if isinstance(comm, str) else \
+            f"a {type(comm).__name__} (it has no {', '.join(missing)})"
+        raise ShardingError(f"comm: got {got}, not a communicator; pass the communicator of the shard group: "
+                            "ctx.shard_comm(group_size), with ctx = wsharding.cluster.init_from_env() in a torchrun "
+                            "launch, or the context a RankCluster task receives")
+    if sharded_layers is None:
+        return block_list, pattern_list, None
+    example = "e.g. [1, 2] or range(1, 8)"
+    if isinstance(sharded_layers, (str, bytes)) or not isinstance(sharded_layers, Iterable):
+        raise ShardingError(f"sharded_layers: got the {type(sharded_layers).__name__} {sharded_layers!r}; pass the "
+                            f"layer indices as a list or range, {example}"
+                            + (f" ([{sharded_layers}] for that one layer)" if isinstance(sharded_layers, int) else ""))
+    layer_ids = []
+    for i in sharded_layers:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            layer_ids.append(operator.index(i))
+        except TypeError:
+            raise ShardingError(f"sharded_layers: {i!r} (a {type(i).__name__}) is not a layer index; pass whole "
+                                f"numbers, {example}") from None
+    return block_list, pattern_list, layer_ids
+
+
 def shard_blocks(
     model: nn.Module,
     blocks: str | nn.ModuleList,
@@ -112,16 +186,22 @@ def shard_blocks(
     block's own, and records its end ([Note: one wrapper per block, not two hooks]). Returns the
     finalized :class:`WeightSharding` (``.planner`` has the counters and trace).
     """
-    block_list = model.get_submodule(blocks) if isinstance(blocks, str) else blocks
-    if not isinstance(block_list, nn.ModuleList):
-        raise ShardingError(f"{blocks!r} is a {type(block_list).__name__}, expected the nn.ModuleList of blocks")
-    targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
-    ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead, trace=trace,
-                        keep_initial_weights=keep_initial_weights, prefetch_next_step=prefetch_next_step,
-                        map_own_chunk=map_own_chunk)
-    ws.setup()
-    if load is not None:
-        ws.load_result = load(ws)
+    block_list, patterns, sharded_layers = check_shard_blocks_args(model, blocks, patterns, comm, sharded_layers)
+    try:
+        targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
+        ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead,
+                            trace=trace, keep_initial_weights=keep_initial_weights,
+                            prefetch_next_step=prefetch_next_step, map_own_chunk=map_own_chunk)
+        ws.refuse_tied_to(model)  # a head or embedding tied to a target: only the whole model shows it
+        ws.setup()
+        if load is not None:
+            ws.load_result = load(ws)
+    except Exception as e:
+        # This rank stops before finalize, where its peers wait for it: they learn it in finalize's
+        # agreement and raise too, instead of waiting in a gather until the collective timeout (a
+        # checkpoint unreadable on one node, a tie only one rank's model has).
+        abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {type(e).__name__}: {e}")
+        raise
     ws.finalize()
     planner = ws.planner
     count = len(block_list)

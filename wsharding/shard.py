@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,11 +33,12 @@ import torch
 from torch import nn
 
 from wsharding.bound import guard_bound_weight
-from wsharding.comm.base import Communicator
+from wsharding.comm.base import CommError, Communicator
+from wsharding.guards import BoundWeightGuards
 from wsharding.layout import FlatLayout
 from wsharding.linear.base import LinearBase, rebind_tensor
 from wsharding.mapped_slots import mapping_page_bytes, mapping_unavailable, slot_pool_for
-from wsharding.planner import ShardedLayer, WeightShardPlanner
+from wsharding.planner import ShardedLayer, WeightShardPlanner, edited_message
 from wsharding.redistribute import agree_or_raise, redistribute_layer, set_weight_data
 from wsharding.rowloaders import (
     FullShapeLoader,
@@ -106,6 +107,74 @@ def _tp_size(module: nn.Module) -> int:
 def _row_blocks(module: nn.Module, rows: int) -> list[RowBlock]:
     fn = getattr(module, "row_sub_blocks", None)
     return list(fn()) if fn is not None else [(None, 0, rows, 0)]
+
+
+#: Where a parameter or buffer is held: ``(path, module, attribute)``.
+Place = tuple[str, nn.Module, str]
+
+
+def _tensor_places(root: nn.Module, skip: Container[int] = ()) -> list[Place]:
+    """Every parameter and buffer attribute reachable from ``root``, at every path that reaches it (a
+    module registered twice is listed twice), in registration order; modules whose ``id`` is in
+    ``skip`` are not entered."""
+    out: list[Place] = []
+    stack: list[tuple[str, nn.Module, frozenset[int]]] = [("", root, frozenset())]
+    while stack:
+        path, mod, above = stack.pop()
+        if id(mod) in skip or id(mod) in above:
+            continue
+        out += [(f"{path}.{attr}" if path else attr, mod, attr) for attr in [*mod._parameters, *mod._buffers]]
+        inner = above | {id(mod)}
+        stack += [(f"{path}.{name}" if path else name, child, inner)
+                  for name, child in reversed(mod._modules.items()) if child is not None]
+    return out
+
+
+def _storage_key(t: torch.Tensor | None) -> tuple | None:
+    """What two tensors that share memory have in common: their storage (a tied weight, or any view
+    of it); a meta tensor has no memory, so only the tensor object itself. None: nothing to share."""
+    if t is None:
+        return None
+    if t.is_meta:
+        return ("meta", id(t))
+    st = t.untyped_storage()
+    return (t.device, st.data_ptr()) if st.nbytes() else None
+
+
+def _held(place: Place) -> torch.Tensor | None:
+    """The tensor a place holds now (setup and finalize give targets new storage)."""
+    _, mod, attr = place
+    return mod._parameters[attr] if attr in mod._parameters else mod._buffers.get(attr)
+
+
+def _by_storage(places: Iterable[Place]) -> dict[tuple, list[Place]]:
+    """``places`` grouped by the storage they hold now (:func:`_storage_key`)."""
+    out: dict[tuple, list[Place]] = {}
+    for place in places:
+        key = _storage_key(_held(place))
+        if key is not None:
+            out.setdefault(key, []).append(place)
+    return out
+
+
+def _next_sharding_number(comm: Communicator) -> int:
+    """The number of this sharding on ``comm`` (the same on every rank: each one finalizes, or
+    abandons, every sharding in the same order)."""
+    k = _SHARDINGS_ON.get(comm, 0)
+    _SHARDINGS_ON[comm] = k + 1
+    return k
+
+
+def abandon_sharding(comm: Communicator, why: str) -> None:
+    """This rank cannot reach :meth:`WeightSharding.finalize` of a sharding its peers are building (its
+    declare, setup or load raised): take part in finalize's agreement with a problem instead, so that
+    every peer raises a :class:`ShardingError` naming this rank rather than waiting in a gather that
+    never comes. Returns; the caller raises its own error. A communicator that fails here (its peers
+    are gone too) is left to that error."""
+    try:
+        agree_or_raise(comm, {}, [why], tag=f"ws{_next_sharding_number(comm)}.agree")
+    except (ShardingError, CommError):
+        pass
 
 
 class WeightSharding:
@@ -178,6 +247,8 @@ class WeightSharding:
         self.loaders: dict[tuple[int, str], RowShardLoader | FullShapeLoader] = {}
         self.chunks: dict[int, torch.Tensor] = {}
         self._shrunk: set[int] = set()
+        #: Every declared block (sharded or not) and its tensors' places by storage: the tie check's index.
+        self._declared_blocks: dict[int, tuple[nn.Module, dict[tuple, list[Place]]]] = {}
         self.slots: SlotPool | None = None
         self.planner: WeightShardPlanner | None = None
         if layers is not None:
@@ -205,7 +276,13 @@ class WeightSharding:
         if layer_id in self._shrunk:
             raise ShardingError(f"layer {layer_id}: declare() after setup_layer(): its targets already hold 1/N "
                                 "rows, and a layout needs the full shapes. Declare a layer before it shrinks")
+        # Every block is indexed, sharded or not: a target whose storage a block left replicated also
+        # holds is as wrong as one tied between sharded blocks (_refuse_ties).
+        places = _by_storage(_tensor_places(layer))
+        self._declared_blocks[layer_id] = (layer, places)
+        earlier = [t for i, ts in self.targets.items() if i != layer_id for t in ts]
         if self.sharded_range is not None and layer_id not in self.sharded_range:
+            self._refuse_ties(earlier, places, f"layer {layer_id} ")
             return []
         if getattr(layer, "_weight_shard", None) is not None:
             # Its weights are views of another sharding's slot: sharded again, the two planners would
@@ -243,6 +320,13 @@ class WeightSharding:
                         f"layer {layer_id} {t.name}.weight on rank {self.comm.rank} is the same weight as layer {other} "
                         f"{same.name}.weight (a block or weight shared between layers): each sharded layer needs "
                         "weights of its own. Leave one of the layers out (sharded_layers=...), or untie the weights")
+        # Then every other holder of a target's storage: of this layer's targets in this block and in
+        # the blocks declared before, of earlier layers' targets in this block.
+        self._refuse_ties(chosen, places, f"layer {layer_id} ", own_layer=True)
+        for other, (_, elsewhere) in self._declared_blocks.items():
+            if other != layer_id:
+                self._refuse_ties(chosen, elsewhere, f"layer {other} ", recheck=True)
+        self._refuse_ties(earlier, places, f"layer {layer_id} ")
         if chosen:
             self.layers[layer_id] = layer
             self.targets[layer_id] = chosen
@@ -253,6 +337,46 @@ class WeightSharding:
             self.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], self.comm.world_size,
                                                 chunk_alignment=self._chunk_alignment)
         return chosen
+
+    def _refuse_ties(self, targets: Sequence[ShardTarget], held: Mapping[tuple, list[Place]], where: str, *,
+                     own_layer: bool = False, recheck: bool = False, of: str = "") -> None:
+        """Raise when a place of ``held`` (places by storage) holds a target's storage. ``own_layer``:
+        the places are the targets' own layer, where the target's own attribute (its module's
+        ``weight``) is not a tie. ``recheck``: ``held`` was indexed earlier, so a place counts only if
+        it still holds that storage (memory freed since may have been reused).
+
+        Why refused, even inside the block: setup gives the target's Parameter this rank's rows and
+        finalize a view of a slot that other layers' gathers overwrite. Every other holder would read
+        another layer's weights when it runs outside the layer (a head tied to a block's weight), keep
+        the full replicated memory and miss what loading writes (a separate tensor over the same
+        storage), or be loaded and processed as a replicated weight (a package linear that is not a
+        target runs its after-loading step on the row shard)."""
+        for t in targets:
+            key = _storage_key(t.module.weight)
+            for place in held.get(key, ()) if key is not None else ():
+                if own_layer and place[1] is t.module and place[2] == "weight":
+                    continue
+                if recheck and _storage_key(_held(place)) != key:
+                    continue
+                holder = f"{where}{place[0]}"
+                raise ShardingError(
+                    f"{t.label} on rank {self.comm.rank} is a sharding target, and its storage is also {holder}{of} "
+                    "(a tied weight): sharded, that memory is replaced by this rank's rows and then by a view of a "
+                    "slot that other layers' gathers overwrite, so that holder would read stale rows or another "
+                    f"layer's weights. Untie them (give {holder} a tensor of its own), or leave {t.name} out of the "
+                    "targets")
+
+    def refuse_tied_to(self, model: nn.Module) -> None:
+        """Raise :class:`ShardingError` when a target's storage is shared with any parameter or buffer
+        of ``model`` outside the declared blocks (a head or an embedding tied to a block's weight).
+
+        :meth:`declare` checks the blocks it is given (each block against itself and the others);
+        only the whole model shows the rest. :func:`~wsharding.runner.shard_blocks` (and so
+        :func:`~wsharding.checkpoint.load_sharded`) calls this before setup; call it likewise when
+        building a WeightSharding from a model's blocks yourself."""
+        skip = {id(block) for block, _ in self._declared_blocks.values()}
+        self._refuse_ties([t for ts in self.targets.values() for t in ts], _by_storage(_tensor_places(model, skip)), "",
+                          of=" of the model")
 
     def report(self) -> str:
         """One line per declared weight: sharded or left alone, and why."""
@@ -377,9 +501,10 @@ class WeightSharding:
         """Redistribute row shards into flat chunks, run the after-loading step, bind the views.
 
         Collective: every rank calls it. First every rank checks its targets (every row loaded, shape
-        and dtype as declared) and the ranks agree on the verdict, so a bad rank raises everywhere
-        instead of leaving the others in a gather. Then the two slots are allocated (and registered,
-        with a symmetric-memory backend), and layer by layer:
+        and dtype as declared) and the ranks agree on the verdict and on every layer's layout, so a bad
+        rank -- or ranks that declared different targets -- raise everywhere, naming the cause, instead
+        of leaving the others in a gather or pairing different weights. Then the two slots are
+        allocated (and registered, with a symmetric-memory backend), and layer by layer:
 
         1. this layer's row shards are packed into slot A and freed;
         2. its chunk is allocated -- about the bytes just freed, so the peak stays at about
@@ -409,13 +534,14 @@ class WeightSharding:
         problems = self.check_loaded()
         # Buffer tags name symmetric windows and must be unique on a communicator that outlives one
         # model: number the shardings made on it (the same count on every rank).
-        k = _SHARDINGS_ON.get(comm, 0)
-        _SHARDINGS_ON[comm] = k + 1
+        k = _next_sharding_number(comm)
+        # Before the slots: their size, their registration and every gather below depend on the layouts,
+        # so ranks that declared different ones (or a rank that cannot finalize) raise together here.
+        agree_or_raise(comm, self.layouts, problems, tag=f"ws{k}.agree")
         self.slots = slot_pool_for(comm, self.layouts, tag=f"ws{k}.slot", map_own_chunk=self.map_own_chunk)
         register_all = getattr(comm, "register_all", None)
         if register_all is not None:
             register_all()  # collective, one order on every rank
-        agree_or_raise(comm, self.slots, problems)
         seen("slots")
         for i in sorted(self.targets):
             redistribute_layer(comm, self.layouts[i], self.targets[i], self.slots, self.chunks, i,
@@ -427,7 +553,8 @@ class WeightSharding:
             trim()  # mapped slots: nothing reads a slot's own page any more ([Note: the own chunk mapped, not copied])
         self.planner = WeightShardPlanner(
             comm,
-            {i: ShardedLayer(i, self.layouts[i], self.slots.gather_chunk(i, self.chunks[i])) for i in self.targets},
+            {i: ShardedLayer(i, self.layouts[i], self.slots.gather_chunk(i, self.chunks[i]),
+                             tuple((t.label, t.module.weight) for t in self.targets[i])) for i in self.targets},
             self.slots,
             lookahead=self.lookahead,
             trace=self.trace,
@@ -441,6 +568,9 @@ class WeightSharding:
         for ts in self.targets.values():
             for t in ts:
                 guard_bound_weight(t)
+        # autograd, state_dict() and save_checkpoint refused on the bound weights (wsharding/guards.py)
+        self.guards = BoundWeightGuards(self)
+        self.guards.install()
         self.stage = "finalized"
         return self
 
@@ -457,6 +587,8 @@ class WeightSharding:
         self.hook_handles = []
         if self.planner is not None:
             self.planner.close()
+        if getattr(self, "guards", None) is not None:
+            self.guards.on_close()
         why = ("this model's weight sharding was closed (WeightSharding.close(), or its communicator was closed): "
                "its sharded weights are gone. Shard a fresh model to run it again")
         for i, layer in self.layers.items():
@@ -511,6 +643,10 @@ class WeightSharding:
         model's whole ``state_dict()`` (every tensor copied to ``device``) with the sharded weights
         replaced; without: only the sharded weights, keyed ``"<layer id>.<target>.weight"``.
         Saving the result (:func:`wsharding.checkpoint.save_checkpoint`) loses nothing.
+
+        A weight edited in place since finalize is refused (its edit is not in the chunks, [Note:
+        in-place edits of bound weights] in ``wsharding/planner.py``) -- after the gathers, so that a
+        rank that refuses leaves no peer waiting in one.
         """
         self._expect("finalized", "full_state_dict")
         full: dict[int, torch.Tensor] = {}
@@ -521,10 +657,14 @@ class WeightSharding:
             views = self.layouts[i].views(buf)
             for t in self.targets[i]:
                 full[id(t.module.weight)] = views[t.entry].to(device, copy=True)
+        edited = self.planner.edited_weights()
+        if edited:
+            raise ShardingError(f"full_state_dict: {edited_message(edited)}")
         if model is None:
             return {f"{t.layer}.{t.entry}": full[id(t.module.weight)] for ts in self.targets.values() for t in ts}
-        return {k: full[id(v)] if id(v) in full else v.detach().to(device, copy=True)
-                for k, v in model.state_dict(keep_vars=True).items()}
+        with self.guards.reading_state_dict():  # its sharded weights are replaced below
+            state = model.state_dict(keep_vars=True)
+        return {k: full[id(v)] if id(v) in full else v.detach().to(device, copy=True) for k, v in state.items()}
 
     def _expect(self, stage: str, what: str) -> None:
         if self.stage != stage:

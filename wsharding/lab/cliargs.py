@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,22 +48,30 @@ def add_verbose_option(p: argparse.ArgumentParser) -> None:
 
 
 # ---- argparse types: the message names the value and says what is expected ------------------------
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type`` for an integer >= ``low``."""
-    return checked_number(int, low)
+def int_at_least(low: int, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= ``low`` (``why``: said with the bound when refused)."""
+    return checked_number(int, low, why=why)
 
 
-def checked_number(kind: type, low: float) -> Callable[[str], float]:
-    """An argparse ``type`` for one number of ``kind`` (int or float) that is at least ``low``."""
+def checked_number(kind: type, low: float, high: float | None = None, *, why: str = "") -> Callable[[str], float]:
+    """An argparse ``type`` for one number of ``kind`` (int or float) in ``[low, high]``. A float must
+    be finite: ``nan`` passes every comparison and ``inf`` every lower bound, and either ends in a
+    traceback (or a run that never ends) long after parsing. ``why`` is said with the bound when a
+    value outside it is refused."""
     what = "whole number" if kind is int else "number"
+    because = f" ({why})" if why else ""
 
     def parse(text: str) -> float:
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {what}") from None
+        if kind is float and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if v < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}{because}, got {text}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}{because}, got {text}")
         return v
 
     parse.__name__ = f"{'integer' if kind is int else 'number'} >= {low:g}"
@@ -84,6 +94,8 @@ def number_list(kind: type, low: float, unit: str, example: str) -> Callable[[st
                 raise argparse.ArgumentTypeError(
                     f"{part!r} is not a {'whole ' if kind is int else ''}number of {unit} (example: {example})"
                 ) from None
+            if kind is float and not math.isfinite(v):
+                raise argparse.ArgumentTypeError(f"{part!r} is not a finite number of {unit} (example: {example})")
             if v < low or (kind is float and v <= low):
                 bound = f"at least {low}" if kind is int else f"more than {low:g}"
                 raise argparse.ArgumentTypeError(f"{part!r}: every value must be {bound} {unit}")
@@ -114,15 +126,36 @@ def add_json_option(p: argparse.ArgumentParser, what: str, *aliases: str) -> Non
 
     ``aliases`` are older spellings, accepted but not shown in ``--help``.
     """
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", type=json_path,
                    help=f"write {what} as JSON to PATH; with no PATH (or -), print the JSON instead of the table")
     for alias in aliases:
-        p.add_argument(alias, dest="json", help=argparse.SUPPRESS)
+        p.add_argument(alias, dest="json", type=json_path, help=argparse.SUPPRESS)
+
+
+def json_path(text: str) -> str:
+    """The argparse ``type`` of ``--json``: an empty path would pass every check and fail only when
+    the result is written, after the whole run."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: give a file path, or --json alone (or -) to print the JSON "
+                                         "instead")
+    return text
+
+
+def nonempty_path(text: str) -> str:
+    """An argparse ``type`` for a path where an empty one would be read as "not given"."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: give a file path")
+    return text
 
 
 def check_output_path(path: str | os.PathLike, option: str, *, directory: bool = False) -> None:
     """Refuse, before any work, an output path that cannot be written: a parent that is a file, a
-    folder without write permission, a file where a folder is wanted or the other way round."""
+    folder where nothing may be created, a file where a folder is wanted or the other way round.
+
+    Checked by doing it: the missing folders and the file (for a folder, a scratch file inside it)
+    are created and what this check made is removed again; an existing file is opened for appending,
+    which leaves it as it was. Permission bits cannot tell: root passes ``os.access`` everywhere, yet
+    cannot create a file under ``/proc`` or ``/sys`` or on a read-only mount."""
     if str(path) in ("", "-"):
         return
     p = Path(path).expanduser().absolute()
@@ -130,13 +163,39 @@ def check_output_path(path: str | os.PathLike, option: str, *, directory: bool =
         want = "a folder" if directory else "a file"
         raise InputError(f"{option} {path}: this path exists and is not {want}")
     parent = p if directory else p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise InputError(f"{option} {path}: {parent} is a file, so nothing can be written below it; "
+    top = parent
+    while not top.exists():
+        top = top.parent
+    if not top.is_dir():
+        raise InputError(f"{option} {path}: {top} is a file, so nothing can be written below it; "
                          "choose another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{option} {path}: no permission to write in {parent}")
+    missing = [parent, *parent.parents][: len(parent.parts) - len(top.parts)]
+    made: list[Path] = []  # folders this check created, removed again in reverse order
+    doing = "create"
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        if directory:
+            fd, scratch = tempfile.mkstemp(dir=parent, prefix=".wsharding-write-check-")
+            os.close(fd)
+            os.unlink(scratch)
+        elif p.exists():
+            doing = "open for writing"
+            # O_NONBLOCK: a FIFO without a reader is refused at once instead of blocking the check
+            os.close(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        else:
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            p.unlink()
+    except OSError as e:
+        where = e.filename or (parent if directory else p)
+        raise InputError(f"{option} {path}: cannot {doing} {where} ({e.strerror}); choose another path") from None
+    finally:
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 def emit_json(obj: Any, path: str | None) -> str | None:

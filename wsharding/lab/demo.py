@@ -45,6 +45,7 @@ from wsharding.lab.cliargs import (
     check_output_path,
     emit_json,
     int_at_least,
+    nonempty_path,
 )
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.loading import build_pair_measured
@@ -427,7 +428,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--figures", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder for the figures (default ./{DEFAULT_OUT}/, git-ignored; '' for none; "
                         "'figures' rewrites the committed ones)")
-    p.add_argument("--figures-from", default=None, metavar="REPORT",
+    p.add_argument("--figures-from", default=None, metavar="REPORT", type=nonempty_path,
                    help="only draw the figures of a saved report (e.g. one from a GPU machine without plotly)")
     p.add_argument("--prefix", default="", help="prefix of the figure file names")
 

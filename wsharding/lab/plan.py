@@ -24,7 +24,14 @@ from wsharding.costmodel import (
     load_model_file,
     plan_table,
 )
-from wsharding.lab.cliargs import InputError, OneLineParser, add_json_option, check_output_path, emit_json
+from wsharding.lab.cliargs import (
+    InputError,
+    OneLineParser,
+    add_json_option,
+    check_output_path,
+    checked_number,
+    emit_json,
+)
 from wsharding.presets import list_presets, load_preset
 
 
@@ -39,13 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the preset's, else 256)")
     p.add_argument("--device", default=None, help="device peaks: b200 or h200 (default: the preset's, else b200)")
     p.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak FLOP/s the GEMMs reach (default 1)")
-    p.add_argument("--latency-us", type=float, default=0.0, help="fixed cost of one gather in microseconds (default 0)")
+    p.add_argument("--latency-us", type=checked_number(float, 0), default=0.0,
+                   help="fixed cost of one gather in microseconds (default 0)")
     p.add_argument("--dtype", default=None, help="re-price the same weights in another dtype (bf16, fp8_e4m3, ...)")
     p.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV cache bytes per token (default: the preset's)")
     p.add_argument("--context", type=int, default=None, help="tokens per request, to count extra concurrent requests")
     p.add_argument("--map-own-chunk", action="store_true",
                    help="price WeightSharding(map_own_chunk=True): chunks in 2 MiB pages, slots (N-1)/N after finalize")
-    p.add_argument("--kv-pool-gib", type=float, default=None,
+    p.add_argument("--kv-pool-gib", type=checked_number(float, 0), default=None,
                    help="KV-cache pool per GPU with replicated weights, GiB (default: the preset's assumption)")
     add_json_option(p, "the plan")
 

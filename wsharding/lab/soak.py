@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RankContext, RemoteError, TaskTimeout, WorkerDied
-from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
+from wsharding.cluster import RankCluster, RankContext, RemoteError, TaskTimeout, WorkerDied, choose_backend
+from wsharding.lab.cliargs import InputError, add_json_option, check_output_path, emit_json, int_at_least
+from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.model import shard_comm_for
-from wsharding.models import build_pair, decoder_config
+from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.runner import aligned_forward
 from wsharding.units import KiB, MiB
 
@@ -58,6 +59,11 @@ FR_ENTRIES = 64
 FAULT_MARGIN_S = 10.0
 #: The three fault runs.
 FAULTS = ("kill", "skip", "raise")
+#: Steps before the first count is taken (the flight recorder fills, the allocator settles); growth is
+#: measured from there to the last step.
+WARMUP = 50
+#: The fewest soak steps: the warm-up, then at least one step whose counts are compared with it.
+MIN_STEPS = WARMUP + 1
 
 
 def tokens_at(rank: int, step: int) -> int:
@@ -109,7 +115,7 @@ class _Fault:
         raise RuntimeError("deliberate fault: this rank raised in the middle of a step")
 
 
-def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm: str = "torch", warmup: int = 50,
+def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm: str = "torch", warmup: int = WARMUP,
               fault: str | None = None, fault_step: int = 3, bad_rank: int = 1,
               keep_traces: bool = False, map_own_chunk: bool | str = "auto") -> dict[str, Any]:
     """One rank of the soak (``fault=None``) or of a fault run (``fault`` in :data:`FAULTS`: rank
@@ -204,7 +210,7 @@ def soak_ok(results: list[dict[str, Any]]) -> list[str]:
 
 
 def run_soak(ranks: int = 3, steps: int = 1000, *, preset: str = "tiny", backend: str = "gloo", comm: str = "torch",
-             warmup: int = 50, keep_traces: bool = False, map_own_chunk: bool | str = "auto") -> list[dict[str, Any]]:
+             warmup: int = WARMUP, keep_traces: bool = False, map_own_chunk: bool | str = "auto") -> list[dict[str, Any]]:
     """The soak on a cluster of its own; returns every rank's result."""
     env = {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES)}  # [Note: the flight recorder]
     with RankCluster(ranks, backend=backend, task_timeout=max(600.0, steps * 2.0), env=env) as cluster:
@@ -290,9 +296,10 @@ def format_report(results: list[dict[str, Any]], faults: list[dict[str, Any]]) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=3, help="rank processes (default 3)")
-    p.add_argument("--steps", type=int, default=1000, help="soak steps (default 1000)")
-    p.add_argument("--preset", default="tiny", help="decoder preset (default tiny)")
+    p.add_argument("--ranks", type=int_at_least(1), default=3, help="rank processes (default 3)")
+    p.add_argument("--steps", type=int_at_least(MIN_STEPS, why=f"{WARMUP} warm-up steps, then the checked ones"),
+                   default=1000, help=f"soak steps (default 1000, at least {MIN_STEPS}: the first {WARMUP} warm up)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="decoder preset (default tiny)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="gloo: CPU ranks (default); nccl: GPUs")
     p.add_argument("--comm", default="torch", choices=["torch", "nccl"],
                    help="gather with torch.distributed (default) or our NCCL communicator (GPUs)")
@@ -300,8 +307,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json_option(p, "the report", "--report")
 
 
-def main(args: argparse.Namespace) -> int:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before any rank starts, what cannot run: an output path that cannot be written, and a
+    preset whose two models per rank do not fit in memory (the demo's check: a soak rank builds what a
+    demo rank builds)."""
     check_output_path(args.json or "", "--json")
+    devices = choose_backend(args.ranks, args.backend)[1]
+    try:
+        check_demo_fits(args.preset, args.ranks, devices)
+    except MemoryCheckError as e:
+        raise InputError(f"--preset {args.preset} --ranks {args.ranks}: a soak rank holds what a demo rank holds "
+                         f"(the replicated model and its sharded twin), and {e}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    check_arguments(args)
     results = run_soak(args.ranks, args.steps, preset=args.preset, backend=args.backend, comm=args.comm)
     faults = [] if args.no_faults else [run_fault(f, args.ranks, preset=args.preset, backend=args.backend,
                                                   comm=args.comm) for f in FAULTS]

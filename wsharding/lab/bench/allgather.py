@@ -37,13 +37,29 @@ from wsharding.lab.cliargs import (
     int_at_least,
     number_list,
 )
+from wsharding.layout import ALIGNMENT
 from wsharding.units import MiB, ceil_div
 
 DEFAULT_SIZES_MIB = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CPU_SIZES_MIB = [0.25, 1, 4]
 #: Gathers per timed repetition on CPU processes (gloo over loopback is slow; the spread shows noise).
 CPU_ITERS = 5
-SIZES = number_list(float, 0, "MiB", "1,16,64")
+#: The smallest size measured: one layout's alignment unit (a layer's flat buffer is never smaller);
+#: below it a size rounds to nothing per rank and its row reads 0.00 MiB.
+MIN_SIZE_BYTES = ALIGNMENT
+
+
+def _size_list(text: str) -> list[float]:
+    sizes = number_list(float, 0, "MiB", "1,16,64")(text)
+    small = [s for s in sizes if s * MiB < MIN_SIZE_BYTES]
+    if small:
+        raise argparse.ArgumentTypeError(f"{small[0]:g} MiB is {small[0] * MiB:.3g} bytes: every size must be at least "
+                                         f"{MIN_SIZE_BYTES} bytes ({MIN_SIZE_BYTES / MiB:.3g} MiB), the smallest flat "
+                                         "layer buffer")
+    return sizes
+
+
+SIZES = _size_list
 
 
 def _policy_list(text: str) -> list[int]:
@@ -407,6 +423,13 @@ def main(args: argparse.Namespace) -> int:
     if args.cpu or not torch.cuda.is_available():
         if args.ranks and args.ranks > MAX_CPU_RANKS:
             raise InputError(f"--ranks {args.ranks}: at most {MAX_CPU_RANKS} CPU rank processes")
+        # the CPU variant has no GEMM and no GPUs to share: these options would be silently dropped
+        why = "with --cpu the gloo variant runs" if args.cpu else "this machine has no CUDA GPU"
+        if args.overlap:
+            raise InputError(f"--overlap times gathers beside a bf16 GEMM on GPUs, and {why}; leave --overlap out")
+        if args.ranks_per_gpu:
+            raise InputError(f"--ranks-per-gpu {args.ranks_per_gpu} places ranks on GPUs, and {why}; leave "
+                             "--ranks-per-gpu out")
         if not args.cpu:
             print(f"NOTE: {GPU_NEEDS_CUDA}. Running the CPU gloo variant instead (emulated: CPU processes, "
                   "torch.distributed gloo, no NCCL, no copy engine) -- these are not GPU numbers.",

@@ -26,6 +26,9 @@ from wsharding.models import PRESETS
 from wsharding.runtime import gpu_count, in_ci
 from wsharding.units import ceil_div
 
+#: The longest region between the models, in ms: it stands in for a commit step of a few ms, and every
+#: timed step of every mode waits it out (1e9 ms would be about 11 days per step).
+MAX_COMMIT_MS = 1000.0
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The benchmark's report: per mode the slowest rank's median exposed time and step time."""
@@ -61,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target model (the draft has its dimensions, 2 layers); default k3-like on GPUs, tiny on CPU")
     p.add_argument("--tokens", type=int_at_least(1), default=8, help="tokens per rank per step (default 8)")
     p.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per mode (default 20)")
-    p.add_argument("--commit-ms", type=checked_number(float, 0), default=4.0,
-                   help="length of the region between the models in ms (default 4, the seed's commit step)")
+    p.add_argument("--commit-ms", type=checked_number(float, 0, MAX_COMMIT_MS),
+                   default=4.0, help="length of the region between the models in ms (default 4, the seed's commit "
+                                     f"step; at most {MAX_COMMIT_MS:g})")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--json", default="figures/bench_draft", metavar="PREFIX",

@@ -41,7 +41,7 @@ from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, varia
 from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
-from wsharding.lab.cliargs import checked_text, int_at_least, number_list
+from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
 from wsharding.lab.tasks.model import graph_unsupported, shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
@@ -575,6 +575,7 @@ def _figure(report: dict[str, Any]) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_path(args.json + ".json" if args.json else "", "--json")  # before any rank starts
     gpus = gpu_count()
     if args.issue_thread and (not gpus or args.comm == "torch"):
         print("wsharding bench step: error: --issue-thread is a thread of our NCCL binding on GPUs (--comm nccl or "
