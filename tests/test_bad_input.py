@@ -585,8 +585,20 @@ def write_readme() -> None:
     README.write_text(text)
 
 
+@pytest.mark.parametrize("layers", [[1.5], 5, [True]])
+def test_weight_sharding_built_directly_refuses_what_is_not_a_layer_index(layers):
+    # A set of floats or bools matched no layer id: nothing was sharded, without a word.
+    from wsharding.shard import ShardingError, WeightSharding
+
+    block = torch.nn.Module()
+    block.fc = torch.nn.Linear(4, 4, bias=False)
+    with pytest.raises(ShardingError, match="sharded_layers"):
+        WeightSharding(_RankOfTwo(), [block], {0: ["fc"]}, sharded_layers=layers)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--readme"]:
         write_readme()
     else:
         print(render_readme_section())
+

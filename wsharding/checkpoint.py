@@ -28,7 +28,7 @@ from wsharding.comm.base import Communicator
 from wsharding.guards import bound_weights
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import CheckpointShapeError
-from wsharding.runner import shard_blocks
+from wsharding.runner import check_shard_blocks_args, shard_blocks
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
 from wsharding.shard import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
@@ -233,14 +233,16 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
     counts. Works for any model whose parameter names are the checkpoint's keys (a Hugging Face
     ``save_pretrained`` folder, or :func:`save_checkpoint`'s files).
     """
+    # Checked first (a generator of patterns is read once, here): an argument mistake is named before
+    # the checkpoint is opened.
+    blocks, patterns, layers = check_shard_blocks_args(model, blocks, patterns, comm, kwargs.pop("sharded_layers", None))
     try:
         # Opened (every header and the index checked) before anything is shrunk: a missing or damaged
         # checkpoint leaves the model as it was.
         Checkpoint(path).close()
     except (SafetensorsError, OSError) as e:
         error = CheckpointError(f"checkpoint {path}: {e}")
-        if hasattr(comm, "rank"):  # a bad comm is named by shard_blocks' checks, below
-            abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
+        abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
         raise error from e
-    return shard_blocks(model, blocks, patterns, comm, keep_initial_weights=False,
+    return shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
                         load=lambda ws: load_checkpoint(model, path), **kwargs)

@@ -16,7 +16,6 @@ lives in ``shard.py``; this module only runs it.
 from __future__ import annotations
 
 import fnmatch
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ from torch import nn
 from wsharding.comm.base import Communicator
 from wsharding.linear.base import LinearBase
 from wsharding.planner import WeightShardPlanner
-from wsharding.shard import ShardingError, WeightSharding, abandon_sharding
+from wsharding.shard import ShardingError, WeightSharding, abandon_sharding, layer_indices
 
 
 def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
@@ -131,23 +130,7 @@ def check_shard_blocks_args(
         raise ShardingError(f"comm: got {got}, not a communicator; pass the communicator of the shard group: "
                             "ctx.shard_comm(group_size), with ctx = wsharding.cluster.init_from_env() in a torchrun "
                             "launch, or the context a RankCluster task receives")
-    if sharded_layers is None:
-        return block_list, pattern_list, None
-    example = "e.g. [1, 2] or range(1, 8)"
-    if isinstance(sharded_layers, (str, bytes)) or not isinstance(sharded_layers, Iterable):
-        raise ShardingError(f"sharded_layers: got the {type(sharded_layers).__name__} {sharded_layers!r}; pass the "
-                            f"layer indices as a list or range, {example}"
-                            + (f" ([{sharded_layers}] for that one layer)" if isinstance(sharded_layers, int) else ""))
-    layer_ids = []
-    for i in sharded_layers:
-        try:
-            if isinstance(i, bool):
-                raise TypeError
-            layer_ids.append(operator.index(i))
-        except TypeError:
-            raise ShardingError(f"sharded_layers: {i!r} (a {type(i).__name__}) is not a layer index; pass whole "
-                                f"numbers, {example}") from None
-    return block_list, pattern_list, layer_ids
+    return block_list, pattern_list, layer_indices(sharded_layers)
 
 
 def shard_blocks(

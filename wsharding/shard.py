@@ -23,6 +23,7 @@ A sharded weight goes through four stages (first seed, "SGLang 中的实现"):
 
 from __future__ import annotations
 
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
@@ -157,6 +158,28 @@ def _by_storage(places: Iterable[Place]) -> dict[tuple, list[Place]]:
     return out
 
 
+def layer_indices(sharded_layers: Iterable[int] | None) -> list[int] | None:
+    """``sharded_layers`` as a list of layer indices, or None for every layer. A float, a bool or a
+    single int would otherwise be read as no layer at all (a set of floats matches no layer id)."""
+    if sharded_layers is None:
+        return None
+    example = "e.g. [1, 2] or range(1, 8)"
+    if isinstance(sharded_layers, (str, bytes)) or not isinstance(sharded_layers, Iterable):
+        raise ShardingError(f"sharded_layers: got the {type(sharded_layers).__name__} {sharded_layers!r}; pass the "
+                            f"layer indices as a list or range, {example}"
+                            + (f" ([{sharded_layers}] for that one layer)" if isinstance(sharded_layers, int) else ""))
+    layer_ids = []
+    for i in sharded_layers:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            layer_ids.append(operator.index(i))
+        except TypeError:
+            raise ShardingError(f"sharded_layers: {i!r} (a {type(i).__name__}) is not a layer index; pass whole "
+                                f"numbers, {example}") from None
+    return layer_ids
+
+
 def _next_sharding_number(comm: Communicator) -> int:
     """The number of this sharding on ``comm`` (the same on every rank: each one finalizes, or
     abandons, every sharding in the same order)."""
@@ -236,7 +259,8 @@ class WeightSharding:
         self.prefetch_next_step = prefetch_next_step
         self.trace = trace
         self.keep_initial_weights = keep_initial_weights
-        self.sharded_range = None if sharded_layers is None else set(sharded_layers)
+        indices = layer_indices(sharded_layers)
+        self.sharded_range = None if indices is None else set(indices)
         self.stage = "declared"
         self.layers: dict[int, nn.Module] = {}
         self.targets: dict[int, list[ShardTarget]] = {}
