@@ -447,7 +447,7 @@ CASES: dict[str, Case] = {
         ("layer 3: gather", "chunk", "256 bytes", "registered symmetric window"),
         "allocate it with comm.alloc(...) and call comm.register_all() on every rank", _outside_window),
     "unknown decoder preset": Case(
-        "named a decoder preset that does not exist", "builtins:ValueError",
+        "named a decoder preset that does not exist", "wsharding.errors:InvalidArgument",
         ("'k4-like'", "tiny", "k3-like"), "use one of the presets the message lists", _unknown_preset),
     "unknown cost preset": Case(
         "named a cost-model preset that does not exist", "wsharding.costmodel:CostModelError",

@@ -63,7 +63,7 @@ def test_fault_gives_an_error_on_every_other_rank_and_leaves_no_process(fault):
     if fault == "kill":
         assert r["outcome"] == "rank 1 died" and 1 not in r["errors"]
     elif fault == "raise":
-        assert r["errors"][1] == "RuntimeError: deliberate fault: this rank raised in the middle of a step"
+        assert r["errors"][1] == "DeliberateFault: deliberate fault: this rank raised in the middle of a step"
     else:  # the skipping rank finished its steps; the others waited for the one it skipped
         assert 1 not in r["errors"] and r["outcome"] == "rank 0 raised"
 

@@ -19,14 +19,23 @@ Every error the package raises derives from ``WshardingError``.
 """
 
 from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
-from wsharding.cluster import RankContext, init_from_env
+from wsharding.cluster import ClusterError, RankContext, init_from_env
+from wsharding.comm.base import CommError
+from wsharding.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
 from wsharding.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
 from wsharding.runner import shard_blocks
-from wsharding.shard import ShardingError, ShardingSkipWarning, WeightSharding
+from wsharding.shard import ShardingSkipWarning, WeightSharding
 
 __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
+    "ClusterError",
+    "CommError",
+    "InvalidArgument",
+    "InvalidType",
+    "NotFound",
+    "Unsupported",
+    "WshardingError",
     "FlatLayout",
     "LayoutEntry",
     "LayoutError",

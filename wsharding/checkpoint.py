@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from wsharding.comm.base import Communicator
+from wsharding.errors import WshardingError
 from wsharding.guards import bound_weights
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import CheckpointShapeError
@@ -40,7 +41,7 @@ STACKED: dict[str, list[tuple[str, Any]]] = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WshardingError, ValueError):
     """A checkpoint that does not fit the model: names the tensor and what is wrong."""
 
 

@@ -35,11 +35,12 @@ from typing import Any
 
 import torch
 
+from wsharding.errors import WshardingError
 from wsharding.layout import SUPPORTED_DTYPES, FlatLayout, LayoutError, parse_dtype
 from wsharding.units import GB, GiB, fmt_bytes  # noqa: F401 - re-exported for the notebooks
 
 
-class CostModelError(ValueError):
+class CostModelError(WshardingError, ValueError):
     """A model description or deployment that the cost model cannot price; names the bad field."""
 
 

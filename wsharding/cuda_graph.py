@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from wsharding.errors import Unsupported
+
 
 def capture_graph(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm ``fn`` up on a side stream, then capture one call of it; returns (graph, static output).
@@ -27,7 +29,7 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, *, warmup: int = 
     ``graph.replay()`` runs the captured step again on whatever the captured input tensors hold.
     """
     if torch.device(device).type != "cuda":
-        raise RuntimeError(f"capture_graph needs a CUDA device, got {device}: CUDA graphs exist only on GPUs")
+        raise Unsupported(f"capture_graph needs a CUDA device, got {device}: CUDA graphs exist only on GPUs")
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):

@@ -38,15 +38,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from wsharding.rowloaders import ShardingError, ShardTarget
-
-if TYPE_CHECKING:
-    from wsharding.shard import WeightSharding
 
 
 @dataclass(frozen=True)
@@ -63,7 +60,7 @@ class BoundWeightGuards:
     """The guards of one finalized sharding's weights: installed by ``finalize``, the forward wrappers
     removed by ``close`` (the state-dict refusal stays: a closed sharding's weights hold nothing)."""
 
-    def __init__(self, ws: WeightSharding) -> None:
+    def __init__(self, ws: Any) -> None:  # the WeightSharding that installs it (shard.py imports this module)
         # Weakly: the guarded modules hold this object, and a model kept after close() must not keep
         # the sharding's planner (its chunks and slots) alive through it.
         self._ws = weakref.ref(ws)

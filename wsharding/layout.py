@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wsharding.errors import WshardingError
 from wsharding.units import align_up
 
 #: Byte alignment of every entry offset and of every chunk border.
@@ -49,7 +50,7 @@ DTYPE_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in SUPPORTED_DTYPES.items
 }
 
 
-class LayoutError(ValueError):
+class LayoutError(WshardingError, ValueError):
     """A layout that cannot be built or a buffer that does not fit it."""
 
 

@@ -87,8 +87,8 @@ from dataclasses import dataclass
 import torch
 
 from wsharding.comm.base import CommError, Communicator, PreparedGather
+from wsharding.errors import ShardingError
 from wsharding.layout import FlatLayout
-from wsharding.rowloaders import ShardingError
 from wsharding.slots import SLOT_NAMES, SlotPool
 from wsharding.trace import StepTrace
 

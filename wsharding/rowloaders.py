@@ -24,14 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsharding.errors import ShardingError
 from wsharding.linear.loading import check_dtype
 
 #: (shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)
 RowBlock = tuple[Any, int, int, int]
-
-
-class ShardingError(ValueError):
-    """A target that cannot be sharded, or a sharding used out of order."""
 
 
 @dataclass

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from wsharding.errors import InvalidArgument, WshardingError
+
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -60,7 +62,7 @@ INDEX_REMEDY = ("the index and the files do not belong together: download or cop
                 "again, or write it again with save_pretrained")
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(WshardingError, ValueError):
     """A file that is not a readable safetensors file, a checkpoint folder whose index and files
     disagree, or a read outside a tensor. :func:`wsharding.checkpoint.load_checkpoint` raises it as
     a ``CheckpointError`` (its ``__cause__``), like every other problem of a checkpoint."""
@@ -405,7 +407,7 @@ def _agree_with_index(index: Path, weight_map: dict[str, str],
     return {key: files[name] for key, name in weight_map.items()}
 
 
-class _DuplicateName(ValueError):
+class _DuplicateName(WshardingError, ValueError):
     pass
 
 
@@ -419,7 +421,7 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _not_json(constant: str) -> None:
-    raise ValueError(f"{constant} is not JSON")
+    raise InvalidArgument(f"{constant} is not JSON")
 
 
 def _json_object(raw: bytes, what: str, bad) -> dict[str, Any]:

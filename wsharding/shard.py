@@ -171,12 +171,12 @@ def layer_indices(sharded_layers: Iterable[int] | None) -> list[int] | None:
     layer_ids = []
     for i in sharded_layers:
         try:
-            if isinstance(i, bool):
-                raise TypeError
-            layer_ids.append(operator.index(i))
+            layer_ids.append(operator.index(i) if not isinstance(i, bool) else None)
         except TypeError:
+            layer_ids.append(None)
+        if layer_ids[-1] is None:
             raise ShardingError(f"sharded_layers: {i!r} (a {type(i).__name__}) is not a layer index; pass whole "
-                                f"numbers, {example}") from None
+                                f"numbers, {example}")
     return layer_ids
 
 

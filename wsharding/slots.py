@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from wsharding.comm.base import Communicator
+from wsharding.errors import InvalidArgument, NotFound
 from wsharding.layout import FlatLayout
 
 SLOT_NAMES = ("A", "B")
@@ -27,7 +28,7 @@ class SlotPool:
 
     def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str = "slot") -> None:
         if not layouts:
-            raise ValueError("SlotPool needs at least one sharded layer")
+            raise InvalidArgument("SlotPool needs at least one sharded layer")
         self.layer_ids = sorted(layouts)
         self.layouts = layouts
         self.slot_bytes = max(lay.total_bytes for lay in layouts.values())
@@ -83,7 +84,7 @@ class SlotPool:
         try:
             return self._slot_of[layer]
         except KeyError:
-            raise KeyError(f"layer {layer} is not a sharded layer (sharded: {self.layer_ids})") from None
+            raise NotFound(f"layer {layer} is not a sharded layer (sharded: {self.layer_ids})") from None
 
     def previous_occupant(self, layer: int) -> int | None:
         """The sharded layer two positions earlier, which reads the slot ``layer`` will overwrite

@@ -12,8 +12,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from wsharding.errors import WshardingError
 
-class CommError(RuntimeError):
+
+class CommError(WshardingError, RuntimeError):
     """A collective could not be issued or did not complete."""
 
 

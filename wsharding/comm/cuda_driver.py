@@ -22,6 +22,8 @@ import ctypes
 from ctypes import c_int, c_size_t, c_uint, c_void_p
 from dataclasses import dataclass
 
+from wsharding.errors import WshardingError
+
 CUresult = c_int
 CUstream = c_void_p
 CUevent = c_void_p
@@ -79,7 +81,7 @@ CONTEXT_FUNCTIONS: tuple[DriverFn, ...] = (
 )
 
 
-class CudaDriverError(RuntimeError):
+class CudaDriverError(WshardingError, RuntimeError):
     """A driver call returned an error code."""
 
 

@@ -7,16 +7,18 @@ g = 4 gives two independent groups [0..3] and [4..7], each holding a full copy b
 
 from __future__ import annotations
 
+from wsharding.errors import InvalidArgument
+
 
 def shard_group_ranks(world_size: int, group_size: int = 8) -> list[list[int]]:
     """All shard groups of a world, in order. ``group_size`` is clipped to the world size."""
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise InvalidArgument(f"world_size must be >= 1, got {world_size}")
     if group_size < 1:
-        raise ValueError(f"shard group size must be >= 1, got {group_size}")
+        raise InvalidArgument(f"shard group size must be >= 1, got {group_size}")
     g = min(group_size, world_size)
     if world_size % g:
-        raise ValueError(
+        raise InvalidArgument(
             f"shard group size {g} does not divide world size {world_size}: every group must be "
             f"complete; choose a group size that divides {world_size}"
         )

@@ -52,6 +52,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from wsharding.errors import InvalidArgument, WshardingError
+
 SOURCE = Path(__file__).with_name("issue_thread.c")
 
 #: Op kinds of a program (issue_thread.c).
@@ -59,11 +61,11 @@ OP_WAIT, OP_WAIT_GATE, OP_LAUNCH, OP_RECORD = 1, 2, 3, 4
 MAX_OPS = 8
 
 
-class IssueThreadUnavailable(RuntimeError):
+class IssueThreadUnavailable(WshardingError, RuntimeError):
     """The issue thread's C file could not be compiled or loaded here."""
 
 
-class IssueThreadError(RuntimeError):
+class IssueThreadError(WshardingError, RuntimeError):
     """A driver call made by the issue thread failed."""
 
 
@@ -180,12 +182,12 @@ class IssueThread:
     def program(ops: Sequence[tuple[int, int, int]]) -> Program:
         """A program from ``(kind, a, b)`` triples (see ``issue_thread.c`` for each kind's a and b)."""
         if not 0 < len(ops) <= MAX_OPS:
-            raise ValueError(f"a program has 1 to {MAX_OPS} driver calls, got {len(ops)}")
+            raise InvalidArgument(f"a program has 1 to {MAX_OPS} driver calls, got {len(ops)}")
         p = Program()
         p.n = len(ops)
         for i, (kind, a, b) in enumerate(ops):
             if kind not in (OP_WAIT, OP_WAIT_GATE, OP_LAUNCH, OP_RECORD):
-                raise ValueError(f"unknown op kind {kind}")
+                raise InvalidArgument(f"unknown op kind {kind}")
             p.ops[i].kind, p.ops[i].a, p.ops[i].b = kind, a or None, b or None
         return p
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wsharding.errors import WshardingError
+
 #: CPU rank processes are full Python processes with torch (a few hundred MB each); past this many
 #: the machine swaps or the gloo rendezvous times out -- and the code path is the same from 2 ranks.
 MAX_CPU_RANKS = 16
@@ -30,7 +32,7 @@ MAX_CPU_RANKS = 16
 MAX_RANKS_PER_GPU = 8
 
 
-class InputError(ValueError):
+class InputError(WshardingError, ValueError):
     """Bad command-line input, found before any work started."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from wsharding.errors import WshardingError
 from wsharding.models import PRESETS, DecoderConfig, decoder_config
 from wsharding.models.decoder import DecoderLayer
 from wsharding.units import GiB, MiB, ceil_div
@@ -37,7 +38,7 @@ CPU_RANK_BASE = 384 * MiB
 GPU_RANK_BASE = 1 * GiB
 
 
-class MemoryCheckError(RuntimeError):
+class MemoryCheckError(WshardingError, RuntimeError):
     """The run would need more memory than the machine has; the message says what to pass instead."""
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, RankContext, RemoteError, TaskTimeout, WorkerDied, choose_backend
+from wsharding.errors import InvalidArgument, WshardingError
 from wsharding.lab.cliargs import InputError, add_json_option, check_output_path, emit_json, int_at_least
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.model import shard_comm_for
@@ -103,6 +104,10 @@ def _proc_counts() -> dict[str, int | None]:
     }
 
 
+class DeliberateFault(WshardingError, RuntimeError):
+    """The error a fault run's bad rank raises on purpose in the middle of a step."""
+
+
 class _Fault:
     """A forward pre-hook: does the fault in the middle of a step."""
 
@@ -112,7 +117,7 @@ class _Fault:
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError("deliberate fault: this rank raised in the middle of a step")
+        raise DeliberateFault("deliberate fault: this rank raised in the middle of a step")
 
 
 def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm: str = "torch", warmup: int = WARMUP,
@@ -126,9 +131,9 @@ def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm
     ``map_own_chunk``: :class:`~wsharding.shard.WeightSharding`'s (``"auto"``, the default, keeps plain
     slots for ``tiny``, whose layers are smaller than the 2 MiB page: True maps them anyway)."""
     if fault is not None and fault not in FAULTS:
-        raise ValueError(f"fault: {fault!r} is not one of {FAULTS}")
+        raise InvalidArgument(f"fault: {fault!r} is not one of {FAULTS}")
     if not 0 < warmup < steps:
-        raise ValueError(f"warmup: need 0 < warmup ({warmup}) < steps ({steps})")
+        raise InvalidArgument(f"warmup: need 0 < warmup ({warmup}) < steps ({steps})")
     cfg = decoder_config(preset)
     if comm == "nccl":
         from wsharding.comm.nccl import from_context

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from wsharding.errors import InvalidArgument
 from wsharding.linear.base import LinearBase
 from wsharding.linear.groups import (
     GroupError,
@@ -121,7 +122,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _shard_block(self, shard_id: object) -> RowSubBlock:
         blocks = self.row_sub_blocks()
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(blocks):
-            raise ValueError(f"{self.prefix or 'MergedColumnParallelLinear'}: loaded_shard_id must be an int in "
+            raise InvalidArgument(f"{self.prefix or 'MergedColumnParallelLinear'}: loaded_shard_id must be an int in "
                              f"[0, {len(blocks)}) or None for a fused checkpoint tensor, got {shard_id!r}")
         return blocks[shard_id]
 

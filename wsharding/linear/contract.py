@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from wsharding.errors import InvalidArgument
 from wsharding.linear.base import LinearBase
 from wsharding.linear.column import ColumnParallelLinear, MergedColumnParallelLinear
 from wsharding.linear.groups import GroupError, group_rank_size, same_collective
@@ -170,7 +171,7 @@ def check_contract(model: nn.Module, rules: tuple[str, ...] = RULES) -> list[Fin
     """Run the five alignment checks on every linear of ``model``; an empty list means aligned."""
     unknown = set(rules) - set(RULES)
     if unknown:
-        raise ValueError(f"unknown contract rules {sorted(unknown)}: choose from {RULES}")
+        raise InvalidArgument(f"unknown contract rules {sorted(unknown)}: choose from {RULES}")
     findings = []
     for name, layer in linears(model):
         for rule in rules:

@@ -28,10 +28,12 @@ from typing import Any, Literal, Union
 
 import torch
 
+from wsharding.errors import WshardingError
+
 GROUP_NAMES = ("tp", "attn_tp", "shared_experts_tp")
 
 
-class GroupError(ValueError):
+class GroupError(WshardingError, ValueError):
     """A parallel group could not be resolved or used (unknown name, sizes that do not divide...)."""
 
 

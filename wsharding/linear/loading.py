@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from wsharding.errors import InvalidArgument, WshardingError
 
-class CheckpointShapeError(ValueError):
+
+class CheckpointShapeError(WshardingError, ValueError):
     """A checkpoint tensor does not have the shape a parameter expects."""
 
 
@@ -68,7 +70,7 @@ def pad_or_narrow(loaded: torch.Tensor, dim: int, start: int, size: int) -> torc
     """
     total = loaded.shape[dim]
     if start < 0 or size < 0:
-        raise ValueError(f"pad_or_narrow needs start >= 0 and size >= 0, got {start}, {size}")
+        raise InvalidArgument(f"pad_or_narrow needs start >= 0 and size >= 0, got {start}, {size}")
     have = max(0, min(size, total - start))
     piece = loaded.narrow(dim, min(start, total), have)
     if have == size:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsharding.errors import InvalidType
 from wsharding.linear.loading import CheckpointShapeError, check_shape, copy_with_check, pad_or_narrow
 from wsharding.units import ceil_div
 
@@ -191,7 +192,7 @@ def v1_rows(param: torch.Tensor, dim: int, n: int) -> int:
     """The v1 loaders' own coordinate arithmetic: packed dims divide by ``pack_factor`` (as in the seed);
     anything fancier (block scales) must go through ``weight_loader_v2``."""
     if isinstance(param, BlockQuantScaleParameter):
-        raise TypeError(f"{getattr(param, 'param_name', 'parameter')} is a BlockQuantScaleParameter: it can only be "
+        raise InvalidType(f"{getattr(param, 'param_name', 'parameter')} is a BlockQuantScaleParameter: it can only be "
                         "loaded by weight_loader_v2 (give the quant method uses_weight_loader_v2=True)")
     if getattr(param, "packed_dim", None) == dim:
         return n // param.pack_factor

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from wsharding.errors import InvalidArgument
 from wsharding.linear.column import ColumnParallelLinear, RowSubBlock
 from wsharding.linear.groups import (
     GroupError,
@@ -101,7 +102,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _check_shard_id(self, shard_id: object) -> str:
         if shard_id not in QKV_INDEX:
-            raise ValueError(f"{self.prefix or 'QKVParallelLinear'}: loaded_shard_id must be 'q', 'k', 'v' or None "
+            raise InvalidArgument(f"{self.prefix or 'QKVParallelLinear'}: loaded_shard_id must be 'q', 'k', 'v' or None "
                              f"(fused), got {shard_id!r}")
         return shard_id
 

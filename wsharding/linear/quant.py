@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wsharding.errors import InvalidArgument, Unsupported, WshardingError
 from wsharding.linear.parameters import (
     BlockQuantScaleParameter,
     ChannelQuantScaleParameter,
@@ -34,7 +35,7 @@ from wsharding.linear.parameters import (
 from wsharding.units import ceil_div
 
 
-class QuantError(ValueError):
+class QuantError(WshardingError, ValueError):
     """A quantized weight or scale that does not fit its quant method: names the layer and the rule."""
 
 
@@ -75,7 +76,7 @@ class LinearMethodBase:
         """The parameters of ``layer`` (as this method creates them, merged shards stacked) that
         represent the float weight ``w`` ``[out_per_partition, in]``: how toy models and tests make
         quantized weights and checkpoints."""
-        raise NotImplementedError(f"{type(self).__name__} cannot quantize a float weight")
+        raise Unsupported(f"{type(self).__name__} cannot quantize a float weight")
 
 
 def register_param(layer: nn.Module, name: str, param: torch.Tensor) -> None:
@@ -174,10 +175,10 @@ class BlockInt8LinearMethod(LinearMethodBase):
         for i, size in enumerate(output_partition_sizes):
             # A block straddling two shards or two ranks would need two scales at once.
             if size % bn and (tp > 1 or len(output_partition_sizes) > 1):
-                raise ValueError(f"{layer.prefix or type(layer).__name__}: output partition {i} has {size} rows, not a "
+                raise InvalidArgument(f"{layer.prefix or type(layer).__name__}: output partition {i} has {size} rows, not a "
                                  f"multiple of block_n {bn}: a scale block would straddle shards or ranks")
         if input_size_per_partition % bk and input_size_per_partition != input_size:
-            raise ValueError(f"{layer.prefix or type(layer).__name__}: input partition {input_size_per_partition} is "
+            raise InvalidArgument(f"{layer.prefix or type(layer).__name__}: input partition {input_size_per_partition} is "
                              f"not a multiple of block_k {bk}")
         rows = sum(output_partition_sizes)
         register_param(layer, "weight", ModelWeightParameter(
@@ -203,7 +204,7 @@ INT4_PACK = 8
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     """Pack int4 values (``int8`` in [-8, 7], ``[out, in]``) 8 rows to one ``int32`` row: ``[out/8, in]``."""
     if q.shape[0] % INT4_PACK:
-        raise ValueError(f"{q.shape[0]} rows cannot be packed {INT4_PACK} to an int32")
+        raise InvalidArgument(f"{q.shape[0]} rows cannot be packed {INT4_PACK} to an int32")
     u = (q.to(torch.int32) & 0xF).view(q.shape[0] // INT4_PACK, INT4_PACK, q.shape[1])
     out = torch.zeros(u.shape[0], u.shape[2], dtype=torch.int32)
     for k in range(INT4_PACK):
@@ -236,7 +237,7 @@ class PackedInt4LinearMethod(LinearMethodBase):
         rows = sum(output_partition_sizes)
         for i, size in enumerate(output_partition_sizes):
             if size % INT4_PACK:
-                raise ValueError(f"{layer.prefix or type(layer).__name__}: output partition {i} has {size} rows, not "
+                raise InvalidArgument(f"{layer.prefix or type(layer).__name__}: output partition {i} has {size} rows, not "
                                  f"a multiple of the pack factor {INT4_PACK}")
         register_param(layer, "qweight", PackedParameter(
             torch.empty(rows // INT4_PACK, input_size_per_partition, dtype=torch.int32), weight_loader,

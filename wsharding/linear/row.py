@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from wsharding.errors import InvalidArgument, Unsupported
 from wsharding.linear.base import LinearBase
 from wsharding.linear.groups import (
     ParallelGroupSpec,
@@ -108,12 +109,12 @@ class RowParallelLinear(LinearBase):
         per = self.input_size_per_partition
         if self.input_is_parallel:
             if x.shape[-1] != per:
-                raise ValueError(f"{self.prefix or 'RowParallelLinear'}: input_is_parallel expects this rank's "
+                raise InvalidArgument(f"{self.prefix or 'RowParallelLinear'}: input_is_parallel expects this rank's "
                                  f"{per} input features, got {x.shape[-1]}")
             x_par = x
         else:
             if x.shape[-1] != self.input_size:
-                raise ValueError(f"{self.prefix or 'RowParallelLinear'}: expects {self.input_size} input features, "
+                raise InvalidArgument(f"{self.prefix or 'RowParallelLinear'}: expects {self.input_size} input features, "
                                  f"got {x.shape[-1]}")
             x_par = pad_or_narrow(x, x.dim() - 1, self.tp_rank * per, per)
         # Only rank 0 adds the bias: the sum over ranks must count it once.
@@ -123,7 +124,7 @@ class RowParallelLinear(LinearBase):
         else:
             apply_into = getattr(self.quant_method, "apply_into", None)
             if apply_into is None:
-                raise RuntimeError(f"{type(self.quant_method).__name__} cannot write into a caller-owned linear "
+                raise Unsupported(f"{type(self.quant_method).__name__} cannot write into a caller-owned linear "
                                    "output: call forward without output_tensor or give the method apply_into")
             out = apply_into(self, x_par, output_tensor, bias)
         if self.will_reduce(skip_all_reduce):

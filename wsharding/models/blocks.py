@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wsharding.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class BlocksConfig:
@@ -117,7 +119,7 @@ def blocks_config(preset: str | BlocksConfig) -> BlocksConfig:
     if isinstance(preset, BlocksConfig):
         return preset
     if preset not in BLOCK_PRESETS:
-        raise ValueError(f"preset: unknown blocks preset {preset!r}; known: {sorted(BLOCK_PRESETS)}")
+        raise InvalidArgument(f"preset: unknown blocks preset {preset!r}; known: {sorted(BLOCK_PRESETS)}")
     return BLOCK_PRESETS[preset]
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsharding.comm.base import Communicator
+from wsharding.errors import InvalidArgument
 from wsharding.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -124,7 +125,7 @@ def qkv_gemm_plan(qkv: QKVParallelLinear) -> dict[str, Any]:
     """
     rows, cols = qkv.weight.shape
     if rows != qkv.output_size_per_partition:
-        raise ValueError(
+        raise InvalidArgument(
             f"{qkv.prefix or 'qkv_proj'}.weight has {rows} rows, its partition has {qkv.output_size_per_partition}: "
             "weight sharding already shrank it. Fusion and kernel decisions need the full shape: take them before "
             "the shrink (in the layer's __init__, before WeightSharding.setup_layer)"
@@ -277,7 +278,7 @@ class LatentMoE(nn.Module):
             return f"skipped: the shared expert is split (tp size {gate_up.tp_size}), latent_down is not"
         for lin in (self.latent_down, gate_up):
             if lin.weight.shape[0] != lin.output_size_per_partition:
-                raise ValueError(f"{lin.prefix}.weight has {lin.weight.shape[0]} rows, its partition has "
+                raise InvalidArgument(f"{lin.prefix}.weight has {lin.weight.shape[0]} rows, its partition has "
                                  f"{lin.output_size_per_partition}: decide the front merge before weight sharding "
                                  "shrinks the layer")
         self.front_weight = torch.cat([self.latent_down.weight.detach(), gate_up.weight.detach()])
@@ -397,7 +398,7 @@ class ToyDecoder(nn.Module):
         layers gather their weights exactly as in :meth:`forward`."""
         b, t = tokens.shape
         if (b, t) != (step.count, step.new):
-            raise ValueError(f"forward_cached: tokens {list(tokens.shape)} do not match the step's {step.count} "
+            raise InvalidArgument(f"forward_cached: tokens {list(tokens.shape)} do not match the step's {step.count} "
                              f"sequences x {step.new} new tokens")
         h = self.embed(tokens).reshape(b * t, -1)
         h = run_layers(self.layers, h, self.planner, call=lambda layer, x: layer.forward_cached(x, step))
@@ -439,11 +440,11 @@ def decoder_config(preset: str | DecoderConfig, layers: int | None = None) -> De
         cfg = preset
     else:
         if preset not in PRESETS:
-            raise ValueError(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
+            raise InvalidArgument(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
         cfg = PRESETS[preset]
     if layers is not None:
         if layers < 2:
-            raise ValueError(f"layers: need at least 2 (a dense layer 0 and one sharded layer), got {layers}")
+            raise InvalidArgument(f"layers: need at least 2 (a dense layer 0 and one sharded layer), got {layers}")
         cfg = cfg.with_(layers=layers)
     return cfg
 

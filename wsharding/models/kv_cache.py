@@ -26,11 +26,13 @@ from typing import Any
 
 import torch
 
+from wsharding.errors import InvalidArgument, WshardingError
+
 #: What CPU-rank budgets are: not GPU memory.
 CPU_BUDGET_WORDS = ("emulated: the machine's available RAM, shared by the CPU ranks, stands in for free GPU memory")
 
 
-class KVCacheFull(RuntimeError):
+class KVCacheFull(WshardingError, RuntimeError):
     """The pool has no room for the sequences asked for."""
 
 
@@ -90,7 +92,7 @@ def _mem_available() -> int:
 def kv_capacity(budget_bytes: int, bytes_per_token: int, context: int) -> dict[str, int]:
     """Tokens, and sequences of ``context`` tokens, that a pool of ``budget_bytes`` holds."""
     if bytes_per_token <= 0 or context <= 0:
-        raise ValueError(f"kv_capacity: bytes_per_token ({bytes_per_token}) and context ({context}) must be > 0")
+        raise InvalidArgument(f"kv_capacity: bytes_per_token ({bytes_per_token}) and context ({context}) must be > 0")
     return {"budget_bytes": budget_bytes, "tokens": budget_bytes // bytes_per_token,
             "sequences": budget_bytes // (bytes_per_token * context), "context": context}
 
@@ -125,7 +127,7 @@ class KVCachePool:
     def allocate(cls, model: Any, sequences: int, max_len: int, device: torch.device | str | None = None) -> KVCachePool:
         """A pool for ``model`` (its layers, KV heads per rank, head size and dtype)."""
         if sequences < 1 or max_len < 1:
-            raise ValueError(f"KVCachePool: sequences ({sequences}) and max_len ({max_len}) must be >= 1")
+            raise InvalidArgument(f"KVCachePool: sequences ({sequences}) and max_len ({max_len}) must be >= 1")
         attn = model.layers[0].attn
         dev = device if device is not None else model.embed.weight.device
         shape = (len(model.layers), sequences, attn.kv_heads, max_len, attn.head_dim)
@@ -194,7 +196,7 @@ class KVStep:
                               f"{self.pool.max_len}: size the pool for longer sequences")
         lengths = {self.pool.lengths[j] for j in range(self.first, self.first + self.count)}
         if lengths != {self.start}:
-            raise ValueError(f"KVStep: slots {self.first}..{self.first + self.count - 1} hold {sorted(lengths)} tokens, "
+            raise InvalidArgument(f"KVStep: slots {self.first}..{self.first + self.count - 1} hold {sorted(lengths)} tokens, "
                              f"the step starts at {self.start}: a batch's sequences advance together")
 
     def advance(self) -> None:

@@ -51,6 +51,7 @@ from wsharding.comm.base import CommError, check_gather_args, is_slice_of
 from wsharding.comm.cuda_driver import CudaDriverError, driver
 from wsharding.comm.issue_thread import OP_LAUNCH, OP_RECORD, OP_WAIT, OP_WAIT_GATE, IssueThread, IssueThreadError
 from wsharding.comm.nccl.binding import NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_UINT8
+from wsharding.errors import InvalidArgument
 
 
 class NcclPreparedGather:
@@ -138,9 +139,9 @@ class NcclPreparedGather:
     @launch.setter
     def launch(self, how: str) -> None:
         if how not in ("graph", "direct"):
-            raise ValueError(f"launch must be 'graph' or 'direct', got {how!r}")
+            raise InvalidArgument(f"launch must be 'graph' or 'direct', got {how!r}")
         if how == "graph" and self._graph is None and self._copy_graph is None:
-            raise ValueError(f"{self.what}: no captured graph to launch (communicator gather_launch="
+            raise InvalidArgument(f"{self.what}: no captured graph to launch (communicator gather_launch="
                              f"{self.comm.gather_launch!r}, world size {self.comm.world_size})")
         graph = how == "graph"
         self.comm.drain_issued(f"{self.what}: launch = {how!r}")

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
+from wsharding.errors import WshardingError
+
 ENV_VAR = "WSHARDING_NCCL_LIBRARY"
 #: Symmetric windows with NCCL_WIN_COLL_SYMMETRIC and CTA policy "zero" (copy engine).
 MIN_SYMMETRIC = (2, 28, 3)
@@ -32,7 +34,7 @@ MIN_MAPPED_VIEW = (2, 30, 0)
 WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
 
 
-class NcclLibraryError(RuntimeError):
+class NcclLibraryError(WshardingError, RuntimeError):
     """libnccl could not be found or loaded, or is too old for what was asked."""
 
 

@@ -20,6 +20,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from wsharding.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class PairedDifference:
@@ -65,7 +67,7 @@ def paired_difference(a: list[float], b: list[float], names: tuple[str, str] = (
     'cannot tell a from b: 3 rounds hold the median with at most 75%'
     """
     if len(a) != len(b) or not a:
-        raise ValueError(f"paired rounds: {len(a)} and {len(b)} samples; each round must time both variants once")
+        raise InvalidArgument(f"paired rounds: {len(a)} and {len(b)} samples; each round must time both variants once")
     n = len(a)
     d = sorted(x - y for x, y in zip(a, b, strict=True))
     k = 1

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankContext
+from wsharding.errors import InvalidArgument, Unsupported
 from wsharding.lab.tasks.model import shard_comm_for, tokens_for
 from wsharding.models import ToyDecoder, decoder_config
 from wsharding.models.draft import DraftDecoder, build_draft_pair, draft_config
@@ -52,7 +53,7 @@ def commit_region(device: torch.device, ms: float, kind: str = "auto") -> tuple[
             time.sleep(ms / 1e3)
         return sleep, f"{COMMIT_WORDS}: host sleep of {ms:g} ms"
     if kind != "matmul":
-        raise ValueError(f"commit region kind {kind!r}: use 'matmul', 'sleep' or 'auto'")
+        raise InvalidArgument(f"commit region kind {kind!r}: use 'matmul', 'sleep' or 'auto'")
     n = 2048 if device.type == "cuda" else 256
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(device, dtype) / n**0.5
@@ -102,14 +103,14 @@ def prepare(draft: DraftDecoder, mode: str, comm: Any) -> None:
     elif mode == "shared":
         planner.prefetch_first_weight_shard(shared_stream(comm) if planner.cuda else None)
     elif mode != "inline":
-        raise ValueError(f"mode {mode!r}: use one of {MODES}")
+        raise InvalidArgument(f"mode {mode!r}: use one of {MODES}")
 
 
 def check_modes(modes: Sequence[str]) -> list[str]:
     """``modes`` as a list, refusing a name that is not one of :data:`MODES`."""
     for mode in modes:
         if mode not in MODES:
-            raise ValueError(f"mode {mode!r}: use one of {MODES}")
+            raise InvalidArgument(f"mode {mode!r}: use one of {MODES}")
     return list(modes)
 
 
@@ -246,7 +247,7 @@ def draft_graph_replay(ctx: RankContext, preset: str, tokens: int = 8, replays: 
     comm_, cfg, target, draft_rep, draft = _models(ctx, preset, comm, 2)
     dev = comm_.device
     if dev.type != "cuda":
-        raise RuntimeError("draft_graph_replay needs CUDA ranks")
+        raise Unsupported("draft_graph_replay needs CUDA ranks")
     region, label = commit_region(dev, commit_ms)
     planner = draft.planner
     static = torch.zeros(tokens, dtype=torch.long, device=dev)

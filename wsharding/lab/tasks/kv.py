@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankContext
+from wsharding.errors import Unsupported
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import ToyDecoder, build_pair, decoder_config
 from wsharding.models.kv_cache import (
@@ -147,7 +148,7 @@ def kv_fill(ctx: RankContext, preset: str, *, context: int = 4096, kv_gib_replic
     comm_ = shard_comm_for(ctx, comm)
     dev = comm_.device
     if dev.type != "cuda":
-        raise RuntimeError("kv_fill needs CUDA ranks: on CPU use kv_capacity_now (no allocator cap to enforce)")
+        raise Unsupported("kv_fill needs CUDA ranks: on CPU use kv_capacity_now (no allocator cap to enforce)")
     reserve = int(reserve_gib * 2**30)
     torch.cuda.reset_peak_memory_stats(dev)
     # 1. replicated alone: the cap is set so that this model leaves kv_gib_replicated for KV

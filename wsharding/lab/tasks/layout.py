@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankContext
+from wsharding.errors import InvalidArgument
 from wsharding.layout import FlatLayout
 
 
@@ -50,7 +51,7 @@ def gather_layout(ctx: RankContext, layout: FlatLayout, group_size: int | None =
     """
     comm = ctx.shard_comm(group_size or layout.group_size)
     if comm.world_size != layout.group_size:
-        raise ValueError(
+        raise InvalidArgument(
             f"layout was built for N={layout.group_size} but rank {ctx.rank}'s shard group has "
             f"{comm.world_size} ranks"
         )

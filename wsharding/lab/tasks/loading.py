@@ -15,6 +15,7 @@ import torch
 
 from wsharding.checkpoint import load_checkpoint, load_sharded, save_checkpoint
 from wsharding.cluster import RankContext
+from wsharding.errors import InvalidArgument
 from wsharding.lab.tasks.model import shard_comm_for, tokens_for
 from wsharding.linear.fp8 import fp8_gemm_path
 from wsharding.memory import PeakMeter, map_large_allocations, peak_rss_bytes, rss_bytes
@@ -33,7 +34,7 @@ HF_LLAMA_PATTERNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 def variant_config(preset: str | DecoderConfig, variant: str, layers: int | None = None) -> DecoderConfig:
     """The decoder preset with the targets quantized as ``variant`` (a key of :data:`VARIANTS`)."""
     if variant not in VARIANTS:
-        raise ValueError(f"variant: unknown {variant!r}; known: {sorted(VARIANTS)}")
+        raise InvalidArgument(f"variant: unknown {variant!r}; known: {sorted(VARIANTS)}")
     cfg = decoder_config(preset, layers).with_(quant=VARIANTS[variant])
     if variant == "fp8_block":
         # 128 x 128 blocks where the dimensions allow it (the seed's), else the largest edge that divides

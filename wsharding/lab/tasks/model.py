@@ -13,6 +13,7 @@ import torch
 from wsharding.cluster import RankContext
 from wsharding.comm.base import is_slice_of
 from wsharding.cuda_graph import capture_graph
+from wsharding.errors import InvalidArgument, Unsupported
 from wsharding.models import DecoderConfig, build_pair, decoder_config
 from wsharding.models.kv_cache import model_bytes, sharded_model_bytes
 from wsharding.runner import aligned_forward
@@ -71,7 +72,7 @@ def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None
     if comm == "torch":
         return ctx.shard_comm(g)
     if comm != "nccl":
-        raise ValueError(f"unknown communicator {comm!r}: use 'torch', 'nccl' or 'auto'")
+        raise InvalidArgument(f"unknown communicator {comm!r}: use 'torch', 'nccl' or 'auto'")
     key = "_wsharding_nccl_comm" if g == ctx.world_size else f"_wsharding_nccl_comm.g{g}"
     if key not in ctx.store:
         from wsharding.comm.nccl import from_context
@@ -187,7 +188,7 @@ def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, rep
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
     if comm.device.type != "cuda":
-        raise RuntimeError("graph_replay needs CUDA ranks")
+        raise Unsupported("graph_replay needs CUDA ranks")
     replicated, sharded = build_pair(cfg, comm, lookahead=True)
     dev = comm.device
     static = torch.zeros(tokens, dtype=torch.long, device=dev)

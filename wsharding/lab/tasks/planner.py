@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from wsharding.cluster import RankContext
+from wsharding.errors import InvalidArgument
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
 from wsharding.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
 from wsharding.shard import WeightSharding
@@ -27,10 +28,10 @@ def _tokens_of(tokens: int | Sequence[int], rank: int) -> int:
         n = tokens
     else:
         if rank >= len(tokens):
-            raise ValueError(f"tokens: {len(tokens)} counts given, but rank {rank} needs one (one per rank)")
+            raise InvalidArgument(f"tokens: {len(tokens)} counts given, but rank {rank} needs one (one per rank)")
         n = tokens[rank]
     if n < 0:
-        raise ValueError(f"tokens: rank {rank} has a negative token count {n}")
+        raise InvalidArgument(f"tokens: rank {rank} has a negative token count {n}")
     return n
 
 
@@ -208,7 +209,7 @@ def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layer
     equality, gathers and the step's trace records.
     """
     if ahead < 1:
-        raise ValueError(f"ahead: must be >= 1, got {ahead}")
+        raise InvalidArgument(f"ahead: must be >= 1, got {ahead}")
     comm = LandingComm(ctx.comm)
     blocks = [ReadTwiceBlock(d, seed=10 + i, pause=pause, between=comm.land_all) for i in range(n_layers)]
     x = torch.randn(3, d, generator=torch.Generator().manual_seed(ctx.rank))

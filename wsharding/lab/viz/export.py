@@ -26,6 +26,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from wsharding.errors import InvalidArgument
+
 BUNDLE = "plotly.min.js"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 
@@ -68,7 +70,7 @@ def save_figure(fig: go.Figure, path_without_suffix: str | os.PathLike[str], *, 
     ``plotly.min.js`` included when this call wrote or refreshed it."""
     base = Path(path_without_suffix)
     if base.suffix in (".html", ".png"):
-        raise ValueError(f"path_without_suffix: give the path without a suffix, got {str(base)!r}")
+        raise InvalidArgument(f"path_without_suffix: give the path without a suffix, got {str(base)!r}")
     base.parent.mkdir(parents=True, exist_ok=True)
     written = []
     bundle = _write_bundle(base.parent)

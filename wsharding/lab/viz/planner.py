@@ -15,6 +15,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from wsharding.errors import InvalidArgument, NotFound
+
 #: Colours kept constant across the planner's figures.
 COLORS = {
     "compute": "#4c78a8",
@@ -206,7 +208,7 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
     """
     for key in ("replicated_bytes_per_rank", "formula_bytes_per_rank", "slot_bytes"):
         if key not in report:
-            raise KeyError(f"memory_figure: the report has no {key!r} (a report of wsharding.lab.demo.summarize has it)")
+            raise NotFound(f"memory_figure: the report has no {key!r} (a report of wsharding.lab.demo.summarize has it)")
     world = int(report.get("world_size", 1))
     rep, formula, slot = (int(report[k]) for k in ("replicated_bytes_per_rank", "formula_bytes_per_rank", "slot_bytes"))
     measured = report.get("sharded_resident_bytes_all")
@@ -214,7 +216,7 @@ def memory_figure(report: Mapping[str, Any], title: str = "Weight bytes per rank
         one = report.get("sharded_resident_bytes_per_rank")
         measured = None if one is None else [one] * world
     if measured is not None and len(measured) != world:
-        raise ValueError(f"memory_figure: sharded_resident_bytes_all has {len(measured)} values for {world} ranks")
+        raise InvalidArgument(f"memory_figure: sharded_resident_bytes_all has {len(measured)} values for {world} ranks")
     scale, unit = _unit(max(rep, formula))
     ranks = [f"rank {r}" for r in range(world)]
     mapped = bool(report.get("map_own_chunk"))

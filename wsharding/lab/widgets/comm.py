@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 import torch
 
 from wsharding.cluster import RankCluster
+from wsharding.errors import InvalidArgument
 from wsharding.lab.bench.allgather import SIZES, format_table, run_cpu, run_gpu
 from wsharding.lab.viz.comm import allgather_bandwidth_figure
 from wsharding.units import ceil_div
@@ -27,7 +28,7 @@ def parse_sizes(text: str) -> list[float]:
     try:
         return SIZES(text)
     except argparse.ArgumentTypeError as e:
-        raise ValueError(str(e)) from None
+        raise InvalidArgument(str(e)) from None
 
 
 def run_allgather_panel(ranks: int, sizes_mib: list[float], cluster: RankCluster | None = None,

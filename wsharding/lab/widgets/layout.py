@@ -25,6 +25,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from wsharding.cluster import RankCluster
+from wsharding.errors import InvalidArgument
 from wsharding.lab.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
 from wsharding.lab.tasks.layout import gather_layout
 from wsharding.lab.viz.layout import chunk_map_figure, human_bytes
@@ -159,14 +160,14 @@ def run_gather(cluster: RankCluster, layout: FlatLayout, *, seed: int = 0) -> Ga
     the full buffer and every view against the reference (see :func:`~wsharding.lab.tasks.layout.gather_layout`).
     """
     if cluster.world_size != layout.group_size:
-        raise ValueError(
+        raise InvalidArgument(
             f"the layout is built for N={layout.group_size} ranks but the cluster has {cluster.world_size}: "
             f"gather it on a RankCluster({layout.group_size}) or rebuild the layout with N={cluster.world_size}"
         )
     limit = live_gather_limit(cluster)
     if layout.total_bytes > limit:
         where = "CPU-emulated ranks" if cluster.backend == "gloo" else "GPU ranks"
-        raise ValueError(
+        raise InvalidArgument(
             f"layout of {human_bytes(layout.total_bytes)} is over the {human_bytes(limit)} live-gather limit on "
             f"{where} (each rank holds the full buffer and reference copies): pick a smaller layer, e.g. the "
             "1/32-scale K3-like preset"
@@ -301,13 +302,13 @@ class LayoutPanel:
         if n in self._clusters:
             return self._clusters[n]
         if not self.start_missing:
-            raise ValueError(
+            raise InvalidArgument(
                 f"no cluster of {n} ranks: this panel has clusters of sizes {sorted(self._clusters)}; set N to one "
                 "of them, or build the panel with start_missing=True"
             )
         cluster = self._start_cluster(n)
         if cluster.world_size != n:
-            raise ValueError(f"start_cluster({n}) returned a cluster of {cluster.world_size} ranks")
+            raise InvalidArgument(f"start_cluster({n}) returned a cluster of {cluster.world_size} ranks")
         self._clusters[n] = cluster
         self._owned.add(n)
         return cluster

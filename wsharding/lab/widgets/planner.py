@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from wsharding.cluster import RankCluster
+from wsharding.errors import InvalidArgument
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
 from wsharding.lab.viz.planner import exposed_us, slot_figure, timeline_figure
@@ -63,13 +64,13 @@ def planner_view(cluster: RankCluster, preset: str = "tiny", *, layers: int | No
     """The pure function behind the panel: ``steps`` traced steps on every rank of ``cluster``,
     with layers ``sharded = (first, last)`` (inclusive) sharded, and the figures of the last step."""
     if preset not in PRESETS:
-        raise ValueError(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
+        raise InvalidArgument(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
     n_layers = layers or PRESETS[preset].layers
     sharded_layers = None
     if sharded is not None:
         first, last = sharded
         if not 0 <= first <= last < n_layers:
-            raise ValueError(f"sharded: layers ({first}, {last}) must satisfy 0 <= first <= last < {n_layers}")
+            raise InvalidArgument(f"sharded: layers ({first}, {last}) must satisfy 0 <= first <= last < {n_layers}")
         sharded_layers = list(range(first, last + 1))
     need = sharded_need_per_rank(preset, cluster.world_size, layers=n_layers, sharded_layers=sharded_layers)
     check_fits(need, cluster.world_size, what=f"the sharded {preset} ({n_layers} layers) on {cluster.world_size} ranks",
