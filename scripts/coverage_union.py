@@ -1,6 +1,6 @@
 """Per-module coverage of this CPU run together with saved GPU runs.
 
-    python scripts/coverage_union.py reports/coverage_cpu.json figures/device/coverage_gpu_*.json
+    python scripts/coverage_union.py reports/coverage_cpu.json docs/measurements/*/coverage_gpu_*.json
 
 Why: the CUDA branches of the planner and of our NCCL communicator only run on GPUs, which CI does
 not have. A GPU run (``scripts/gpu_coverage.sh`` on the GPU machine) saves its executed lines as

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests under coverage, on the GPU machine; writes $OUT/coverage_gpu_NAME.json: the executed
 # lines per module and the commit they ran at (scripts/coverage_union.py counts them only for modules
-# unchanged since). Run from the repository root:
+# unchanged since). Keep it in docs/measurements/MACHINE-DAY/ (.ci/run counts every
+# docs/measurements/*/coverage_gpu_*.json). Run from the repository root:
 #   bash scripts/gpu_coverage.sh COMMIT NAME [pytest arguments, e.g. test files]
 # The GPU machine has torch but no coverage package and no network: download the wheel for its Python
 # here (pip download coverage --python-version 3.12 --only-binary=:all: --no-deps -d .device/cov) and

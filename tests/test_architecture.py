@@ -188,3 +188,160 @@ def test_the_rules_see_a_violation():
     ]
     assert ("wsharding.slots", "wsharding.lab.viz.comm") in upward_imports(broken)
     assert library_to_teaching(broken) == [("wsharding.slots", "wsharding.lab.viz.comm")]
+
+
+# ---- notes, and what the library's prose may hold ---------------------------------------------------
+# A note is written once, where its reasoning belongs, and cited elsewhere by its name. It is written
+# as a docstring paragraph that starts with ``[Note: X]`` -- alone on its line, or followed by its
+# first sentence -- or as a comment line holding only ``# [Note: X]``, with the note's text in the
+# comment lines right below it. Every other ``[Note: X]`` is a reference to a note.
+
+
+def prose_blocks(source: str) -> list[tuple[str, int, list[str]]]:
+    """``("docstring" | "comment", first line, lines of text)`` for every docstring of ``source`` (a
+    statement that is a lone string: module, class, function and attribute docstrings) and every
+    block of comment lines (consecutive lines holding only a comment; a comment after code is a block
+    of its own)."""
+    import inspect
+    import io
+    import tokenize
+
+    blocks: list[tuple[str, int, list[str]]] = [
+        ("docstring", node.lineno, inspect.cleandoc(node.value.value).splitlines())
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)]
+    open_block: list[str] | None = None
+    last = 0
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        text = tok.string.lstrip("#").removeprefix(":").strip()
+        alone = tok.line.strip().startswith("#")
+        if alone and open_block is not None and tok.start[0] == last + 1:
+            open_block.append(text)
+        else:
+            blocks.append(("comment", tok.start[0], [text]))
+            open_block = blocks[-1][2] if alone else None
+        last = tok.start[0]
+    return blocks
+
+
+def note_name(raw: str) -> str:
+    """A note's name as cited, wherever the citation was wrapped (a comment's ``#`` or ``#:`` dropped)."""
+    import re
+
+    return " ".join(re.sub(r"\n\s*#:?", " ", raw).split())
+
+
+def note_definitions(source: str) -> list[str]:
+    """The names of the notes that ``source`` writes (see above)."""
+    import re
+
+    alone = re.compile(r"\[Note: ([^\]]+)\]")
+    with_text = re.compile(r"\[Note: ([^\]]+)\]\s+[A-Za-z`*]")  # not "[Note: X]: ..." nor "[Note: X] (in ...)"
+    names = []
+    for kind, _, lines in prose_blocks(source):
+        for i, text in enumerate(lines):
+            text = text.strip()
+            followed = i + 1 < len(lines) and bool(lines[i + 1].strip())
+            if kind == "comment":
+                if (m := alone.fullmatch(text)) and followed:
+                    names.append(note_name(m.group(1)))
+            elif i == 0 or not lines[i - 1].strip():  # a docstring paragraph's first line
+                if ((m := alone.fullmatch(text)) and followed) or (m := with_text.match(text)):
+                    names.append(note_name(m.group(1)))
+    return names
+
+
+def note_references(source: str) -> list[str]:
+    """The names of every ``[Note: X]`` in ``source`` -- code strings and wrapped citations included."""
+    import re
+
+    return [note_name(m.group(1)) for m in re.finditer(r"\[Note:\s*([^\]]+?)\s*\]", source)]
+
+
+def unresolved_notes(sources: dict[str, str]) -> list[str]:
+    """``name: where it is written`` for every note cited in ``sources`` (file -> text) that is not
+    written exactly once among them."""
+    from collections import Counter
+
+    written = Counter(n for text in sources.values() for n in note_definitions(text))
+    cited: dict[str, str] = {}
+    for f, text in sorted(sources.items()):
+        for n in note_references(text):
+            cited.setdefault(n, f)
+    return sorted(f"[Note: {n}] (cited in {f}): written {written[n]} times" for n, f in cited.items() if written[n] != 1)
+
+
+def package_sources() -> dict[str, str]:
+    return {str(p.relative_to(PKG.parent)): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_every_cited_note_is_written_exactly_once():
+    assert unresolved_notes(package_sources()) == [], (
+        "write the note where its reasoning belongs (a docstring paragraph or comment block that starts with "
+        "[Note: X]), or cite the note that exists")
+
+
+def test_the_note_rule_sees_a_missing_and_a_doubled_note():
+    source = '''"""A module.
+
+[Note: the gate]
+Why the gate exists.
+
+[Note: backpressure] The host never runs far ahead.
+"""
+# [Note: the hot path]
+# Decided at init.
+x = 1  # [Note: the gate]
+# [Note: backpressure]: a citation
+def f():
+    """[Note: the gate]: a citation too, as is [Note: the
+    hot path]."""
+'''
+    assert sorted(note_definitions(source)) == ["backpressure", "the gate", "the hot path"]
+    assert sorted(set(note_references(source))) == ["backpressure", "the gate", "the hot path"]
+    assert unresolved_notes({"m.py": source}) == []
+    assert unresolved_notes({"m.py": source + "# [Note: a missing note]\n"}) == [
+        "[Note: a missing note] (cited in m.py): written 0 times"]
+    assert unresolved_notes({"m.py": source, "n.py": source}) == [
+        f"[Note: {n}] (cited in m.py): written 2 times" for n in ("backpressure", "the gate", "the hot path")]
+
+
+#: What the library's docstrings and comments do not hold: the day of a measurement, the path of a
+#: measurement, probe or figure file, an issue number. A measured fact stays, as a fact; its date
+#: and files are in docs/measurements/.
+STALE_PROSE = {
+    "a date": r"\b20\d\d-\d\d-\d\d\b",
+    "a measurement or probe path": r"figures/device|docs/measurements|scripts/gpu_probes|\bresearch/",
+    "an issue number": r"(?i)\bissues?\s*#?\s*\d+|(?<![\w&#])#\d+\b",
+}
+
+
+def stale_prose(source: str, filename: str) -> list[str]:
+    """``file:line: what`` for every docstring or comment of ``source`` that holds one of STALE_PROSE."""
+    import re
+
+    found = []
+    for _, line, lines in prose_blocks(source):
+        for i, text in enumerate(lines):
+            found += [f"{filename}:{line + i}: {what}: {text.strip()}"
+                      for what, pattern in STALE_PROSE.items() if re.search(pattern, text)]
+    return found
+
+
+def test_library_docstrings_and_comments_hold_no_dates_paths_or_issue_numbers():
+    found = [hit for f, text in package_sources().items() for hit in stale_prose(text, f)]
+    assert found == [], "say what and why; the date and the files of a measurement go to docs/measurements/"
+
+
+def test_the_prose_rule_sees_a_date_a_path_and_an_issue():
+    source = '''"""Measured on two H200s (2026-12-01)."""
+# see figures/device/run.json
+X = "2026-12-01, research/x.py, issue #6"  # a code string is data, not prose
+def f():
+    """Fixes issue #10; the copy hides behind a GEMM."""
+'''
+    assert [hit.split(": ")[1] for hit in stale_prose(source, "m.py")] == [
+        "a date", "an issue number", "a measurement or probe path"]
+    assert stale_prose('"""On two H200s the copy-engine gather hides behind a GEMM."""\n', "m.py") == []

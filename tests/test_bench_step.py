@@ -90,7 +90,7 @@ def test_saved_gpu_reports_print_the_calls_steady_and_drained():
     import json
     from pathlib import Path
 
-    device = Path(__file__).resolve().parents[1] / "figures" / "device"
+    device = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h200-2026-12-01"
     one = json.loads((device / "bench_step_h200_1gpu_2026-12-01_llama8b-blocks_steady-calls.json").read_text())
     two = json.loads((device / "bench_step_h200_2ranks-1gpu_2026-12-01_llama8b-blocks_steady-calls.json").read_text())
     assert "no bus bandwidth at world size 1 (nothing crosses a link)" in format_table(one)

@@ -388,7 +388,7 @@ def test_plan_json_is_integral_and_complete():
 def test_mapped_bill_is_the_measured_resident_bytes_of_the_8_block_model():
     """``map_own_chunk``: chunks in 2 MiB pages, and after finalize a slot keeps only the peers' pages.
     The 8-block model (Llama-3.1-8B shapes, BF16) at N = 2 held 2,181,038,080 B per rank on an H200
-    (``bench step --mapped``, figures/device/bench_step_h200_2ranks-1gpu_2026-12-01_..._mapped-trimmed.json)."""
+    (``bench step --mapped``, docs/measurements/h200-2026-12-01/bench_step_h200_2ranks-1gpu_..._mapped-trimmed.json)."""
     from wsharding.costmodel import MAPPED_PAGE_BYTES
 
     block = [("q", (4096, 4096)), ("k", (1024, 4096)), ("v", (1024, 4096)), ("o", (4096, 4096)),

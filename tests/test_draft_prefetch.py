@@ -28,14 +28,14 @@ def test_draft_equal_in_every_mode(cluster_of):
         assert (m["inline"]["prefetches"], m["inline"]["cold_starts"]) == (3, 3)   # cold start: gathered inline
         assert (m["no_wait"]["prefetches"], m["no_wait"]["cold_starts"]) == (3, 0)  # waited inside the step
         assert (m["no_calls"]["prefetches"], m["no_calls"]["cold_starts"]) == (0, 0)  # the plain path
-        assert "stand-in for the seed's commit step" in r["region"]
+        assert "stand-in for the weight-sharding design's commit step" in r["region"]
 
 
 def test_prefetch_hides_behind_the_region(cluster_of):
     results = cluster_of(2).run(draft_exposed, "tiny", steps=5, warmup=2, commit_ms=10.0, comm="torch")
     report = summarize(results)
     text = format_table(report)
-    assert "emulated" in text and "cpu-gloo" in text and "stand-in for the seed's commit step" in text
+    assert "emulated" in text and "cpu-gloo" in text and "stand-in for the weight-sharding design's commit step" in text
     rows = {r["mode"]: r for r in report["rows"]}
     assert list(rows) == ["dedicated", "inline"]  # no streams on CPU ranks: no "shared" row
     # a 10 ms region is far longer than a 0.16 MiB gather: prefetched, the wait is short; inline it is the gather

@@ -88,8 +88,8 @@ def test_host_breakdown_figure_draws_the_saved_probes_and_says_what_is_emulated(
 
     from wsharding.lab.viz.bench import host_breakdown_figure
 
-    folder = Path(__file__).resolve().parent.parent / "figures" / "device"
-    probes = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("host_breakdown_*.json"))}
+    folder = Path(__file__).resolve().parent.parent / "docs" / "measurements"
+    probes = {p.stem: json.loads(p.read_text()) for p in sorted(folder.rglob("host_breakdown_*.json"), key=lambda p: p.name)}
     assert len(probes) >= 2
     fig = host_breakdown_figure(probes)
     graph = next(t for t in fig.data if t.name == "gathers launched as graphs")
@@ -104,7 +104,7 @@ def test_forward_host_figure_draws_medians_with_quartiles():
 
     from wsharding.lab.viz.bench import forward_host_figure
 
-    folder = Path(__file__).resolve().parent.parent / "figures" / "device"
+    folder = Path(__file__).resolve().parent.parent / "docs" / "measurements" / "h200-2026-12-01"
     probe = json.loads((folder / "forward_host_h200_1gpu_2026-12-01.json").read_text())
     fig = forward_host_figure(probe)
     whole, actions = fig.data
@@ -154,7 +154,7 @@ def test_planner_calls_figure_stacks_the_split_and_marks_the_bare_loop():
 
     from wsharding.lab.viz.bench import planner_calls_figure
 
-    folder = Path(__file__).resolve().parent.parent / "figures" / "device"
+    folder = Path(__file__).resolve().parent.parent / "docs" / "measurements" / "h200-2026-12-01"
     split = json.loads((folder / "bench_step_h200_2ranks-1gpu_2026-12-01_llama8b-blocks_planner-calls-split.json").read_text())
     whole = json.loads((folder / "bench_step_h200_1gpu_2026-12-01_llama8b-blocks_planner-calls.json").read_text())
     fig = planner_calls_figure({"one": whole, "two": split})

@@ -62,7 +62,7 @@ def test_gpu_draft_exposed_dedicated_vs_shared_vs_inline(two):
     print("\n" + format_table(report))
     rows = {r["mode"]: r for r in report["rows"]}
     assert list(rows) == list(MODES)
-    assert "stand-in for the seed's commit step" in report["region"] and "GEMM" in report["region"]
+    assert "stand-in for the weight-sharding design's commit step" in report["region"] and "GEMM" in report["region"]
     # under a 4 ms region the prefetched gather is done before the draft starts; inline it is all exposed
     assert rows["dedicated"]["exposed_us"] < rows["inline"]["exposed_us"]
 

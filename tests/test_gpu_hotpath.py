@@ -1,4 +1,4 @@
-"""GPU: the hot path never holds the host, and a missing rank is an error, not a hang (issue 10)."""
+"""GPU: the hot path never holds the host, and a missing rank is an error, not a hang."""
 
 from __future__ import annotations
 

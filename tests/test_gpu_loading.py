@@ -26,7 +26,7 @@ def one_gpu():
 # The NCCL bound once failed by 1.5 MiB on H200s: the meter added the ncclMemAlloc'd chunks at the end to
 # torch's peak over the whole finalize, counting twice what finalize swaps (row shards out, chunks in).
 # It now samples at finalize's stages ([Note: two allocators] in wsharding/memory.py); on two H200s
-# (2026-11-30) all six cases pass with the strict bound below (figures/device/gpu_tests_h200x2_2026-11-30.log).
+# (2026-11-30) all six cases pass with the strict bound below (docs/measurements/h200x2-2026-11-30/gpu_tests_h200x2_2026-11-30.log).
 
 
 @pytest.mark.parametrize("comm", ["torch", "nccl"])

@@ -1,4 +1,4 @@
-"""Teardown, partial layer ranges and the NCCL watchdog's logic (issue 12 items 1-3, issue 10 item 1).
+"""Teardown, partial layer ranges and the NCCL watchdog's logic (it aborts a stuck communicator).
 
 Each guard has a test that fails without it: a closed sharding whose model still ran would read
 freed memory; a partial range that dispatched past its end would leave a gather nobody waits on;

@@ -27,7 +27,7 @@ def test_kv_capacity_rows_and_figure():
 
 def test_draft_figure_labels_the_mode():
     report = {"mode": "cpu-gloo", "world_size": 2, "first_layer_bytes": 2**20, "emulation": "emulated: CPU",
-              "region": "stand-in for the seed's commit step",
+              "region": "stand-in for the weight-sharding design's commit step",
               "rows": [{"mode": "dedicated", "exposed_us": 40.0, "step_ms": 20.0, "exposed_us_per_rank": [40.0, 30.0]},
                        {"mode": "inline", "exposed_us": 900.0, "step_ms": 21.0, "exposed_us_per_rank": [900.0, 800.0]}]}
     fig = draft_exposed_figure(report)

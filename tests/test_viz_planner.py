@@ -131,9 +131,9 @@ def test_memory_figure_exact_bytes():
 
 
 def test_memory_figure_of_a_mapped_report_counts_the_peers_pages_not_two_slots():
-    # The two-GPU demo with --map-own-chunk (figures/device/demo_k3-like_h200x2_2026-12-01_graph-mapped.json):
+    # The two-GPU demo with --map-own-chunk (docs/measurements/h200x2-2026-12-01/demo_k3-like_..._graph-mapped.json):
     # after finalize each slot keeps only the peer's page: 356 MiB in all, against 2 x 356 MiB of whole slots.
-    report = json.loads((ROOT / "figures" / "device" / "demo_k3-like_h200x2_2026-12-01_graph-mapped.json").read_text())
+    report = json.loads((ROOT / "docs" / "measurements" / "h200x2-2026-12-01" / "demo_k3-like_h200x2_2026-12-01_graph-mapped.json").read_text())
     assert report["map_own_chunk"] and report["slot_resident_bytes"] < 2 * report["slot_bytes"]
     by = {t.name: t for t in memory_figure(report).data}
     pages = by["the peers' slot pages 2·(N-1)/N·slot_bytes"]

@@ -1,7 +1,8 @@
 """The flat byte layout of one sharded layer.
 
 All weights of a layer that are to be gathered are laid end to end in one logical byte buffer T,
-so that one AllGather per layer rebuilds all of them (first seed, "flat layout"):
+so that one AllGather per layer rebuilds all of them (SGLang's weight sharding for Kimi K3,
+"flat layout"):
 
 1. entries are placed in order, each at a 16-byte aligned offset;
 2. the total is padded to a multiple of ``16 * N`` so that every chunk is itself 16-byte aligned;

@@ -36,9 +36,8 @@ What it needs, each checked before anything is allocated:
 
 [Note: map_own_chunk="auto"]
 It is the default of :class:`~wsharding.shard.WeightSharding` and ``shard_blocks``: on where it can
-run, off with the reason kept (``ws.map_own_chunk_reason``). Measured on two H200s (2026-12-01,
-``figures/device/bench_step_h200x2_2026-12-01_llama8b-blocks_nccl-mapped.json``) the mapped sharding
-was faster than the plain one at every token count (1 to 8192 per rank) and it holds less after
+run, off with the reason kept (``ws.map_own_chunk_reason``). Measured on two H200s, the mapped
+sharding was faster than the plain one at every token count (1 to 8192 per rank) and it holds less after
 finalize; where it cannot run (another communicator, an NCCL older than 2.30) nothing changes. The
 one case where it costs: page padding. Every chunk is rounded up to a 2 MiB page, so a model of many
 small layers could hold more mapped than plain. ``setup()``, once every layer is declared, prices
@@ -46,9 +45,8 @@ both with :func:`~wsharding.shard.resident_formula` and keeps the layouts of the
 mapping (no own-chunk copy). ``map_own_chunk=True`` forces it (and raises where it cannot run),
 ``False`` keeps plain slots.
 
-Measured (``scripts/gpu_probes/layer_view.py``, one H200, NCCL 2.32.3, 2 and 4 ranks on the GPU,
-2026-12-01): the range registers, the in-place copy-engine gather fills every slice, the chunk's
-pages are untouched, no kernel runs.
+Measured on one H200 (NCCL 2.32.3, 2 and 4 ranks on the GPU): the range registers, the in-place
+copy-engine gather fills every slice, the chunk's pages are untouched, no kernel runs.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Load peaks, measured: device bytes (CUDA allocator) and host bytes (resident-set high-water mark).
 
-The first seed separates the resident bytes after finalize from the *peak* while loading: a loader
-that reads full weights into device memory and cuts them afterwards has the peak of the replicated
-model, and may run out of memory at start-up even though the resident bytes would fit.
+SGLang's weight sharding for Kimi K3 separates the resident bytes after finalize from the *peak* while
+loading: a loader that reads full weights into device memory and cuts them afterwards has the peak of
+the replicated model, and may run out of memory at start-up even though the resident bytes would fit.
 
 :class:`PeakMeter` brackets a stretch of work (checkpoint load + finalize):
 

@@ -1,6 +1,6 @@
 """The lookahead planner: gather layer l+1 while layer l computes, into the other slot.
 
-The runner's layer loop (the first seed's sequence)::
+The runner's layer loop (the sequence of SGLang's weight sharding for Kimi K3)::
 
     planner.reset()
     planner.pre_dispatch(start_layer)
@@ -12,10 +12,8 @@ The runner's layer loop (the first seed's sequence)::
 
 Rules it keeps:
 
-* **Two slots, one gate.** The gather of layer l+1 writes the slot that layer l-1 used. It may only
-  start once layer l-1 has finished reading it (the gate). On CUDA the gate is an event recorded on
-  the compute stream after layer l-1, waited on by the side stream; on CPU a gather whose gate is not
-  yet done is held back and issued by ``update_done_event`` of the gating layer.
+* **Two slots, one gate.** The gather of layer l+1 writes the slot that layer l-1 used, so it starts
+  only once layer l-1 has finished reading it ([Note: the gate]).
 * **Wait at most once.** ``wait_ready_once`` waits on a layer's gather once per step; later calls
   return at once.
 * **Nothing decided inside forward.** Which layers are sharded, their slots, their gates, the events
@@ -27,6 +25,18 @@ Rules it keeps:
 
 On CPU ranks (gloo) the collective runs on gloo's own thread while the main thread computes, so the
 overlap measured there is real, if small.
+
+[Note: the gate]
+The sharded layers take slots A and B in turn, so the gather of layer l+1 overwrites the weights that
+layer l-1 computes with. Started any earlier than the end of layer l-1, it would replace them while
+l-1 still reads them -- on the GPU a silent race, the layer computing with half of the next layer's
+bytes. So every gather has a gate: the end of the slot's previous occupant
+(``SlotPool.previous_occupant``), fixed at init. On CUDA the gate is an event recorded on the compute
+stream after that layer and waited on by the gather's stream, so the host never waits for it; on CPU
+a gather whose gate is not yet done is held back and issued by ``update_done_event`` of the gating
+layer. A previous occupant that ran in an earlier step needs no gate: the step's fork orders the
+gather after it. Slots whose layer views are mapped keep the rule as it is: the layers of one parity
+map the same slot pages. ``gate=False`` exists only to show the race.
 
 [Note: the hot path]
 At decode sizes a layer computes for a fraction of a millisecond, so the host time the planner spends
@@ -49,9 +59,9 @@ raises it. Two steps of queued work are more than the GPU needs to stay busy.
 
 [Note: the next step's first gather]
 The first sharded layer of a step has no earlier layer to hide its gather behind: on two H200s at
-2048 tokens per rank it stood exposed ~0.7 ms per step (scripts/gpu_probes/contention.py). In a
-loop of steps the previous step's last layers are such cover, and the seed's draft model uses that
-region for its own first layer. With ``prefetch_next_step`` (off by default) a step that ran every
+2048 tokens per rank it stood exposed ~0.7 ms per step. In a loop of steps the previous step's last
+layers are such cover, and the draft model of SGLang's weight sharding for Kimi K3 uses that region
+for its own first layer. With ``prefetch_next_step`` (off by default) a step that ran every
 sharded layer issues the *next* step's first gather when its last sharded layer starts, gated on
 the end of the last layer that reads the same slot (held until that layer is done when it is the
 running one). The next step finds it issued and only waits. The rules it keeps:
@@ -546,9 +556,9 @@ class WeightShardPlanner:
     # ---- the first layer of a model with no layer before it (the draft model) -------------------------
     # [Note: the draft's first layer]
     # A draft model runs right after the target model. Its first sharded layer has no previous layer
-    # whose compute could hide its gather, so (first seed, "CUDA graph 与 draft 模型") that gather is
-    # issued *before* the draft's step, on a dedicated stream, during the region between the two models
-    # (the seed's ~4 ms commit step), and outside the draft's CUDA graph:
+    # whose compute could hide its gather, so (the weight-sharding design, "CUDA graph 与 draft 模型")
+    # that gather is issued *before* the draft's step, on a dedicated stream, during the region between
+    # the two models (the design's ~4 ms commit step), and outside the draft's CUDA graph:
     #
     #     target(tokens)
     #     draft.planner.prefetch_first_weight_shard()   # dedicated stream, forked from the compute stream
@@ -556,8 +566,8 @@ class WeightShardPlanner:
     #     draft.planner.wait_first_weight_shard()       # compute stream waits; cold start: gathers now
     #     draft(tokens)                                 # reset, pre_dispatch_after_prefetch, the layers
     #
-    # Why not the shared side stream: there it queues behind the target model's gathers (the seed saw
-    # ~25 us of overlap). The fork orders the prefetch after everything already queued on the compute
+    # Why not the shared side stream: there it queues behind the target model's gathers (the design
+    # saw ~25 us of overlap). The fork orders the prefetch after everything already queued on the compute
     # stream -- the previous draft step, which may still read the slot it overwrites, included. On CPU
     # ranks the same calls hold an async gloo handle, waited on by ``wait_first_weight_shard``.
     _first_handle = None

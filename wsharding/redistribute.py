@@ -1,9 +1,10 @@
-"""Finalize's redistribution, one layer at a time: row shards -> flat chunks (first seed,
-"finalize 时重排成 flat chunk"), with the linear's after-loading step run on the gathered full weight.
+"""Finalize's redistribution, one layer at a time: row shards -> flat chunks (SGLang's weight sharding
+for Kimi K3, "finalize 时重排成 flat chunk"), with the linear's after-loading step run on the gathered full
+weight.
 
 [Note: finalize peak] A layer's row shards are packed into slot A and freed *before* its chunk is
 allocated, and each full weight is rebuilt in slot B, in place: rows and chunks never coexist
-beyond one layer's padding, and the seed's temporary full weight costs nothing extra. The peak is
+beyond one layer's padding, and the design's temporary full weight costs nothing extra. The peak is
 ``R/N + padding/N + 2 slots`` plus one weight in flight (a transient of the backend or of loading).
 
 Before any of it the ranks agree (:func:`agree_or_raise`): the same layouts on every rank, and every

@@ -1,7 +1,7 @@
 """What a sharded weight looks like before finalize: its target record and the loaders that fill it.
 
-Two loading paths, chosen by the quant method's ``weight_shard_mode`` (first seed, "加载" and
-"量化变体"):
+Two loading paths, chosen by the quant method's ``weight_shard_mode`` (SGLang's weight sharding for Kimi
+K3, "加载" and "量化变体"):
 
 * ``"rows"`` (BF16/FP16, int8, ModelOpt FP8): the weight is shrunk to this rank's 1/N rows at setup
   and a :class:`RowShardLoader` replaces its weight loader: it reads only those rows from the

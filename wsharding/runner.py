@@ -1,7 +1,8 @@
-"""Running a sharded model: the seed's layer loop, the generic path's wrappers, and idle ranks.
+"""Running a sharded model: the weight-sharding design's layer loop, the generic path's wrappers, and
+idle ranks.
 
-* :func:`run_layers` -- the layer loop of the first seed with the planner wired in (reset,
-  pre_dispatch, then per layer: dispatch the next gather, run the layer, record its end), and
+* :func:`run_layers` -- the layer loop of SGLang's weight sharding for Kimi K3 with the planner wired in
+  (reset, pre_dispatch, then per layer: dispatch the next gather, run the layer, record its end), and
   :func:`prepare_layer_weight_shard_forward`, which a sharded layer calls at its start.
 * :func:`shard_blocks` -- the generic path, for a model that is not ours: the same sequence put
   around the model's blocks (a hook on the model, a wrapped ``forward`` on each block), so the
@@ -45,7 +46,7 @@ def run_layers(
     end_layer: int | None = None,
     call: Callable[[nn.Module, Any], Any] | None = None,
 ) -> Any:
-    """The seed's layer loop with the planner wired in (``planner=None``: plain replicated loop)."""
+    """The weight-sharding design's layer loop with the planner wired in (``planner=None``: plain replicated loop)."""
     end = len(layers) if end_layer is None else end_layer
     call = call or (lambda layer, h: layer(h))
     if planner is None:

@@ -1,20 +1,20 @@
 """Sharding a model's replicated weights: declare, validate, shrink, load rows, finalize, bind.
 
-A sharded weight goes through four stages (first seed, "SGLang 中的实现"):
+A sharded weight goes through four stages (SGLang's weight sharding for Kimi K3, "SGLang 中的实现"):
 
 1. **declare / validate** (:class:`WeightSharding` constructor): each layer names its candidates.
-   The package's own linears are decided by their group (the second seed's Linear contract): tp size
-   1 (byte-identical on every rank) -> a target, tp size > 1 -> left alone, as the seed shards
-   attention only when attn_tp_size == 1 and MoE peripherals only when replicated; every decision and
-   its reason is kept (:meth:`WeightSharding.report`). Any other module with ``tp_size`` > 1 is an
-   error naming it; a weight whose rows the group size does not divide is skipped with a warning. The
-   layer's targets form one :class:`~wsharding.layout.FlatLayout` -- one gather per layer. Every
-   decision that needs the full shape is taken here, before anything shrinks.
+   The package's own linears are decided by their group (the parallel contract of SGLang's Linear
+   layers): tp size 1 (byte-identical on every rank) -> a target, tp size > 1 -> left alone, as the
+   weight-sharding design shards attention only when attn_tp_size == 1 and MoE peripherals only when
+   replicated; every decision and its reason is kept (:meth:`WeightSharding.report`). Any other module
+   with ``tp_size`` > 1 is an error naming it; a weight whose rows the group size does not divide is
+   skipped with a warning. The layer's targets form one :class:`~wsharding.layout.FlatLayout` -- one
+   gather per layer. Every decision that needs the full shape is taken here, before anything shrinks.
 2. **setup** (:meth:`WeightSharding.setup`): each target keeps only its own 1/N rows; a row-shard
    loader replaces the parameter's weight loader so that a checkpoint is read row range by row range
    (merged linears: per sub-block, :meth:`row_sub_blocks`).
 3. **finalize** (:meth:`WeightSharding.finalize`): the row shards are redistributed into the flat
-   chunks -- per weight one plain gather (the seed's temporary full weight; here it lands in slot B,
+   chunks -- per weight one plain gather (the design's temporary full weight; here it lands in slot B,
    so nothing extra is allocated), of which each rank keeps the bytes inside its own chunk window;
    the row shards are then freed and every target's weight becomes a zero-copy view of its slot.
 4. **forward**: the planner gathers each layer's chunk into its slot just in time (the loop and the
@@ -35,6 +35,7 @@ from torch import nn
 
 from wsharding.bound import guard_bound_weight
 from wsharding.comm.base import CommError, Communicator
+from wsharding.costmodel.bill import bill_for_layouts
 from wsharding.guards import BoundWeightGuards
 from wsharding.layout import FlatLayout
 from wsharding.linear.base import LinearBase, rebind_tensor
@@ -205,9 +206,9 @@ class WeightSharding:
 
     ``layers`` are the model's blocks in execution order (index = layer id); ``targets`` maps a
     layer id to its candidate linears -- attribute paths, or the package's linears themselves -- (when
-    None, each layer's own ``weight_shard_targets`` list is used, as the seed's modules declare them);
-    :meth:`declare` decides which of them are sharded. ``sharded_layers``
-    restricts the range (the seed's default leaves the dense layer 0 out).
+    None, each layer's own ``weight_shard_targets`` list is used, as the modules of the weight-sharding
+    design declare them); :meth:`declare` decides which of them are sharded. ``sharded_layers``
+    restricts the range (the design's default leaves the dense layer 0 out).
 
     ``keep_initial_weights``: a model built with real weights is sharded as it is -- setup copies
     this rank's rows and counts them as loaded. With False, setup allocates zeroed rows and every row
@@ -534,8 +535,8 @@ class WeightSharding:
         2. its chunk is allocated -- about the bytes just freed, so the peak stays at about
            ``R/N + 2 slots`` plus one transient weight ([Note: finalize peak] in
            :mod:`wsharding.redistribute`);
-        3. per weight, the full weight is rebuilt in slot B (one gather, in place: the seed's temporary
-           full weight costs nothing extra and lies in a registered window), the linear's
+        3. per weight, the full weight is rebuilt in slot B (one gather, in place: the weight-sharding
+           design's temporary full weight costs nothing extra and lies in a registered window), the linear's
            ``process_weights_after_loading`` runs on it (every rank computes the same bytes), and the
            rank keeps the bytes inside its chunk window. A requant-then-shard weight is already full:
            it is processed where it is and cut without a gather;
@@ -772,12 +773,12 @@ class WeightSharding:
 def resident_formula(layouts: Iterable[FlatLayout], world_size: int, granularity: int = 1, *, mapped: bool) -> int:
     """What a rank holds after finalize for these layer layouts: the chunks, plus two slots of
     ``max |T|`` -- or, ``mapped``, the peers' ``N-1`` pages of the largest chunk per slot. Each
-    allocation is rounded up to ``granularity`` (a backend's allocation unit)."""
-    layouts = list(layouts)
-    chunks = sum(align_up(lay.chunk_bytes, granularity) for lay in layouts)
-    if mapped:
-        return chunks + 2 * (world_size - 1) * align_up(max(lay.chunk_bytes for lay in layouts), granularity)
-    return chunks + 2 * align_up(max(lay.total_bytes for lay in layouts), granularity)
+    allocation is rounded up to ``granularity`` (a backend's allocation unit).
+
+    The arithmetic is the cost model's (:func:`~wsharding.costmodel.bill.bill_for_layouts`), so the
+    bytes the sharding checks itself against and the bytes ``wsharding plan`` promises are one formula."""
+    bill = bill_for_layouts(list(layouts), ranks=world_size, map_own_chunk=mapped, granularity=granularity)
+    return bill.sharded_resident_bytes
 
 
 def _refuse(why: str, layer_id: int) -> Callable[..., None]:

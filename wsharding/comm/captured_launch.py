@@ -1,12 +1,12 @@
 """Stream work captured once into a CUDA graph, then launched with one driver call.
 
 [Note: a gather launched as a graph]
-Each ``ncclAllGather`` call does its argument checks, plan building and enqueue on the host, every
-time: 19-20 us of host per in-place copy-engine gather on a blocking communicator (two H200s,
-``figures/device/hotpath_probes_2026-11-30.md``), twice the whole budget of 10 us per layer for the
-planner and communicator together. The gather of a layer is the same call every step (same
-pointers, same count, same stream), so it is captured into a CUDA graph once, at finalize, and each
-step launches the graph: one ``cuGraphLaunch`` instead of NCCL's host path.
+Each ``ncclAllGather`` call does its argument checks, plan building and enqueue on the host, every time:
+19-20 us of host per in-place copy-engine gather on a blocking communicator (measured on two H200s),
+twice the whole budget of 10 us per layer for the planner and communicator together. The gather of a
+layer is the same call every step (same pointers, same count, same stream), so it is captured into a
+CUDA graph once, at finalize, and each step launches the graph: one ``cuGraphLaunch`` instead of NCCL's
+host path.
 
 NCCL supports capturing every collective, with three rules that shape this file's users:
 * Whether a launch is captured is a collective property, and launching a graph that holds a captured
@@ -27,15 +27,14 @@ Why not capture a whole step's gathers into one graph and launch it once per ste
 of one per layer)? Each gather must wait for its gate -- the end of the layer that last read its slot
 -- and at the step's start that end is not queued yet. The gate can move onto the GPU (a flag the
 compute stream writes after the layer, ``cuStreamWriteValue32``; a graph node that waits for it,
-``cuStreamWaitValue32``), and that works in isolation (``scripts/gpu_probes/step_graph_semantics.py``,
-``figures/device/step_graph_semantics_h200_2026-12-01.json``). But then GPU work waits for host work
-that has not been issued yet, which CUDA does not allow for: anything that synchronizes the whole
-device while a step runs -- loading a kernel at its first use, which happened inside the first forward
-with lazy and with eager module loading alike, or ``cudaFree`` when the allocator gives memory back --
-waits for the gather stream, which waits for the host, which waits in that call. Tried on one H200
-on 2026-12-01 (``figures/device/step_graph_probe_2026-12-01.md``): the first forward deadlocked, and
-the watchdog ended the process after its timeout. A gather is therefore launched when its gate is
-already queued: one launch per layer.
+``cuStreamWaitValue32``), and that works in isolation (a flag-gated copy in a graph is held until
+another stream writes the flag, and resets it). But then GPU work waits for host work that has not been
+issued yet, which CUDA does not allow for: anything that synchronizes the whole device while a step runs
+-- loading a kernel at its first use, which happened inside the first forward with lazy and with eager
+module loading alike, or ``cudaFree`` when the allocator gives memory back -- waits for the gather
+stream, which waits for the host, which waits in that call. Tried on one H200: the first forward
+deadlocked, and the watchdog ended the process after its timeout. A gather is therefore launched when
+its gate is already queued: one launch per layer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Shard groups: which ranks store one copy of the sharded weights between them.
 
-The first seed cuts intra-node sub-groups of size g (8 there) out of the TP group by
-``(rank // g) * g``, so that the gather stays on NVLink and can use the copy engine. World 8 with
-g = 4 gives two independent groups [0..3] and [4..7], each holding a full copy between its members.
+SGLang's weight sharding for Kimi K3 cuts intra-node sub-groups of size g (8 there) out of the TP group
+by ``(rank // g) * g``, so that the gather stays on NVLink and can use the copy engine. World 8 with g =
+4 gives two independent groups [0..3] and [4..7], each holding a full copy between its members.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 [Note: the issue thread]
 At decode sizes the step is bound by the host: the Python thread that launches a layer's kernels is
 also the one that puts the next layer's gather on its streams, and a gather's launch costs that
-thread 11-13 us on the one-H200 host and 46-55 us per layer on the two-H200 host
-(``figures/device/host_breakdown_*``), most of it inside ``cuGraphLaunch``. The launch cannot be
-batched per step ([Note: one graph per layer, not per step] in ``captured_launch.py``), but it need
-not run on the model's thread: each layer's driver calls -- the wait for the gate, the graph launch,
-the ready record -- are prepared once as a *program*, and a native thread (``issue_thread.c``) runs
-the programs in the order they were pushed. A push is one ctypes call; the model's thread goes on.
+thread 11-13 us on the one-H200 host and 46-55 us per layer on the two-H200 host, most of it inside
+``cuGraphLaunch``. The launch cannot be batched per step ([Note: one graph per layer, not per step] in
+``captured_launch.py``), but it need not run on the model's thread: each layer's driver calls -- the
+wait for the gate, the graph launch, the ready record -- are prepared once as a *program*, and a
+native thread (``issue_thread.c``) runs the programs in the order they were pushed. A push is one
+ctypes call; the model's thread goes on.
 
 Why native and not a Python thread: a Python thread would need the GIL between its driver calls,
 and takes it from the model's thread (measured on a 2-core CPU machine with a 13 us stand-in for the

@@ -1,9 +1,9 @@
 """``wsharding demo``: the main job.
 
-The seed-shaped decoder is built twice on every rank -- replicated, and with its replicated weights
-sharded over the group -- and both run the same steps, with different token counts on every rank
-(an idle rank runs a one-token dummy step, so every rank issues the same gathers). It prints a
-table and can write a JSON report and figures:
+The decoder shaped like the deployment of SGLang's weight sharding for Kimi K3 is built twice on every
+rank -- replicated, and with its replicated weights sharded over the group -- and both run the same
+steps, with different token counts on every rank (an idle rank runs a one-token dummy step, so every
+rank issues the same gathers). It prints a table and can write a JSON report and figures:
 
 * outputs compared bit for bit (``max_abs_diff`` must be 0);
 * bytes per rank: replicated R, sharded resident (measured from the storages), the formula;
@@ -156,7 +156,8 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
     replicated, sharded, load = build_pair_measured(cfg, comm, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding
     planner = ws.planner
-    # Right after finalize, as the seed sizes its KV pool: before any step allocates activations.
+    # Right after finalize, as the weight-sharding design sizes its KV pool: before any step allocates
+    # activations.
     kv_cache = replicated_vs_sharded(replicated, sharded, ws,
                                      context=kv_context or (4096 if comm.device.type == "cuda" else 256),
                                      share=ranks_sharing_device(ctx.world_size, comm.device))

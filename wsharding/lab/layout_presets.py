@@ -76,13 +76,13 @@ def k3_like_moe_peripherals(scale: int = 1) -> list[Spec]:
     * hidden size 7168 is Kimi K2's public ``hidden_size`` (``moonshotai/Kimi-K2-Instruct`` config);
     * the latent MoE width 3584 and the shared-expert intermediate size 6144 are our picks that make
       the four projections exactly 183.5 M parameters, i.e. 367.0 MB per layer in BF16 -- the
-      seed's "BF16 每层 367 MB" (x 92 layers = 31.45 GiB, as in the seed);
-    * the names are short forms of the seed's targets: ``expert_down`` / ``expert_up`` are the latent
+      "BF16 每层 367 MB" of SGLang's weight sharding for Kimi K3 (x 92 layers = 31.45 GiB, as there);
+    * the names are short forms of the design's targets: ``expert_down`` / ``expert_up`` are the latent
       MoE's ``routed_expert_down_proj`` / ``routed_expert_up_proj``, ``shared_*`` the shared expert;
       ``scale_inv`` is the checkpoint's ``weight_scale_inv``.
 
     In FP8 each weight is one byte per element and travels with its fp32 block scales (a choice
-    made for this picture: the seed keeps ModelOpt per-tensor scales replicated, outside the layout).
+    made for this picture: the design keeps ModelOpt per-tensor scales replicated, outside the layout).
     ``scale`` divides every dimension (a power of two up to 512) so a small copy can be gathered on
     CPU ranks; at ``scale=32`` the 2 x 3 scale tiles are 24 bytes and leave alignment holes.
     """
@@ -112,7 +112,8 @@ LAYOUT_PRESETS: dict[str, LayerPreset] = {
     "k3_moe_fp8": LayerPreset(
         "Kimi-K3-like MoE peripherals, block FP8 + fp32 scales (175 MiB)",
         tuple(k3_like_moe_peripherals()),
-        "hidden 7168 from Kimi K2's config; latent 3584 / shared 6144 chosen to match the seed's 367 MB BF16",
+        "hidden 7168 from Kimi K2's config; latent 3584 / shared 6144 chosen to match the weight-sharding "
+        "design's 367 MB BF16",
     ),
     "k3_moe_fp8_small": LayerPreset(
         "Kimi-K3-like MoE peripherals, block FP8, 1/32 scale (gatherable on CPU ranks)",

@@ -1,4 +1,4 @@
-"""The parallel contract of an inference Linear (the second seed), in four parts.
+"""The parallel contract of an inference Linear (SGLang's Linear layers), in four parts.
 
 * **split** -- :mod:`~wsharding.linear.groups`: which group a linear is split on (``tp``, ``attn_tp``,
   ``shared_experts_tp``, ``replicated``, :class:`ReplicatedParallelGroup`), :class:`LogicalGroup` for
@@ -8,7 +8,7 @@
 * **compute** -- :mod:`~wsharding.linear.quant`: the quant method creates the parameters and runs the GEMM;
 * **reduce** -- :class:`RowParallelLinear`: reduce_results, skip_all_reduce, the DP-attention group.
 
-:func:`~wsharding.linear.contract.check_contract` runs the seed's five alignment checks on a model.
+:func:`~wsharding.linear.contract.check_contract` runs the contract's five alignment checks on a model.
 """
 
 from wsharding.linear.base import LinearBase, ReplicatedLinear, process_weights, rebind_tensor

@@ -1,7 +1,7 @@
-"""The seed's five alignment checks, run over every linear of a model.
+"""The five alignment checks of the parallel contract of SGLang's Linear layers, over a model's linears.
 
 Most Linear bugs are not in one contract but where two meet: each side is self-consistent, and the
-pair is misaligned. For each linear the diagnostic compares the two sides the seed names:
+pair is misaligned. For each linear the diagnostic compares the two sides the contract names:
 
 =============  ==================================================  ==============================================
 rule           left                                                right

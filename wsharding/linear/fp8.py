@@ -1,6 +1,6 @@
 """FP8 quant methods: ModelOpt-style per-tensor FP8, and block FP8 with a UE8M0 requant.
 
-The first seed names two FP8 variants with different loading paths ("量化变体"):
+SGLang's weight sharding for Kimi K3 names two FP8 variants with different loading paths ("量化变体"):
 
 * **ModelOpt FP8 per-tensor** (:class:`Fp8PerTensorLinearMethod`): ``weight`` is ``float8_e4m3fn``
   ``[out, in]``, with one ``weight_scale`` and one static ``input_scale`` per logical shard (q/k/v,
@@ -9,7 +9,7 @@ The first seed names two FP8 variants with different loading paths ("量化变�
   so a rank loads only its 1/N rows, as for BF16.
 * **Block FP8** (:class:`BlockFp8LinearMethod`, 128 x 128 blocks, ``weight_scale_inv`` one scale per
   block): after loading, every block scale is rounded *up* to a power of two (UE8M0, the format of
-  scale-exponent kernels) and the block's weights are re-rounded to e4m3 with the new scale. The seed
+  scale-exponent kernels) and the block's weights are re-rounded to e4m3 with the new scale. The design
   runs that requant on the whole weight, so this variant keeps full shape until finalize
   ("requant-then-shard"): **its load peak is not reduced, only its resident bytes**.
 

@@ -1,6 +1,7 @@
 """Parallel groups of a Linear: which ranks split a weight between them, and how.
 
-The second seed's parallel contract, in our own code. A linear is built with a ``parallel_group``:
+The parallel contract of SGLang's Linear layers, in our own code. A linear is built with a
+``parallel_group``:
 
 * ``"tp"`` (also what ``None`` -- "not given" -- means), ``"attn_tp"``, ``"shared_experts_tp"``: the named
   group of the current :class:`ParallelState`;
@@ -330,7 +331,7 @@ class ParallelState:
         return self.tp_rank % (self.shared_experts_tp_size or 1)
 
     def group_named(self, name: str) -> ResolvedGroup | None:
-        """Resolve a group name (the seed's three tiers: a communicator, else a LogicalGroup when the size
+        """Resolve a group name (the contract's three tiers: a communicator, else a LogicalGroup when the size
         is > 1, else ``None``)."""
         if name not in GROUP_NAMES:
             raise GroupError(f"unknown linear parallel_group {name!r}: use one of {GROUP_NAMES + ('replicated',)}")

@@ -189,8 +189,8 @@ class BlockQuantScaleParameter(ModelWeightParameter):
 
 
 def v1_rows(param: torch.Tensor, dim: int, n: int) -> int:
-    """The v1 loaders' own coordinate arithmetic: packed dims divide by ``pack_factor`` (as in the seed);
-    anything fancier (block scales) must go through ``weight_loader_v2``."""
+    """The v1 loaders' own coordinate arithmetic: packed dims divide by ``pack_factor`` (as in SGLang's
+    Linear layers); anything fancier (block scales) must go through ``weight_loader_v2``."""
     if isinstance(param, BlockQuantScaleParameter):
         raise InvalidType(f"{getattr(param, 'param_name', 'parameter')} is a BlockQuantScaleParameter: it can only be "
                         "loaded by weight_loader_v2 (give the quant method uses_weight_loader_v2=True)")

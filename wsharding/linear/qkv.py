@@ -5,9 +5,9 @@ their group (GQA): then each rank holds one KV head and ``num_kv_head_replicas =
 consecutive ranks hold the same one (they read the same checkpoint rows). K/V may also be split on
 their own group (``kv_parallel_group``).
 
-Worked example from the seed (H=32, K=8, P=8, head 128): 4 Q heads + 1 K + 1 V head per rank,
-parameter ``[768, hidden]``; q at rows 0 (512 wide), k at 512 (128), v at 640 (128); KV rank 3 loads
-checkpoint K rows ``[384, 512)``.
+Worked example from the parallel contract of SGLang's Linear layers (H=32, K=8, P=8, head 128): 4 Q
+heads + 1 K + 1 V head per rank, parameter ``[768, hidden]``; q at rows 0 (512 wide), k at 512 (128), v
+at 640 (128); KV rank 3 loads checkpoint K rows ``[384, 512)``.
 """
 
 from __future__ import annotations

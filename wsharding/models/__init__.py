@@ -1,4 +1,5 @@
-"""Models written with wsharding's linears: a small decoder shaped like the first seed's deployment."""
+"""Models written with wsharding's linears: a small decoder shaped like the deployment of
+SGLang's weight sharding for Kimi K3."""
 
 from wsharding.models.decoder import PRESETS, DecoderConfig, ToyDecoder, build_pair, decoder_config
 

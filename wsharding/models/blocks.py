@@ -1,6 +1,6 @@
 """A stack of Llama-shaped blocks written with plain ``nn.Linear``: the model of the FSDP2 baseline.
 
-``llama8b-blocks`` is the model measured in ../GPU.md's FSDP2 table: 8 blocks of Llama-3.1-8B's
+``llama8b-blocks`` is the model of the FSDP2 baseline in ``wsharding bench step``: 8 blocks of Llama-3.1-8B's
 shapes (hidden 4096, 32 query heads and 8 KV heads of 128, gated MLP 14336), 436 MB of BF16 weights
 per block. It is sharded the generic way, from the outside, with
 :func:`wsharding.runner.shard_blocks` -- the path a user takes with a model that is not ours -- and

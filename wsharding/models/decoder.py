@@ -1,13 +1,13 @@
-"""A small decoder shaped like the first seed's deployment (Kimi K3 decode, DP attention + MoE).
+"""A small decoder shaped like the deployment of SGLang's weight sharding for Kimi K3: decode, DP attention + MoE.
 
-* Layer 0 is dense (attention + gated MLP) and, as in the seed's default range, is not sharded.
+* Layer 0 is dense (attention + gated MLP) and, as in the design's default range, is not sharded.
 * Layers 1.. have **DP attention**: every rank runs its own tokens through a full attention copy, so
   q/k/v/o are replicated linears (``parallel_group="replicated"``, GQA with fewer KV heads).
 * and a **latent MoE** whose peripherals are replicated too: a router, latent down/up projections
   around a few local routed experts (experts would be EP-sharded in a deployment; here every rank
   holds the few it uses), and a shared expert built with tp 1.
 
-The weights weight sharding takes are exactly the seed's targets: ``attn.qkv_proj``, ``attn.o_proj``,
+The weights weight sharding takes are exactly the design's targets: ``attn.qkv_proj``, ``attn.o_proj``,
 ``moe.latent_down``, ``moe.latent_up``, ``moe.shared_expert.gate_up_proj``,
 ``moe.shared_expert.down_proj`` -- one flat layout, one gather per layer. The router and the routed
 experts stay replicated.
@@ -58,10 +58,10 @@ class DecoderConfig:
     #: Parallel group of the attention projections: ``"replicated"`` (DP attention, built unsplit) or
     #: ``"attn_tp"`` (split over attention-TP, which is of size 1 under full DP attention).
     attn_group: str = "replicated"
-    #: Parallel group of the shared expert: ``"replicated"`` (tp 1, as the seed's) or ``"shared_experts_tp"``
+    #: Parallel group of the shared expert: ``"replicated"`` (tp 1, as the design's) or ``"shared_experts_tp"``
     #: (TP MoE: split, and run over the tokens of every rank of the group).
     moe_group: str = "replicated"
-    #: Merge ``latent_down`` and the shared expert's ``gate_up_proj`` into one GEMM (the seed's
+    #: Merge ``latent_down`` and the shared expert's ``gate_up_proj`` into one GEMM (the design's
     #: ``_merge_front_weights``) where neither is sharded: a fusion that changes storage.
     merge_front: bool = False
     #: quant method of the sharding targets (and layer 0's projections): a name of
@@ -102,7 +102,7 @@ PRESETS: dict[str, DecoderConfig] = {
                                latent=48, experts=4, top_k=2, expert_inter=48, shared_inter=48),
     "small": DecoderConfig(vocab=2048, hidden=768, layers=6, heads=12, kv_heads=4, head_dim=64, dense_inter=1536,
                            latent=384, experts=4, top_k=2, expert_inter=384, shared_inter=768),
-    # For GPUs: sharded bytes per layer close to the seed's 367 MB of BF16 MoE peripherals per layer
+    # For GPUs: sharded bytes per layer close to the design's 367 MB of BF16 MoE peripherals per layer
     # (7168 hidden as in K3-class models; 56 x 128 query heads, 8 KV heads; 370.7 MB per layer).
     "k3-like": DecoderConfig(vocab=32768, hidden=7168, layers=12, heads=56, kv_heads=8, head_dim=128,
                              dense_inter=14336, latent=2048, experts=8, top_k=2, expert_inter=1024,
@@ -119,7 +119,7 @@ def qkv_gemm_plan(qkv: QKVParallelLinear) -> dict[str, Any]:
     """The qkv projection's GEMM, decided from the full shape of its weight: one merged GEMM over this
     rank's ``[q; k; v]`` rows, then a split into ``[q, k, v]`` columns.
 
-    A decision that needs the full shape (the first seed's kernel choices in ``__init__``): weight
+    A decision that needs the full shape (the weight-sharding design's kernel choices in ``__init__``): weight
     sharding later shrinks the weight to 1/N rows, so it must be taken before; asked after the shrink
     it raises instead of planning for the wrong shape.
     """
@@ -263,7 +263,7 @@ class LatentMoE(nn.Module):
     def plan_front_merge(self, enabled: bool, sharded: Collection[str]) -> str:
         """Decide the front merge (one GEMM for ``latent_down`` and the shared expert's ``gate_up_proj``,
         which read the same input). It changes storage, so a weight that weight sharding takes must not
-        join it (the seed skips ``_merge_front_weights`` when the MoE is sharded): the merged copy would
+        join it (the design skips ``_merge_front_weights`` when the MoE is sharded): the merged copy would
         hold that weight in full on every rank. ``sharded``: names (inside this module) of the targets.
         Decided with the full shapes, before the shrink."""
         self.front_weight = None
@@ -325,7 +325,7 @@ class DecoderLayer(nn.Module):
     def plan_fusions(self, sharded: Collection[str] = ()) -> dict[str, str]:
         """Fusion decisions that need the full shapes and the list of sharding targets (``sharded``:
         attribute paths inside this layer): taken after :meth:`WeightSharding.declare` and before
-        :meth:`WeightSharding.setup_layer` shrinks the targets, as the seed takes its kernel choices and
+        :meth:`WeightSharding.setup_layer` shrinks the targets, as the design takes its kernel choices and
         skips its storage-changing fusions at the end of the layer's ``__init__``."""
         plan = self.attn.qkv_gemm
         self.fusions = {"qkv_gemm": f"{plan['gemm']}: one GEMM of [{plan['rows']}, {plan['cols']}], split {plan['split']}"}
@@ -354,7 +354,7 @@ class ToyDecoder(nn.Module):
 
     ``forward(tokens)`` takes one rank's token ids ``[T]`` and returns logits ``[T, vocab]``.
     With ``weight_sharding`` (a :class:`~wsharding.shard.WeightSharding` not yet finalized) each
-    layer's targets are shrunk to this rank's rows right after the layer is built, as the seed's
+    layer's targets are shrunk to this rank's rows right after the layer is built, as the design's
     layers do at the end of ``__init__``: at most one layer's full weights exist during construction.
     """
 
@@ -453,7 +453,7 @@ def build_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 0, lookahe
                sharded_layers: range | None = None, map_own_chunk: bool | str = "auto") -> tuple[ToyDecoder, ToyDecoder]:
     """The replicated model and its sharded twin (same seed: the same weights) on this rank.
 
-    The seed's default range leaves the dense layer 0 out: layers 1..L-1 are sharded.
+    The weight-sharding design's default range leaves the dense layer 0 out: layers 1..L-1 are sharded.
     ``map_own_chunk``: :class:`~wsharding.shard.WeightSharding`'s (no own-chunk copy per gather; "auto" by default).
     """
     device = comm.device

@@ -1,11 +1,11 @@
 """A small draft model whose first sharded layer is gathered before its step (speculative decoding).
 
-In the first seed's deployment a draft model (dflash) runs after the target model every step. Its
-weights are sharded too ("推广到 attention 和 draft"), and its layer 0 -- the first sharded layer --
-has no earlier layer whose compute could hide its gather. The planner's answer
-([Note: the draft's first layer] in ``wsharding/planner.py``) is to issue that gather between the two
-models, on a dedicated stream, and to wait on it just before the draft's step; this module gives the
-draft the step that uses it.
+In the deployment of SGLang's weight sharding for Kimi K3 a draft model (dflash) runs after the target
+model every step. Its weights are sharded too ("推广到 attention 和 draft"), and its layer 0 -- the first
+sharded layer -- has no earlier layer whose compute could hide its gather. The planner's answer ([Note:
+the draft's first layer] in ``wsharding/planner.py``) is to issue that gather between the two models, on
+a dedicated stream, and to wait on it just before the draft's step; this module gives the draft the step
+that uses it.
 
 The draft here is a :class:`~wsharding.models.ToyDecoder` with the target's dimensions and two layers
 (:func:`draft_config`), every layer sharded -- layer 0, dense, included. A real draft reads the

@@ -1,8 +1,8 @@
 """The KV-cache pool of the decoder's decode path, sized from the memory left after finalize.
 
-The first seed calls ``finalize_model_weight_shard`` right after loading and *before* the KV-cache
-pool is sized, so every byte weight sharding gives back is seen by the pool's sizing and becomes KV
-cache: more tokens, more concurrent sequences. This module is that last step for
+SGLang's weight sharding for Kimi K3 calls ``finalize_model_weight_shard`` right after loading and
+*before* the KV-cache pool is sized, so every byte weight sharding gives back is seen by the pool's
+sizing and becomes KV cache: more tokens, more concurrent sequences. This module is that last step for
 :class:`~wsharding.models.ToyDecoder`:
 
 * :func:`kv_budget_bytes` -- what is free for the pool on this rank now (CUDA: the driver's free memory

@@ -85,7 +85,7 @@ class NcclConfig(ctypes.Structure):
     ]
 
 
-#: The documented layout (REFERENCES.md): field -> byte offset; tests compare against it.
+#: The layout ``nccl.h`` documents for ``ncclConfig_t``: field -> byte offset; tests compare against it.
 CONFIG_LAYOUT = {
     "size": 0, "magic": 8, "version": 12, "blocking": 16, "cgaClusterSize": 20, "minCTAs": 24,
     "maxCTAs": 28, "netName": 32, "splitShare": 40, "trafficClass": 44, "commName": 48,

@@ -71,7 +71,7 @@ from wsharding.fatal import end_process
 #: "graph": each prepared gather's ncclAllGather is captured once and launched as a CUDA graph
 #: (one driver call per layer); "direct": ncclAllGather is called per layer.
 GATHER_LAUNCHES = ("graph", "direct")
-#: The seed refuses to run without it: policy 2 ("zero") is the copy-engine path.
+#: The weight-sharding design refuses to run without it: policy 2 ("zero") is the copy-engine path.
 CTA_POLICY_ZERO = 2
 SHARED_GPU_WORDS = "several ranks time-slice one GPU (NCCL multi-rank-per-GPU): timings are not those of N GPUs"
 
@@ -142,8 +142,7 @@ def _close_all() -> None:
 # the communicator runs one small gather at init, while every rank is known to be present
 # (``_set_up_copy_engine``); after it a gather only queues stream work. (With CTA policy 0 NCCL may
 # still connect lazily when a later size picks another algorithm.) Gathers in flight stay watched by
-# the watchdog thread in both modes. ``blocking=False`` keeps the old behaviour, for comparison
-# (``scripts/gpu_probes/blocking.py`` measures both side by side).
+# the watchdog thread in both modes. ``blocking=False`` keeps the old behaviour, for comparison.
 
 class NcclGatherHandle:
     """A gather in flight on the communicator's stream (see :meth:`NcclCommunicator.all_gather_into`)."""

@@ -22,15 +22,14 @@ used. The ncclAllGather itself is launched as a CUDA graph captured at init ([No
 launched as a graph] in ``wsharding/comm/captured_launch.py``), except inside a capture of the
 whole step, which records NCCL's own launch.
 
-What the copy costs (measured on two H200s, 2026-11-30, ``scripts/gpu_probes/contention.py`` and
-``local_copy.py``): a same-device copy runs on the SMs, not on a copy engine -- issued beside a
-persistent GEMM it waits for the GEMM to end, then takes every SM for its ~100 us (218 MB), and
-``cuMemcpyBatchAsync``'s prefer-overlap hint does not change that. At decode sizes the SMs are
-mostly idle and the copy hides; at 2048 tokens per rank the compute stream stood idle ~100 us at
-each layer's start, behind that layer's copy (it becomes runnable at the same moment as the layer's
-first kernel: both wait for the end of the layer before). Only the peer copies, which do use the
-copy engines, overlap compute for free. With N ranks the own chunk is 1/N of the layer, so this
-cost shrinks as the group grows.
+What the copy costs (measured on two H200s, and beside a GEMM loop on one): a same-device copy runs on
+the SMs, not on a copy engine -- issued beside a persistent GEMM it waits for the GEMM to end, then
+takes every SM for its ~100 us (218 MB), and ``cuMemcpyBatchAsync``'s prefer-overlap hint does not
+change that. At decode sizes the SMs are mostly idle and the copy hides; at 2048 tokens per rank the
+compute stream stood idle ~100 us at each layer's start, behind that layer's copy (it becomes runnable
+at the same moment as the layer's first kernel: both wait for the end of the layer before). Only the
+peer copies, which do use the copy engines, overlap compute for free. With N ranks the own chunk is 1/N
+of the layer, so this cost shrinks as the group grows.
 
 With the communicator's issue thread ([Note: the issue thread] in ``wsharding/comm/issue_thread.py``),
 the same sequence of driver calls is prepared once as a program; :meth:`start` pushes it with the

@@ -1,9 +1,9 @@
 """Symmetric buffers: ncclMemAlloc memory, seen by torch without copies, registered as windows.
 
-Why these rules (REFERENCES.md): NCCL's copy-engine AllGather only runs when send and receive
-buffers lie inside windows registered with ``NCCL_WIN_COLL_SYMMETRIC``; such windows need memory
-from ``ncclMemAlloc`` (cudaMalloc memory is refused) at a 4096-byte aligned offset, and registering
-is a collective that every rank must call in the same order.
+Why these rules (NCCL's documentation of symmetric windows): NCCL's copy-engine AllGather only runs when
+send and receive buffers lie inside windows registered with ``NCCL_WIN_COLL_SYMMETRIC``; such windows
+need memory from ``ncclMemAlloc`` (cudaMalloc memory is refused) at a 4096-byte aligned offset, and
+registering is a collective that every rank must call in the same order.
 
 How this module meets them:
 
@@ -12,7 +12,7 @@ How this module meets them:
   ``__cuda_array_interface__`` -- no copy, same ``data_ptr``;
 * allocation is local and may happen in any order (loaders, slots, lazily built layers);
   :meth:`SymmetricPool.register_all` then registers every new buffer in one fixed order, sorted
-  by tag with numbers compared as numbers ("layer.2" < "layer.10", like the seed's sort by
+  by tag with numbers compared as numbers ("layer.2" < "layer.10", like the weight-sharding design's sort by
   layer id), after checking over the CPU group that every rank has the same list of tags and
   sizes. Deferring registration to one call is what makes the order independent of how the
   buffers were created, and turns a mismatch (which would hang or corrupt) into an error.

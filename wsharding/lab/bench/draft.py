@@ -1,11 +1,11 @@
 """``wsharding bench draft``: how much of the draft model's first-layer gather stays exposed.
 
-A step is the target model's forward, a region that is not a layer (a labelled stand-in for the
-first seed's ~4 ms commit step), and a 2-layer draft's forward whose first sharded layer is gathered
-(see :mod:`wsharding.lab.tasks.draft`):
+A step is the target model's forward, a region that is not a layer (a labelled stand-in for the ~4 ms
+commit step of SGLang's weight sharding for Kimi K3), and a 2-layer draft's forward whose first sharded
+layer is gathered (see :mod:`wsharding.lab.tasks.draft`):
 
 * ``dedicated``: prefetched on the planner's own stream after the target, under the region;
-* ``shared``: prefetched on the stream the target's gathers use (the seed saw ~25 us of overlap);
+* ``shared``: prefetched on the stream the target's gathers use (the design saw ~25 us of overlap);
 * ``inline``: not prefetched: gathered at the draft's start (a cold start), its whole time exposed.
 
 Reported per mode: the median exposed time (compute-stream events around the wait) and step time,
@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int_at_least(1), default=8, help="tokens per rank per step (default 8)")
     p.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per mode (default 20)")
     p.add_argument("--commit-ms", type=checked_number(float, 0, MAX_COMMIT_MS),
-                   default=4.0, help="length of the region between the models in ms (default 4, the seed's commit "
-                                     f"step; at most {MAX_COMMIT_MS:g})")
+                   default=4.0, help="length of the region between the models in ms (default 4, the "
+                                     f"weight-sharding design's commit step; at most {MAX_COMMIT_MS:g})")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--json", default="figures/bench_draft", metavar="PREFIX",

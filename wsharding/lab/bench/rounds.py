@@ -2,7 +2,7 @@
 
 Timed one after another in a fixed order, the variants measured last carry whatever drifts during a
 run -- GPU clocks settling, the host slowing down, the allocator growing: on an H200 the first timed
-round of the k3-like demo ran ~50 % slow for every variant (2026-12-01). Rotating the start spreads
+round of the k3-like demo ran ~50 % slow for every variant. Rotating the start spreads
 that over all of them; the reports take the median over the rounds.
 """
 

@@ -37,6 +37,7 @@ import torch
 from wsharding.cluster import RankCluster, RankContext
 from wsharding.comm.base import Communicator
 from wsharding.cuda_graph import capture_graph
+from wsharding.errors import NotFound
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired
 from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
@@ -542,9 +543,24 @@ def _host_cell(row: dict[str, Any], key: str) -> str:
     return f"{row[key]:.1f} ({row[key + '_q1']:.1f}..{row[key + '_q3']:.1f})"
 
 
-def saved_reports(folder: str | Path = "figures/device", pattern: str = "bench_step_*.json") -> dict[str, dict[str, Any]]:
-    """The ``bench step`` reports kept in ``folder`` (named after machine and date), by file stem."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(folder).glob(pattern))}
+#: Where the repository keeps the saved GPU runs: one folder per machine and day.
+MEASUREMENTS = "docs/measurements"
+
+
+def saved_reports(folder: str | Path = MEASUREMENTS, pattern: str = "bench_step_*.json") -> dict[str, dict[str, Any]]:
+    """The ``bench step`` reports kept under ``folder`` -- in it or in its per-machine-and-day folders;
+    each file is named after its machine and date -- by file stem."""
+    paths = sorted(Path(folder).rglob(pattern), key=lambda p: p.name)
+    return {p.stem: json.loads(p.read_text()) for p in paths}
+
+
+def saved_path(name: str, folder: str | Path = MEASUREMENTS) -> Path:
+    """The one file called ``name`` under ``folder`` (in whichever machine-and-day folder keeps it)."""
+    found = sorted(Path(folder).rglob(name))
+    if len(found) != 1:
+        raise NotFound(f"{name}: {len(found)} files of that name under {folder}, not 1"
+                                + (f" ({', '.join(map(str, found))})" if found else ""))
+    return found[0]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

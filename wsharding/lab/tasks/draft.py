@@ -1,13 +1,14 @@
 """Rank tasks of the draft model's first-layer prefetch (notebook 03 section 7, ``wsharding bench draft``).
 
-One step of speculative decoding, as in the first seed: the target model's forward, a region that is
-not a layer (the seed's ~4 ms commit step; here a labelled stand-in, :func:`commit_region`), then the
-draft model's forward. The draft's first sharded layer is gathered in one of three ways (``mode``):
+One step of speculative decoding, as in SGLang's weight sharding for Kimi K3: the target model's
+forward, a region that is not a layer (the design's ~4 ms commit step; here a labelled stand-in,
+:func:`commit_region`), then the draft model's forward. The draft's first sharded layer is gathered in
+one of three ways (``mode``):
 
 * ``"dedicated"``: ``prefetch_first_weight_shard()`` on the planner's own stream after the target, so
   the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/planner.py``);
 * ``"shared"``: the same prefetch on the stream the target's gathers use (our NCCL comm's gather stream;
-  the torch backend issues its gathers from the compute stream, so that stream) -- what the seed
+  the torch backend issues its gathers from the compute stream, so that stream) -- what the design
   measured at ~25 us of overlap;
 * ``"inline"``: no prefetch; ``wait_first_weight_shard()`` finds none (a cold start) and gathers now.
 
@@ -34,7 +35,7 @@ from wsharding.shard import WeightSharding
 MODES = ("dedicated", "shared", "inline")
 #: What the CPU-rank version runs: gloo has no streams to share.
 CPU_MODES = ("dedicated", "inline")
-COMMIT_WORDS = "stand-in for the seed's commit step (not a layer, not a real commit)"
+COMMIT_WORDS = "stand-in for the weight-sharding design's commit step (not a layer, not a real commit)"
 
 
 def commit_region(device: torch.device, ms: float, kind: str = "auto") -> tuple[Callable[[], None], str]:
@@ -42,7 +43,7 @@ def commit_region(device: torch.device, ms: float, kind: str = "auto") -> tuple[
 
     ``kind``: ``"matmul"`` (chained bf16 GEMMs on the current stream, the count calibrated once to
     ``ms``), ``"sleep"`` (the host sleeps: on CPU ranks gloo's thread gathers meanwhile), or ``"auto"``
-    (matmul on CUDA, sleep on CPU). It stands for the seed's commit step and is labelled as such.
+    (matmul on CUDA, sleep on CPU). It stands for the design's commit step and is labelled as such.
     """
     if kind == "auto":
         kind = "matmul" if device.type == "cuda" else "sleep"

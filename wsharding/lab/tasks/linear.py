@@ -113,7 +113,8 @@ def column_cases(ctx: RankContext, state: ParallelState) -> dict[str, Any]:
             bqs, bks, bvs = bq[: H * hs], bq[H * hs:(H + K) * hs], bq[(H + K) * hs:]
             b_want = torch.cat([bqs[r * qs:(r + 1) * qs], bks[kb * ks:(kb + 1) * ks], bvs[kb * ks:(kb + 1) * ks]])
             exact[f"qkv H{H} K{K} v{1 + v2}"] = torch.equal(qkv(x), F.linear(x, w_want, b_want))
-            # The replica check of the seed, on ranks: the K rows of replica partners are equal.
+            # The replica check of the parallel contract of SGLang's Linear layers, on ranks: the K rows of
+            # replica partners are equal.
             k_rows = qkv.weight[qs:qs + ks].contiguous()
             parts = [torch.empty_like(k_rows) for _ in range(P)]
             dist.all_gather(parts, k_rows)

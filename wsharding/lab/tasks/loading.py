@@ -37,7 +37,8 @@ def variant_config(preset: str | DecoderConfig, variant: str, layers: int | None
         raise InvalidArgument(f"variant: unknown {variant!r}; known: {sorted(VARIANTS)}")
     cfg = decoder_config(preset, layers).with_(quant=VARIANTS[variant])
     if variant == "fp8_block":
-        # 128 x 128 blocks where the dimensions allow it (the seed's), else the largest edge that divides
+        # 128 x 128 blocks where the dimensions allow it (the weight-sharding design's block), else the
+        # largest edge that divides
         dims = [cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.latent, cfg.shared_inter,
                 cfg.dense_inter]
         cfg = cfg.with_(quant_block=next(b for b in (128, 64, 48, 32, 16, 8) if all(d % b == 0 for d in dims)))

@@ -41,7 +41,7 @@ def ours_supported() -> bool:
 
 def multi_rank_per_gpu_supported() -> bool:
     """True when several ranks may share this machine's GPU with our NCCL communicator: a GPU, a
-    libnccl >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (see ../GPU.md)."""
+    libnccl >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL's multi-rank-per-GPU mode)."""
     import os
 
     if not torch.cuda.is_available() or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
@@ -58,7 +58,8 @@ def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None
     """The communicator the sharded layers gather with, over this rank's shard group.
 
     ``group_size`` (default: the whole world) cuts the world into groups ``(rank // g) * g``, as the
-    first seed's intra-node groups of 8; each group shards one copy of the weights between its members.
+    intra-node groups of 8 of SGLang's weight sharding for Kimi K3; each group shards one copy of the
+    weights between its members.
     ``"torch"``: torch.distributed over this rank's shard group (gloo on CPU, NCCL on GPUs).
     ``"nccl"``: our ctypes NCCL communicator over the group -- one unique id per group, buffers from
     ``ncclMemAlloc`` registered as symmetric windows of the group, CTA policy 2, so gathers take the
@@ -89,7 +90,7 @@ def graph_unsupported(comm: Any) -> str | None:
     if comm.world_size == 1:
         return None
     if getattr(comm, "shared_gpu", False):
-        return "several ranks share one GPU: capturing their gathers hung in a probe (GPU.md)"
+        return "several ranks share one GPU: capturing their gathers hung when tried there"
     if getattr(comm, "watchdog", None) is None:
         return "capturing gathers needs our NCCL communicator (--comm nccl)"
     return None

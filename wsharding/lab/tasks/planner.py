@@ -1,5 +1,6 @@
-"""Rank tasks that make the lookahead planner visible: traced steps of the seed-shaped decoder, the
-slot/gate table of a real sharded model, and the gate experiment.
+"""Rank tasks that make the lookahead planner visible: traced steps of the decoder shaped like the
+deployment of SGLang's weight sharding for Kimi K3, the slot/gate table of a real sharded model, and
+the gate experiment.
 
 They live in the package because spawned ranks import tasks by name; notebook 03, its widget and
 the tests all call them through ``cluster.run``.
@@ -199,8 +200,9 @@ class LandingGather:
 
 def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layers: int = 6, d: int = 32,
                     ahead: int = 2) -> dict[str, Any]:
-    """Dispatch gathers ``ahead`` layers early (the seed dispatches one ahead) so that the gather of
-    layer ``i+2`` targets the slot layer ``i`` is reading, with and without the planner's gate.
+    """Dispatch gathers ``ahead`` layers early (the weight-sharding design dispatches one ahead) so that
+    the gather of layer ``i+2`` targets the slot layer ``i`` is reading, with and without the planner's
+    gate.
 
     Between its two reads each layer waits until every gather in flight has landed (CPU ranks; see
     :class:`LandingComm`). With the gate the early gather is held until layer ``i`` is done (trace
@@ -243,7 +245,7 @@ def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layer
 
 def run_schedule(ctx: RankContext, n_layers: int = 6, d: int = 32, pause: float = 0.0,
                  lookahead: bool = True, steps: int = 1) -> list[dict[str, Any]]:
-    """The seed's loop (``run_layers``) over ``ReadTwiceBlock`` s, traced: a small model whose
+    """The design's layer loop (``run_layers``) over ``ReadTwiceBlock`` s, traced: a small model whose
     compute time is set by ``pause``, for a readable timeline."""
     blocks = [ReadTwiceBlock(d, seed=10 + i, pause=pause) for i in range(n_layers)]
     ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(1, n_layers)}, lookahead=lookahead,

@@ -56,7 +56,8 @@ def against_figure(report: dict[str, Any], base: str = "replicated") -> go.Figur
     return fig
 
 
-#: The bare-loop measurements of ``scripts/gpu_probes/host_breakdown.py``, in drawing order.
+#: The bare-loop measurements of the host-breakdown probe (the planner loop timed without compute, each
+#: way of launching the gathers), in drawing order.
 HOST_LOOPS = {"direct": "ncclAllGather called per layer", "graph": "gathers launched as graphs",
               "planner_only": "the planner's own Python (gathers do nothing)"}
 
@@ -87,8 +88,8 @@ def _probe_label(probe: dict[str, Any]) -> str:
 
 def forward_host_figure(probe: dict[str, Any]) -> go.Figure:
     """What each variant (left) and each single action before a block (right) adds to the replicated
-    forward's host time, us per layer: medians of paired calls, whiskers to the quartiles
-    (``scripts/gpu_probes/forward_host.py``)."""
+    forward's host time, us per layer: medians of paired calls, whiskers to the quartiles (the report
+    of the forward-host probe)."""
     fig = go.Figure()
     for group, key in (("whole forwards", "added_host_us_per_layer"), ("one action before each block",
                                                                       "actions_host_us_per_block")):

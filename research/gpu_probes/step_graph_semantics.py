@@ -1,6 +1,6 @@
 """Can a step's gathers be one graph, launched at the step's start, gated by flags on the GPU?
 
-    python3 scripts/gpu_probes/step_graph_semantics.py        # one GPU; JSON to $OUT if set
+    python3 research/gpu_probes/step_graph_semantics.py        # one GPU; JSON to $OUT if set
 
 Checks, each printed with its outcome:
   * a stream that waits (cuStreamWaitEvent, host order) on an event that a graph *launched earlier*

@@ -1,7 +1,7 @@
 """Host cost of one ncclAllGather (copy engine, symmetric window, in place) on a blocking and on a
 non-blocking NCCL communicator, side by side in one run.
 
-    torchrun --nproc-per-node 2 scripts/gpu_probes/blocking.py     # two GPUs; rank 0 prints JSON
+    torchrun --nproc-per-node 2 research/gpu_probes/blocking.py     # two GPUs; rank 0 prints JSON
 
 Why: a non-blocking communicator runs each collective on a thread NCCL starts for that call
 ([Note: blocking communicator] in wsharding/comm/nccl/communicator.py). Writes

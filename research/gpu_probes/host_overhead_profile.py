@@ -2,7 +2,7 @@
 
 Times the replicated and the sharded llama8b-blocks forward in pairs (GPU drained before each call),
 then profiles both with cProfile and prints the functions whose own time differs most. Run on the
-GPU machine: PYTHONPATH=. python3 scripts/gpu_probes/host_overhead_profile.py [tokens] [--issue-thread]
+GPU machine: PYTHONPATH=. python3 research/gpu_probes/host_overhead_profile.py [tokens] [--issue-thread]
 Writes $OUT/host_overhead_profile.json when OUT is set.
 """
 

@@ -1,9 +1,9 @@
 """Does a device-to-device copy on a side stream hold up the GEMMs on the compute stream?
 
-    python3 scripts/gpu_probes/local_copy.py        # one GPU; prints JSON
+    python3 research/gpu_probes/local_copy.py        # one GPU; prints JSON
 
 Why: on two H200s, the compute stream of a sharded step sat idle for the whole ~100 us of each
-layer's own-chunk copy (218 MB, ``cuMemcpyDtoDAsync`` on the copy stream; scripts/gpu_probes/
+layer's own-chunk copy (218 MB, ``cuMemcpyDtoDAsync`` on the copy stream; research/gpu_probes/
 contention.py): a same-device copy runs on the SMs at full HBM speed, and the next GEMM waited for
 it. Measured here: a GEMM loop alone, then the same loop with a 218 MB copy issued beside it as
 one ``cuMemcpyDtoDAsync``, as 64 pieces, and as ``cuMemcpyBatchAsync`` with the

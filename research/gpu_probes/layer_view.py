@@ -1,6 +1,6 @@
 """Can a layer's gathered view be built without copying the rank's own chunk? A mapping probe.
 
-    torchrun --nproc-per-node N scripts/gpu_probes/layer_view.py     # N ranks; prints JSON on rank 0
+    torchrun --nproc-per-node N research/gpu_probes/layer_view.py     # N ranks; prints JSON on rank 0
 
 Why: every gather today copies the rank's own chunk into its slot first (a same-device copy, on the
 SMs, ~100 us per 218 MB layer on an H200; [Note: no serial local copy] in wsharding/comm/nccl/

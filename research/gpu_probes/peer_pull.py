@@ -1,6 +1,6 @@
 """Can a rank pull its peers' resident chunks itself, with no collective and no handshake?
 
-    torchrun --nproc-per-node N scripts/gpu_probes/peer_pull.py [MiB]     # JSON on rank 0 (and $OUT)
+    torchrun --nproc-per-node N research/gpu_probes/peer_pull.py [MiB]     # JSON on rank 0 (and $OUT)
 
 The chunks never change once finalize is done, so a layer's gather needs no agreement with the peers:
 only the local gate (the slot is free). NCCL's copy-engine AllGather, captured, is a graph of 7 nodes

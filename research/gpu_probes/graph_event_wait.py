@@ -1,6 +1,6 @@
 """Does an event-wait node of a graph wait for the event's record made before each *launch*?
 
-    python3 scripts/gpu_probes/graph_event_wait.py     # one GPU; JSON to $OUT
+    python3 research/gpu_probes/graph_event_wait.py     # one GPU; JSON to $OUT
 
 A layer's gather waits for its gate (an event the compute stream records after the slot's last
 reader) and records its ready event: two driver calls around each launch. Inside the graph -- a wait

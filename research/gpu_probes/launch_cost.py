@@ -14,7 +14,7 @@ differ between the two forwards, each in pairs against the plain case:
              copy on another stream while this thread launches the linears: does the driver let two
              threads launch at once, or do this thread's launches wait for the other's?
   smallN     the same with graphs of a 1 MB copy
-Run: PYTHONPATH=. python3 scripts/gpu_probes/launch_cost.py ; writes $OUT/launch_cost.json.
+Run: PYTHONPATH=. python3 research/gpu_probes/launch_cost.py ; writes $OUT/launch_cost.json.
 """
 
 from __future__ import annotations

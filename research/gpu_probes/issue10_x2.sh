@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The two-GPU runs that #10's open targets still need, each part sized for one device call (<= 600 s),
-# its results written to $OUT under the names figures/device/ keeps:
+# The two-GPU runs that the open performance targets (issue #10) still need, each part sized for one
+# device call (<= 600 s), its results written to $OUT under the names docs/measurements/ keeps (put them
+# in docs/measurements/h200x2-DAY/ and add a line to docs/measurements/index.md):
 #
-#   bash scripts/gpu_probes/issue10_x2.sh PART DAY        # DAY as 2026-12-01
+#   bash research/gpu_probes/issue10_x2.sh PART DAY        # DAY as 2026-12-01
 #
 #   decode      bench step at 1, 16, 256 tokens/rank: eager and CUDA graph, plain and mapped, the issue
 #               thread, lookahead vs off in 5 paired rounds, the planner's calls timed in the forwards
@@ -38,7 +39,7 @@ case $part in
     timeout 580 python3 -m wsharding demo --comm nccl --graph --rounds 7 --figures '' \
       --json "$out/demo_k3-like_h200x2_${day}_graph-r7.json" ;;
   contention)
-    OUT=$out timeout 580 torchrun --nproc-per-node 2 scripts/gpu_probes/contention.py 8192 mapped next clocks
+    OUT=$out timeout 580 torchrun --nproc-per-node 2 research/gpu_probes/contention.py 8192 mapped next clocks
     mv "$out/contention_probe.json" "$out/contention_probe_h200x2_${day}_8192_mapped-next-clocks.json" ;;
   tests)  # on one H200 these files took 5.5 min with NCCL 2.32.3: the rest is part tests2
     timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs tests/test_gpu_sharding.py \

@@ -1,7 +1,7 @@
 """Where a sharded step's extra time goes at prefill sizes: the first layer's gather (nothing before
 it to hide behind) or compute slowed by the gathers that run beside it.
 
-    torchrun --nproc-per-node 2 scripts/gpu_probes/contention.py [TOKENS [mapped] [next] [clocks]]   # rank 0 prints JSON
+    torchrun --nproc-per-node 2 research/gpu_probes/contention.py [TOKENS [mapped] [next] [clocks]]   # rank 0 prints JSON
 
 The llama8b-blocks model, replicated and sharded over both GPUs with our NCCL communicator, under
 torch's profiler: per step, the time of the kernels on the compute stream (the same kernels in both

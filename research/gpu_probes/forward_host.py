@@ -1,6 +1,6 @@
 """Where the sharded forward's extra host time goes, beyond the bare planner loop of ``bench step``.
 
-    torchrun --nproc-per-node N scripts/gpu_probes/forward_host.py [MODEL] [TOKENS]   # JSON on rank 0
+    torchrun --nproc-per-node N research/gpu_probes/forward_host.py [MODEL] [TOKENS]   # JSON on rank 0
 
 Host microseconds per sharded layer that each variant adds over the replicated forward, measured in
 pairs (``wsharding.lab.bench.step.paired_host_us``: one call of each back to back, the GPU drained

@@ -1,6 +1,6 @@
 """Where the host time of a sharded layer goes: the planner's Python, the gather's driver calls, NCCL.
 
-    torchrun --nproc-per-node N scripts/gpu_probes/host_breakdown.py [MODEL]   # JSON on rank 0
+    torchrun --nproc-per-node N research/gpu_probes/host_breakdown.py [MODEL]   # JSON on rank 0
 
 N ranks on N GPUs, or on one GPU (NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1; the host path is the
 same, only the GPU is shared). The bare planner loop of ``bench step`` (launch and wait sequence, no

@@ -1,7 +1,7 @@
 """Where does a rank end up when its peer skips a gather? Two GPUs, rank 1 goes missing.
 
-    torchrun --nproc-per-node 2 scripts/gpu_probes/missing.py model 1   # model steps, blocking comm
-    torchrun --nproc-per-node 2 scripts/gpu_probes/missing.py gather 0  # one gather, non-blocking comm
+    torchrun --nproc-per-node 2 research/gpu_probes/missing.py model 1   # model steps, blocking comm
+    torchrun --nproc-per-node 2 research/gpu_probes/missing.py gather 0  # one gather, non-blocking comm
 
 ``model``: rank 0 steps a sharded tiny decoder back to back (a serving loop) and should get the
 watchdog's error within the 5 s timeout ([Note: backpressure] in wsharding/planner.py). ``gather``:

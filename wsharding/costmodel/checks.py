@@ -1,0 +1,37 @@
+"""The cost model's error and the checks every part of it shares on what a user wrote.
+
+One error class for the whole cost model, so a caller catches one thing whatever part refused
+(a device name, a model file, a deployment); each message names the bad field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from wsharding.errors import WshardingError
+from wsharding.layout import LayoutError, parse_dtype
+
+
+class CostModelError(WshardingError, ValueError):
+    """A model description or deployment that the cost model cannot price; names the bad field."""
+
+
+def require_int(value: Any, what: str, *, minimum: int = 0) -> int:
+    """``value`` if it is an integer ``>= minimum``; else a :class:`CostModelError` naming ``what``."""
+    # bool is an int in Python; a `true` in a JSON file is a typo, not a size.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CostModelError(f"{what}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise CostModelError(f"{what}: must be >= {minimum}, got {value}")
+    return value
+
+
+def require_dtype(value: Any, what: str) -> torch.dtype:
+    """The torch dtype that ``value`` names (a dtype or one of the layout's names), as a
+    :class:`CostModelError` naming ``what`` when it names none."""
+    try:
+        return parse_dtype(value, what=what)
+    except LayoutError as e:
+        raise CostModelError(str(e)) from None
