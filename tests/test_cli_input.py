@@ -355,6 +355,8 @@ def test_readme_names_every_option():
                 if o != "--verbose":  # said once for all commands
                     assert o in readme, f"README does not mention {name} {o}"
         assert name.removeprefix("wsharding ") in readme
-    section = readme[readme.index("## Commands"):readme.index("## Using it in your own model")]
+    start = readme.index("## Commands")
+    section = readme[start:readme.index("\n## ", start + 1)]
+    assert "--" in section, "the Commands section lists no option"
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", section)) - {"--help"}
     assert named <= shown, f"README names options no command has: {named - shown}"
