@@ -22,6 +22,7 @@ FLOORS: dict[str, int] = {
     "wsharding.memory": 0,
     "wsharding.fatal": 0,
     "wsharding.errors": 0,
+    "wsharding.emulation": 0,
     "wsharding.layout": 1,
     "wsharding.trace": 1,
     "wsharding.safetensors_file": 1,

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wsharding.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from wsharding.comm.base import Communicator
 from wsharding.models import PRESETS, ToyDecoder
 from wsharding.shard import RowShardLoader, WeightSharding
 
@@ -43,7 +44,7 @@ def test_checkpoint_into_sharded_model(cluster_of, tmp_path):
             assert rows == full_rows[key] // n, key  # each rank read exactly its 1/N rows
 
 
-class _OneOfTwo:
+class _OneOfTwo(Communicator):
     """Rank 0 of a group of 2 -- setup and loading do not communicate."""
 
     rank, world_size, device, mode = 0, 2, torch.device("cpu"), "cpu-gloo"

@@ -160,11 +160,10 @@ def test_gpu_shared_ranks_with_our_nccl(ranks):
 
 
 def _mapped_supported() -> bool:
-    from wsharding.comm.nccl.library import NcclLibraryError, default_library
-    from wsharding.mapped_slots import MIN_NCCL_MAPPED_VIEW
+    from wsharding.comm.nccl.library import MIN_MAPPED_VIEW, NcclLibraryError, default_library
 
     try:
-        return torch.cuda.is_available() and default_library().supports(MIN_NCCL_MAPPED_VIEW)
+        return torch.cuda.is_available() and default_library().supports(MIN_MAPPED_VIEW)
     except NcclLibraryError:
         return False
 

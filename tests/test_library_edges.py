@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from wsharding.cluster import RankCluster, RemoteError
-from wsharding.comm.base import CommError, DoneHandle, check_gather_args
+from wsharding.comm.base import CommError, Communicator, DoneHandle, check_gather_args
 from wsharding.comm.torch_backend import TorchDistComm, mode_label
 from wsharding.layout import FlatLayout
 from wsharding.planner import PlannerClosedError
@@ -26,7 +26,7 @@ from wsharding.shard import ShardingError, WeightSharding
 from wsharding.slots import SlotPool
 
 
-class Loopback:
+class Loopback(Communicator):
     """A communicator of one rank (in this process): a gather copies the chunk into the slot."""
 
     rank, world_size, device, mode = 0, 1, torch.device("cpu"), "cpu-loopback (test)"
@@ -96,7 +96,7 @@ class Stack(nn.Module):
         return x
 
 
-class _RankOfTwo:
+class _RankOfTwo(Communicator):
     rank, world_size, device, mode = 0, 2, torch.device("cpu"), "cpu-gloo"
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from wsharding.comm.base import Communicator
 from wsharding.linear import ParallelState, ReplicatedLinear, parallel_state
 from wsharding.models import PRESETS, ToyDecoder
 from wsharding.models.decoder import SHARD_TARGETS, DecoderLayer, qkv_gemm_plan
 from wsharding.shard import ShardingError, WeightSharding
 
 
-class FakeComm:
+class FakeComm(Communicator):
     """Only what the declare stage reads: no collective runs before setup."""
 
     rank, world_size, device, mode = 0, 2, torch.device("cpu"), "cpu-gloo"

@@ -8,13 +8,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wsharding.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from wsharding.comm.base import Communicator
 from wsharding.models import PRESETS, ToyDecoder
 from wsharding.shard import ShardingError, WeightSharding
 
 CFG = PRESETS["tiny"]
 
 
-class _Rank:
+class _Rank(Communicator):
     """Rank ``rank`` of a group of 2 -- setup and loading do not communicate."""
 
     world_size, device, mode = 2, torch.device("cpu"), "cpu-gloo"

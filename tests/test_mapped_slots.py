@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wsharding.comm.base import CommError
+from wsharding.comm.base import CommError, Communicator
 from wsharding.comm.nccl.library import NcclLibrary, NcclLibraryError
 from wsharding.comm.nccl.symmetric import WINDOW_ALIGN, SymmetricBuffer, SymmetricPool
 from wsharding.mapped_slots import mapping_page_bytes
@@ -14,7 +14,7 @@ from wsharding.rowloaders import ShardingError
 from wsharding.shard import WeightSharding, resident_formula
 
 
-class _PlainComm:
+class _PlainComm(Communicator):
     rank, world_size, device = 0, 2, torch.device("cpu")
 
 

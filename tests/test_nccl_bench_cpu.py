@@ -38,7 +38,7 @@ def test_cli_on_cpu_says_gpu_path_needs_cuda(capsys, tmp_path):
     out = tmp_path / "ag.json"
     assert main(["bench", "allgather", "--ranks", "2", "--sizes", "0.0625", "--iters", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "needs CUDA" in text and "not GPU numbers" in text
+    assert "needs CUDA" in text and "not GPU timings" in text
     assert json.loads(out.read_text())["rows"][0]["mismatched_bytes"] == 0
 
 

@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+from wsharding.comm.base import Communicator
 from wsharding.linear import MergedColumnParallelLinear, QuantError, ReplicatedLinear
 from wsharding.linear.fp8 import (
     FP8,
@@ -140,7 +141,7 @@ def test_block_fp8_scale_shape_and_block_size_errors():
                                    quant_method=BlockFp8LinearMethod((8, 8)), prefix="gate_up")
 
 
-class _OneOfTwo:
+class _OneOfTwo(Communicator):
     rank, world_size, device, mode = 0, 2, torch.device("cpu"), "cpu-gloo"
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from gpt_blocks import TinyGPT
 
+from wsharding.comm.base import Communicator
 from wsharding.runner import shard_blocks
 from wsharding.shard import ShardingError
 
@@ -67,7 +68,7 @@ def test_generic_bf16(cluster_of):
 def test_tp_target_is_refused():
     from wsharding.shard import WeightSharding
 
-    class FakeComm:
+    class FakeComm(Communicator):
         rank, world_size, device, mode = 0, 2, torch.device("cpu"), "cpu-gloo"
 
     lin = torch.nn.Linear(4, 4)
@@ -96,7 +97,7 @@ def test_skipped_weights_warn_once_per_layer_on_rank_0():
     from wsharding.shard import ShardingSkipWarning, WeightSharding
 
     def comm(rank):
-        return type("FakeComm", (), {"rank": rank, "world_size": 2, "device": torch.device("cpu"), "mode": "cpu-gloo"})()
+        return type("FakeComm", (Communicator,), {"rank": rank, "world_size": 2, "device": torch.device("cpu"), "mode": "cpu-gloo"})()
 
     def layer():
         m = torch.nn.Module()

@@ -63,32 +63,33 @@ from wsharding.layout import FlatLayout
 from wsharding.rowloaders import ShardingError
 from wsharding.slots import SLOT_NAMES, SlotPool
 
-#: A window over several allocations (see the note).
-MIN_NCCL_MAPPED_VIEW = MIN_MAPPED_VIEW
 
-
-def mapping_unavailable(comm: Communicator) -> str | None:
-    """Why ``comm`` cannot map layer views, in one line; None when it can (what ``map_own_chunk="auto"``
-    asks before choosing, [Note: map_own_chunk="auto"])."""
-    library = getattr(comm, "library", None)
-    if getattr(comm, "pool", None) is None or library is None:
+def mapping_unavailable(comm: Communicator, *, required: bool = False) -> str | None:
+    """Why ``comm`` cannot map layer views, in one line; None when it can. The one place that checks
+    both rules: our NCCL communicator (its pool of windows and its library), and NCCL >= 2.30 (a
+    window over several allocations). ``map_own_chunk="auto"`` asks before choosing ([Note:
+    map_own_chunk="auto"]); ``required`` (``map_own_chunk=True``) raises instead, naming the rule and
+    the fix."""
+    library = comm.library
+    if comm.pool is None or library is None:
+        if required:
+            raise ShardingError(
+                f"map_own_chunk=True needs our NCCL communicator (comm='nccl': symmetric windows over ncclMemAlloc "
+                f"pages); {type(comm).__name__} gathers into plain buffers. Leave map_own_chunk off with this one")
         return f"{type(comm).__name__} gathers into plain buffers (mapping needs comm='nccl', our NCCL communicator)"
-    if not library.supports(MIN_NCCL_MAPPED_VIEW):
+    if not library.supports(MIN_MAPPED_VIEW):
+        if required:
+            library.require(MIN_MAPPED_VIEW, "map_own_chunk (a symmetric window over several allocations; "
+                                             "NCCL 2.28 would share only the first with the peers)")
         return (f"NCCL {library.version_str} ({library.source}) is older than "
-                f"{'.'.join(map(str, MIN_NCCL_MAPPED_VIEW))}: it cannot window several allocations")
+                f"{'.'.join(map(str, MIN_MAPPED_VIEW))}: it cannot window several allocations")
     return None
 
 
 def mapping_page_bytes(comm: Communicator) -> int:
-    """The page every chunk must be a whole number of, after checking that ``comm`` can map layer
-    views at all (our NCCL communicator, NCCL >= 2.30); raises naming the rule and the fix."""
-    library = getattr(comm, "library", None)
-    if getattr(comm, "pool", None) is None or library is None:
-        raise ShardingError(
-            f"map_own_chunk=True needs our NCCL communicator (comm='nccl': symmetric windows over ncclMemAlloc "
-            f"pages); {type(comm).__name__} gathers into plain buffers. Leave map_own_chunk off with this one")
-    library.require(MIN_NCCL_MAPPED_VIEW, "map_own_chunk (a symmetric window over several allocations; "
-                                          "NCCL 2.28 would share only the first with the peers)")
+    """The page every chunk must be a whole number of (the GPU's allocation granularity), once
+    :func:`mapping_unavailable` found that ``comm`` can map layer views; raises otherwise."""
+    mapping_unavailable(comm, required=True)
     return VirtualMemory(comm.device.index).granularity()
 
 

@@ -620,7 +620,7 @@ class WeightShardPlanner:
                 if self._first_ready is None:
                     self._first_ready = torch.cuda.Event()
                 with torch.cuda.stream(s):  # issued from s itself: no backend adds a wait on another stream
-                    own_stream = getattr(self.comm, "copy_stream", None) is not None
+                    own_stream = self.comm.copy_stream is not None
                     if own_stream:
                         # Our NCCL binding gathers on the stream it is given; in place, like its
                         # prepared gathers: this rank's chunk goes into its slice of the slot first.

@@ -118,18 +118,14 @@ def _gather_bytes(comm: Communicator, data: bytes, tag: str, what: str) -> list[
     buffer, whose size depends on nothing a rank may disagree on (a slot's does)."""
     n, world = len(data), comm.world_size
     full = comm.alloc(n * world, tag=tag)
-    register_all = getattr(comm, "register_all", None)
-    if register_all is not None:
-        register_all()  # collective; only this buffer is pending, the same size on every rank
+    comm.register_all()  # collective; only this buffer is pending, the same size on every rank
     try:
         mine = full.narrow(0, comm.rank * n, n)
         mine.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         comm.all_gather_into(full, mine, what=what)
         out = bytes(full.cpu().tolist())
     finally:
-        release = getattr(comm, "release", None)
-        if release is not None:
-            release([full])  # collective, as the registration was
+        comm.release([full])  # collective, as the registration was
     return [out[r * n : (r + 1) * n] for r in range(world)]
 
 

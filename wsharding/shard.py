@@ -504,7 +504,7 @@ class WeightSharding:
         (setup keeps rows, and rows do not depend on the chunk size)."""
         if not (self._map_auto and self.map_own_chunk and self.layouts):
             return
-        n, g = self.comm.world_size, getattr(self.comm, "alloc_granularity", 1)
+        n, g = self.comm.world_size, self.comm.alloc_granularity
         # the same entries at the same offsets: only the chunk's alignment (so the tail padding) differs
         plain = {i: FlatLayout.from_entries(lay.entries, n, alignment=lay.alignment) for i, lay in self.layouts.items()}
         mapped_bytes = resident_formula(self.layouts.values(), n, g, mapped=True)
@@ -564,15 +564,12 @@ class WeightSharding:
         # so ranks that declared different ones (or a rank that cannot finalize) raise together here.
         agree_or_raise(comm, self.layouts, problems, tag=f"ws{k}.agree")
         self.slots = slot_pool_for(comm, self.layouts, tag=f"ws{k}.slot", map_own_chunk=self.map_own_chunk)
-        register_all = getattr(comm, "register_all", None)
-        if register_all is not None:
-            register_all()  # collective, one order on every rank
+        comm.register_all()  # collective, one order on every rank
         seen("slots")
         for i in sorted(self.targets):
             redistribute_layer(comm, self.layouts[i], self.targets[i], self.slots, self.chunks, i,
                                f"ws{k}.layer.{i}.chunk", seen)
-        if register_all is not None:
-            register_all()  # the chunks: the next gathers read them
+        comm.register_all()  # the chunks: the next gathers read them
         trim = getattr(self.slots, "trim", None)
         if trim is not None:
             trim()  # mapped slots: nothing reads a slot's own page any more ([Note: the own chunk mapped, not copied])
@@ -587,9 +584,7 @@ class WeightSharding:
         )
         for i, layer in self.layers.items():
             layer._weight_shard = (self.planner, i)
-        on_close = getattr(comm, "on_close", None)
-        if on_close is not None:
-            on_close(self.close)  # the communicator closes us before it frees the memory we view
+        comm.on_close(self.close)  # the communicator closes us before it frees the memory we view
         for ts in self.targets.values():
             for t in ts:
                 guard_bound_weight(t)
@@ -624,12 +619,11 @@ class WeightSharding:
                 # The Parameter object stays (with its loader), holding no memory: nothing can read
                 # the freed slot through it.
                 rebind_tensor(t.module, "weight", torch.empty(0, dtype=t.dtype, device=self.comm.device))
-        release = getattr(self.comm, "release", None)
         buffers = list(self.chunks.values()) + (self.slots.owned_buffers() if self.slots is not None else [])
         self.chunks.clear()
         self.slots = None
-        if release is not None and buffers:
-            release(buffers)
+        if buffers:
+            self.comm.release(buffers)
         self.stage = "closed"
 
     def __enter__(self) -> WeightSharding:
@@ -711,12 +705,12 @@ class WeightSharding:
         ``alloc_granularity``) rounds each chunk and slot up to that unit. With ``map_own_chunk`` a
         slot keeps only the peers' pages after finalize: ``2 * (N-1)/N * max_l |T_l|``.
         """
-        return resident_formula(self.layouts.values(), self.comm.world_size, getattr(self.comm, "alloc_granularity", 1),
+        return resident_formula(self.layouts.values(), self.comm.world_size, self.comm.alloc_granularity,
                                 mapped=self.map_own_chunk)
 
     def _slot_page_bytes(self) -> int:
         """With ``map_own_chunk``: one rank's page of a slot, the largest chunk in allocation units."""
-        return align_up(max(lay.chunk_bytes for lay in self.layouts.values()), getattr(self.comm, "alloc_granularity", 1))
+        return align_up(max(lay.chunk_bytes for lay in self.layouts.values()), self.comm.alloc_granularity)
 
     def finalize_bound_bytes(self) -> int:
         """The most this rank should hold while :meth:`finalize` runs: :meth:`formula_bytes` plus the

@@ -4,15 +4,20 @@ Weight sharding needs only four things from a communication library: who am I, h
 gather my chunk into a full buffer (blocking or not), and a barrier. Backends also allocate the
 buffers that gathers read and write, so that a backend with symmetric memory (our NCCL binding) can
 hand out registered windows while the torch.distributed backend hands out plain tensors.
+
+:class:`Communicator` is a base class rather than a structural protocol: what only some backends
+need (registering windows, releasing them, closing shardings first, a copy stream) has a default
+there, so that the library calls and reads every part plainly instead of probing for it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from wsharding.errors import WshardingError
+from wsharding.errors import Unsupported, WshardingError
 
 
 class CommError(WshardingError, RuntimeError):
@@ -67,9 +72,16 @@ class PreparedGather(Protocol):
     # captured graph); the planner calls it, when present, as the weight sharding closes.
 
 
-@runtime_checkable
-class Communicator(Protocol):
-    """What the slots, the planner and the loaders need from a group of ranks."""
+class Communicator:
+    """What the slots, the planner and the loaders need from a group of ranks: the base class every
+    backend derives from.
+
+    The required part -- who am I, how many are we, gather, allocate, barrier -- each backend
+    implements (the methods here only raise). The optional part has defaults here that are what a
+    backend of plain tensors (the torch.distributed one) needs, so that callers use every attribute
+    and method as it is, with no probing for what a backend may lack; a backend with symmetric
+    memory (our NCCL binding) overrides them.
+    """
 
     #: This rank's index inside the group.
     rank: int
@@ -80,32 +92,57 @@ class Communicator(Protocol):
     #: Short label of the backend and mode, e.g. ``"cpu-gloo"`` or ``"gpu-nccl"``.
     mode: str
 
+    # ---- optional: the defaults are what the torch backend (plain tensors) needs --------------------
+    #: Unit the byte formula rounds every buffer up to: a paged backend overrides it (our NCCL binding: 4096-B windows).
+    alloc_granularity: int = 1
+    #: Stream a backend with its own gather streams copies the own chunk on, ahead of an in-place gather; None: no such.
+    copy_stream: torch.cuda.Stream | None = None
+    #: Pool of symmetric windows that mapped slots take their pages from (our NCCL binding); None: plain tensors.
+    pool: Any = None
+    #: The libnccl a backend loaded, whose version gates mapped layer views (our NCCL binding); None: it loads none.
+    library: Any = None
+    #: What a backend only emulates (several ranks time-slicing one GPU), for reports to label timings; "": nothing.
+    emulation: str = ""
+
+    def register_all(self) -> int:
+        """A symmetric-memory backend registers new buffers as windows (collective); the torch backend has none: 0."""
+        return 0
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        """A backend of registered windows deregisters and frees them (collective); tensors are freed when dropped."""
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """A backend that frees memory a sharding views calls ``callback`` before it closes; torch's frees none."""
+
+    # ---- required: every backend implements these ----------------------------------------------------
     def all_gather_into(
         self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False
     ) -> GatherHandle:
         """Gather every rank's ``chunk`` into ``full`` (rank order). In place when ``chunk`` is
         this rank's slice of ``full``. On CUDA the gather is ordered after the current stream."""
-        ...
+        raise Unsupported(f"{type(self).__name__} implements no all_gather_into")
 
     def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "") -> PreparedGather:
         """Check the arguments once and return the gather as a :class:`PreparedGather`."""
-        ...
+        raise Unsupported(f"{type(self).__name__} implements no prepare_gather")
 
     def fork(self, event: torch.cuda.Event) -> None:
         """CUDA: order every stream the backend gathers on after ``event`` (recorded on the compute
         stream at the start of a step, or of a CUDA-graph capture). CPU: nothing."""
-        ...
+        raise Unsupported(f"{type(self).__name__} implements no fork")
 
     def alloc(self, nbytes: int, *, tag: str = "") -> torch.Tensor:
         """A 1-D uint8 buffer of ``nbytes`` on :attr:`device` that gathers may use."""
-        ...
+        raise Unsupported(f"{type(self).__name__} implements no alloc")
 
     def raise_if_failed(self, what: str) -> None:
         """Raise :class:`CommError` when an error was found off the hot path (a watchdog), naming
         ``what`` was being done; nothing otherwise."""
-        ...
+        raise Unsupported(f"{type(self).__name__} implements no raise_if_failed")
 
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every rank of the group has called it."""
+        raise Unsupported(f"{type(self).__name__} implements no barrier")
 
 
 def check_gather_args(comm: Communicator, full: torch.Tensor, chunk: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ import ctypes
 import threading
 from collections.abc import Callable
 
-from wsharding.comm.cuda_driver import CudaDriver, CudaDriverError, CUgraph, CUgraphExec, driver
+from wsharding.comm.cuda_driver import CudaDriver, CUgraph, CUgraphExec, check_cu, driver
 
 #: CUstreamCaptureMode: other threads may make any CUDA call while this one captures.
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
@@ -64,16 +64,16 @@ class CapturedLaunch:
         self._graph = CUgraph()
         self._exec = CUgraphExec()
         cu = self._cu
-        cu.check(cu._cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_RELAXED), f"{what}: cuStreamBeginCapture")
+        check_cu(cu._cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_RELAXED), f"{what}: cuStreamBeginCapture")
         try:
             record(stream)
         finally:
             # End the capture even when `record` failed, so the stream is usable again.
             rc = cu._cuStreamEndCapture(stream, ctypes.byref(self._graph))
-        cu.check(rc, f"{what}: cuStreamEndCapture")
-        cu.check(cu._cuGraphInstantiateWithFlags(ctypes.byref(self._exec), self._graph, 0),
+        check_cu(rc, f"{what}: cuStreamEndCapture")
+        check_cu(cu._cuGraphInstantiateWithFlags(ctypes.byref(self._exec), self._graph, 0),
                  f"{what}: cuGraphInstantiate")
-        cu.check(cu._cuGraphUpload(self._exec, stream), f"{what}: cuGraphUpload")
+        check_cu(cu._cuGraphUpload(self._exec, stream), f"{what}: cuGraphUpload")
         #: The launch function and its graph, looked up once: the hot path is one ctypes call.
         self._launch = cu._cuGraphLaunch
         self._handle = self._exec.value
@@ -86,7 +86,7 @@ class CapturedLaunch:
         """Hot path: queue the captured work on ``stream``."""
         rc = self._launch(self._handle, stream)
         if rc:
-            raise CudaDriverError(f"{self.what}: cuGraphLaunch failed with CUresult {rc}")
+            check_cu(rc, f"{self.what}: cuGraphLaunch")
 
     def destroy(self) -> None:
         """Free the graph (idempotent, and safe from two threads: a sharding closing while the
@@ -97,8 +97,8 @@ class CapturedLaunch:
                 return
             self._handle = None
         cu = self._cu
-        cu.check(cu._cuGraphExecDestroy(self._exec), f"{self.what}: cuGraphExecDestroy")
-        cu.check(cu._cuGraphDestroy(self._graph), f"{self.what}: cuGraphDestroy")
+        check_cu(cu._cuGraphExecDestroy(self._exec), f"{self.what}: cuGraphExecDestroy")
+        check_cu(cu._cuGraphDestroy(self._graph), f"{self.what}: cuGraphDestroy")
 
     def __repr__(self) -> str:
         return f"CapturedLaunch({self.what!r}, {'alive' if self.alive else 'destroyed'})"

@@ -19,8 +19,10 @@ loaded; it is opened on first use, so importing this module on a machine without
 from __future__ import annotations
 
 import ctypes
+import functools
 from ctypes import c_int, c_size_t, c_uint, c_void_p
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from wsharding.errors import WshardingError
 
@@ -80,6 +82,12 @@ CONTEXT_FUNCTIONS: tuple[DriverFn, ...] = (
     DriverFn("cuCtxSetCurrent", (c_void_p,), "make that context current on the issue thread"),
 )
 
+#: What :func:`check_cu` asks the driver when a call fails (bound then, never on the way to success).
+ERROR_FUNCTIONS: tuple[DriverFn, ...] = (
+    # CUresult cuGetErrorString(CUresult error, const char **pStr)
+    DriverFn("cuGetErrorString", (CUresult, ctypes.POINTER(ctypes.c_char_p)), "the text of a failed call's CUresult"),
+)
+
 
 class CudaDriverError(WshardingError, RuntimeError):
     """A driver call returned an error code."""
@@ -96,33 +104,58 @@ def bind_functions(target: object, table: tuple[DriverFn, ...], path: str = "lib
         setattr(target, "_" + fn.name, f)
 
 
+@functools.cache
+def _error_string_fn():
+    lib = SimpleNamespace()
+    bind_functions(lib, ERROR_FUNCTIONS)
+    return lib._cuGetErrorString
+
+
+def error_string(rc: int) -> str:
+    """``cuGetErrorString``'s text for ``rc``; ``""`` where the driver cannot say (no ``libcuda.so.1``
+    on this machine, as under the CPU tests' scripted drivers, or a code it does not know)."""
+    try:
+        text = ctypes.c_char_p()
+        if _error_string_fn()(rc, ctypes.byref(text)) or not text.value:
+            return ""
+    except (OSError, AttributeError):  # no library, or no such function in it
+        return ""
+    return text.value.decode(errors="replace")
+
+
+def check_cu(rc: int, what: str) -> None:
+    """The one check of every CUDA driver call's result (NCCL's is ``NcclBinding.check``): anything
+    but ``CUDA_SUCCESS`` (0) raises :class:`CudaDriverError` naming the call (``what``), the CUresult
+    and the driver's text for it. The hot path's calls test ``rc`` themselves and call this only on
+    failure, so a successful call costs no second Python call."""
+    if rc:
+        text = error_string(rc)
+        raise CudaDriverError(f"{what} failed with CUresult {rc}" + (f" ({text})" if text else ""))
+
+
 class CudaDriver:
     """The functions of :data:`FUNCTIONS`, type-checked by ctypes, each returning None or raising;
     those of :data:`GRAPH_FUNCTIONS` and :data:`CONTEXT_FUNCTIONS` as bound (``_cuGraphLaunch``...),
-    checked with :meth:`check`."""
+    checked with :func:`check_cu`."""
 
     def __init__(self, path: str = "libcuda.so.1") -> None:
         self.path = path
         bind_functions(self, FUNCTIONS + GRAPH_FUNCTIONS + CONTEXT_FUNCTIONS, path)
 
-    def check(self, rc: int, what: str) -> None:
-        if rc:
-            raise CudaDriverError(f"{what} failed with CUresult {rc}")
-
     def event_record(self, event: int, stream: int) -> None:
         rc = self._cuEventRecord(event, stream)
         if rc:
-            raise CudaDriverError(f"cuEventRecord failed with CUresult {rc}")
+            check_cu(rc, "cuEventRecord")
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         rc = self._cuStreamWaitEvent(stream, event, 0)
         if rc:
-            raise CudaDriverError(f"cuStreamWaitEvent failed with CUresult {rc}")
+            check_cu(rc, "cuStreamWaitEvent")
 
     def current_context(self) -> int:
         """The calling thread's current CUDA context (torch's primary context once CUDA is in use)."""
         ctx = c_void_p()
-        self.check(self._cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        check_cu(self._cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if not ctx.value:
             raise CudaDriverError("no CUDA context is current on this thread (use a CUDA tensor first)")
         return ctx.value
@@ -130,7 +163,7 @@ class CudaDriver:
     def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         rc = self._cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream)
         if rc:
-            raise CudaDriverError(f"cuMemcpyDtoDAsync failed with CUresult {rc} ({nbytes} bytes)")
+            check_cu(rc, f"cuMemcpyDtoDAsync of {nbytes} bytes")
 
 
 _DRIVER: CudaDriver | None = None

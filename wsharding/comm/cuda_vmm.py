@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_int, c_size_t, c_uint64, c_void_p
 
-from wsharding.comm.cuda_driver import CudaDriverError, DriverFn, bind_functions
+from wsharding.comm.cuda_driver import DriverFn, bind_functions, check_cu
 
 CUdeviceptr = c_uint64
 CUmemHandle = c_uint64  # CUmemGenericAllocationHandle
@@ -83,36 +83,32 @@ class VirtualMemory:
         self._access = AccessDesc(where, MEM_ACCESS_READWRITE)
         self._prop = AllocationProp(MEM_ALLOCATION_PINNED, MEM_HANDLE_POSIX_FD, where, None, AllocationFlags())
 
-    def _check(self, rc: int, what: str) -> None:
-        if rc:
-            raise CudaDriverError(f"{what} failed with CUresult {rc}")
-
     def granularity(self) -> int:
         g = c_size_t(0)
-        self._check(self._cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(self._prop),
-                                                        GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity")
+        check_cu(self._cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(self._prop), GRANULARITY_MINIMUM),
+                 "cuMemGetAllocationGranularity")
         return g.value
 
     def reserve(self, nbytes: int) -> int:
         ptr = CUdeviceptr(0)
-        self._check(self._cuMemAddressReserve(ctypes.byref(ptr), nbytes, 0, 0, 0), f"cuMemAddressReserve({nbytes})")
+        check_cu(self._cuMemAddressReserve(ctypes.byref(ptr), nbytes, 0, 0, 0), f"cuMemAddressReserve({nbytes})")
         return ptr.value
 
     def free_range(self, ptr: int, nbytes: int) -> None:
-        self._check(self._cuMemAddressFree(ptr, nbytes), "cuMemAddressFree")
+        check_cu(self._cuMemAddressFree(ptr, nbytes), "cuMemAddressFree")
 
     def retain(self, ptr: int) -> int:
         h = CUmemHandle(0)
-        self._check(self._cuMemRetainAllocationHandle(ctypes.byref(h), ptr), f"cuMemRetainAllocationHandle({ptr:#x})")
+        check_cu(self._cuMemRetainAllocationHandle(ctypes.byref(h), ptr), f"cuMemRetainAllocationHandle({ptr:#x})")
         return h.value
 
     def release(self, handle: int) -> None:
-        self._check(self._cuMemRelease(handle), "cuMemRelease")
+        check_cu(self._cuMemRelease(handle), "cuMemRelease")
 
     def map(self, ptr: int, nbytes: int, handle: int) -> None:
         """Map ``nbytes`` from the start of allocation ``handle`` at ``ptr``, readable and writable."""
-        self._check(self._cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({ptr:#x}, {nbytes})")
-        self._check(self._cuMemSetAccess(ptr, nbytes, ctypes.byref(self._access), 1), "cuMemSetAccess")
+        check_cu(self._cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({ptr:#x}, {nbytes})")
+        check_cu(self._cuMemSetAccess(ptr, nbytes, ctypes.byref(self._access), 1), "cuMemSetAccess")
 
     def unmap(self, ptr: int, nbytes: int) -> None:
-        self._check(self._cuMemUnmap(ptr, nbytes), "cuMemUnmap")
+        check_cu(self._cuMemUnmap(ptr, nbytes), "cuMemUnmap")

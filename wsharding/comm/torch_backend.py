@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from wsharding.comm.base import CommError, DoneHandle, GatherHandle, check_gather_args, is_slice_of
+from wsharding.comm.base import CommError, Communicator, DoneHandle, GatherHandle, check_gather_args, is_slice_of
 from wsharding.comm.groups import shard_group_ranks
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; the GPU machine has 2.11.
@@ -107,14 +107,19 @@ class TorchPreparedGather:
             fn()
 
 
-def mode_label(backend: str, device: torch.device, shared_gpu: bool = False) -> str:
-    """``cpu-gloo``, ``gpu-nccl`` or ``gpu-nccl-shared`` (several ranks time-slicing one GPU)."""
+def mode_label(backend: str, device: torch.device, shared_gpu: bool = False, *, world_size: int | None = None) -> str:
+    """The mode every report names, for both communicators: ``cpu-gloo``, ``gpu-nccl``,
+    ``gpu-nccl-shared`` (several ranks time-slicing one GPU), or ``gpu-nccl-single`` for a group of one
+    rank when ``world_size`` is given (our NCCL communicator passes it; the rank contexts and
+    torch.distributed comms do not, and say ``gpu-nccl`` there)."""
     if device.type == "cpu":
         return f"cpu-{backend}"
+    if world_size == 1:
+        return f"gpu-{backend}-single"
     return f"gpu-{backend}" + ("-shared" if shared_gpu else "")
 
 
-class TorchDistComm:
+class TorchDistComm(Communicator):
     """A :class:`~wsharding.comm.base.Communicator` over a torch.distributed process group."""
 
     def __init__(

@@ -49,7 +49,7 @@ from wsharding.lab.cliargs import (
 )
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.loading import build_pair_measured
-from wsharding.lab.tasks.model import graph_unsupported, ours_supported, shard_comm_for, tokens_for
+from wsharding.lab.tasks.model import graph_unsupported, is_ours, ours_supported, shard_comm_for, tokens_for
 from wsharding.models import PRESETS, decoder_config
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
 from wsharding.runner import aligned_forward
@@ -204,7 +204,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
     return {
         "rank": ctx.rank,
         "mode": comm.mode,
-        "emulation": getattr(comm, "emulation", "") or ctx.emulation,
+        "emulation": comm.emulation or ctx.emulation,
         "communicator": type(comm).__name__,
         "equal": equal,
         "max_abs_diff": max_diff,
@@ -216,7 +216,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "slot_bytes": ws.slots.slot_bytes,
         "map_own_chunk": ws.map_own_chunk,
         "map_own_chunk_reason": ws.map_own_chunk_reason,
-        "issue_thread": getattr(comm, "issuer", None) is not None,
+        "issue_thread": is_ours(comm) and comm.issuer is not None,
         "slot_resident_bytes": ws.held_bytes()["slots"],
         "layout_bytes": {i: ws.layouts[i].total_bytes for i in ws.sharded_layer_ids},
         "step_ms": {k: statistics.median(v) for k, v in samples.items()},

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from wsharding.emulation import CPU_EMULATION_SHORT
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
@@ -76,7 +77,7 @@ def collect_info() -> dict[str, Any]:
         gather = ("our NCCL communicator (wsharding.comm.nccl): symmetric windows, CTA policy 2 (copy engine)"
                   if ours else "torch.distributed NCCL (TorchDistComm): the loaded NCCL is too old for windows")
     else:
-        gather = "torch.distributed gloo between CPU processes (emulated: no GPU here)"
+        gather = f"torch.distributed gloo between CPU processes ({CPU_EMULATION_SHORT})"
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

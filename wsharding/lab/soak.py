@@ -179,7 +179,7 @@ def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm
                 counts["warm" if s == warmup - 1 else "end"] = dict(
                     _proc_counts(), cuda_allocated=torch.cuda.memory_allocated(dev) if cuda else None)
     return {
-        "rank": ctx.rank, "mode": c.mode, "emulation": getattr(c, "emulation", "") or ctx.emulation,
+        "rank": ctx.rank, "mode": c.mode, "emulation": c.emulation or ctx.emulation,
         "steps": steps, "idle_steps": idle_steps, "unequal_steps": unequal, "gathers_per_step": sorted(gathers),
         "sharded_layers": sharded.weight_sharding.sharded_layer_ids, "counts": counts,
         "map_own_chunk": sharded.weight_sharding.map_own_chunk,

@@ -26,10 +26,8 @@ from typing import Any
 
 import torch
 
+from wsharding.emulation import CPU_BUDGET_NOTE
 from wsharding.errors import InvalidArgument, WshardingError
-
-#: What CPU-rank budgets are: not GPU memory.
-CPU_BUDGET_WORDS = ("emulated: the machine's available RAM, shared by the CPU ranks, stands in for free GPU memory")
 
 
 class KVCacheFull(WshardingError, RuntimeError):
@@ -67,7 +65,7 @@ def kv_budget_bytes(device: torch.device, *, reserve_bytes: int = 0, cap_bytes: 
             budget = min(budget, cap_bytes - allocated - reserve_bytes)
             how += f", under a per-process cap of {cap_bytes / 2**30:.2f} GiB"
         return max(0, budget), how
-    return max(0, _mem_available() // share - reserve_bytes), CPU_BUDGET_WORDS
+    return max(0, _mem_available() // share - reserve_bytes), CPU_BUDGET_NOTE
 
 
 def ranks_sharing_device(world_size: int, device: torch.device) -> int:

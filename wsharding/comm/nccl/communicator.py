@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from wsharding.comm.base import CommError, check_gather_args
+from wsharding.comm.base import CommError, Communicator, check_gather_args
 from wsharding.comm.captured_launch import CapturedLaunch
 from wsharding.comm.cuda_driver import CudaDriverError, driver
 from wsharding.comm.issue_thread import IssueThread, IssueThreadError, IssueThreadUnavailable, driver_issue_thread
@@ -66,6 +66,8 @@ from wsharding.comm.nccl.library import (
 )
 from wsharding.comm.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
 from wsharding.comm.nccl.watchdog import Watchdog
+from wsharding.comm.torch_backend import mode_label
+from wsharding.emulation import SHARED_GPU_NOTE
 from wsharding.fatal import end_process
 
 #: "graph": each prepared gather's ncclAllGather is captured once and launched as a CUDA graph
@@ -73,7 +75,6 @@ from wsharding.fatal import end_process
 GATHER_LAUNCHES = ("graph", "direct")
 #: The weight-sharding design refuses to run without it: policy 2 ("zero") is the copy-engine path.
 CTA_POLICY_ZERO = 2
-SHARED_GPU_WORDS = "several ranks time-slice one GPU (NCCL multi-rank-per-GPU): timings are not those of N GPUs"
 
 
 class CommTimeout(CommError):
@@ -107,13 +108,6 @@ def check_cta_policy_env(requested: int, environ: dict[str, str] | None = None) 
             + (" -- the copy-engine AllGather needs policy 2 (zero)" if requested == CTA_POLICY_ZERO else "")
             + f"; unset NCCL_CTA_POLICY or set it to {requested}"
         )
-
-
-def mode_of(world_size: int, shared_gpu: bool) -> str:
-    """``gpu-nccl-single`` (world size 1), ``gpu-nccl-shared`` (ranks share a GPU) or ``gpu-nccl``."""
-    if world_size == 1:
-        return "gpu-nccl-single"
-    return "gpu-nccl-shared" if shared_gpu else "gpu-nccl"
 
 
 _LIVE: weakref.WeakSet[NcclCommunicator] = weakref.WeakSet()
@@ -165,7 +159,7 @@ class NcclGatherHandle:
         self.comm.poll_until(self.event.query, self.what, timeout_s)
 
 
-class NcclCommunicator:
+class NcclCommunicator(Communicator):
     """A :class:`~wsharding.comm.base.Communicator` on libnccl with symmetric windows.
 
     Args:
@@ -269,8 +263,8 @@ class NcclCommunicator:
                     "environment (NCCL refuses duplicate GPUs otherwise)"
                 )
         self.single_node = len({w[0] for w in where}) == 1
-        self.mode = mode_of(self.world_size, self.shared_gpu)
-        self.emulation = SHARED_GPU_WORDS if self.shared_gpu else ""
+        self.mode = mode_label("nccl", self.device, self.shared_gpu, world_size=self.world_size)
+        self.emulation = SHARED_GPU_NOTE if self.shared_gpu else ""
         # NCCL 2.28 copy-engine collectives fail on the legacy default stream: always our own.
         self.stream = torch.cuda.Stream(self.device)
         #: Places a rank's own chunk into its slot ahead of the in-place gather ([Note: no serial

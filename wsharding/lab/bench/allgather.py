@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE, RankCluster, RankContext
+from wsharding.cluster import RankCluster, RankContext
+from wsharding.emulation import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE
 from wsharding.lab.cliargs import (
     MAX_CPU_RANKS,
     MAX_RANKS_PER_GPU,
@@ -75,6 +76,8 @@ GPU_NEEDS_CUDA = (
     "the GPU path of this benchmark (our NCCL communicator: symmetric windows, copy-engine AllGather) needs "
     "CUDA, and this machine has none"
 )
+#: What the CPU variant is, said by its every output.
+CPU_VARIANT_NOTE = f"{CPU_EMULATION_NOTE} -- no NCCL, no copy engine"
 
 
 def impl_name(policy: int | None) -> str:
@@ -352,7 +355,7 @@ def run_cpu(ranks: int, sizes_mib: list[float], iters: int = 5, cluster: RankClu
     return {
         "benchmark": "allgather", "machine": machine_label(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "world_size": cluster.world_size, "ranks_per_gpu": None, "mode": per_rank[0]["mode"],
-        "emulation": CPU_EMULATION_NOTE + " -- no NCCL, no copy engine: " + GPU_NEEDS_CUDA,
+        "emulation": f"{CPU_VARIANT_NOTE}: {GPU_NEEDS_CUDA}",
         "nccl": None, "torch": torch.__version__, "cuda": None, "copy_ceiling_GBps": None,
         "rows": merge(per_rank, cluster.world_size), "ce_check": {}, "overlap": [], "errors": [],
         "command": " ".join(sys.argv),
@@ -431,8 +434,7 @@ def main(args: argparse.Namespace) -> int:
             raise InputError(f"--ranks-per-gpu {args.ranks_per_gpu} places ranks on GPUs, and {why}; leave "
                              "--ranks-per-gpu out")
         if not args.cpu:
-            print(f"NOTE: {GPU_NEEDS_CUDA}. Running the CPU gloo variant instead (emulated: CPU processes, "
-                  "torch.distributed gloo, no NCCL, no copy engine) -- these are not GPU numbers.",
+            print(f"NOTE: {GPU_NEEDS_CUDA}. Running the CPU gloo variant instead ({CPU_VARIANT_NOTE}).",
                   file=sys.stderr if args.json == "-" else sys.stdout)
         result = run_cpu(args.ranks or 2, args.sizes or CPU_SIZES_MIB, iters=args.iters or CPU_ITERS,
                          reps=args.reps or 3)

@@ -43,7 +43,7 @@ from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
-from wsharding.lab.tasks.model import graph_unsupported, shard_comm_for
+from wsharding.lab.tasks.model import graph_unsupported, is_ours, shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
 from wsharding.runner import shard_blocks
@@ -282,7 +282,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     planner_us = planner_host_us(ws)
     planner_us_direct = direct_launch_host_us(ws)
     planner_us_mapped = planner_host_us(ws_mapped) if ws_mapped is not None else None
-    issue_thread = issue_thread and hasattr(c, "set_issue_thread")
+    issue_thread = issue_thread and is_ours(c)
     planner_us_issue_thread = None
     if issue_thread:
         c.set_issue_thread(True)
@@ -386,13 +386,13 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             measure(row, runs)
     # ranks sharing a GPU meet over gloo (a CPU context), but the gathers run on the GPU: the
     # communicator says what is emulated
-    return {"rank": ctx.rank, "mode": c.mode, "emulation": getattr(c, "emulation", "") if dev.type == "cuda" else ctx.emulation,
+    return {"rank": ctx.rank, "mode": c.mode, "emulation": c.emulation if dev.type == "cuda" else ctx.emulation,
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
             "planner_host_us_per_layer_direct": planner_us_direct,
             "planner_host_us_per_layer_mapped": planner_us_mapped,
             "planner_host_us_per_layer_issue_thread": planner_us_issue_thread,
-            "gather_launch": getattr(c, "gather_launch", None),
-            "nccl_blocking": getattr(c, "blocking", None),
+            "gather_launch": c.gather_launch if is_ours(c) else None,
+            "nccl_blocking": c.blocking if is_ours(c) else None,
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
             "mapped_resident_bytes": ws_mapped.resident_bytes() if ws_mapped is not None else None,

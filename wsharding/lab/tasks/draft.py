@@ -27,7 +27,7 @@ import torch
 
 from wsharding.cluster import RankContext
 from wsharding.errors import InvalidArgument, Unsupported
-from wsharding.lab.tasks.model import shard_comm_for, tokens_for
+from wsharding.lab.tasks.model import is_ours, shard_comm_for, tokens_for
 from wsharding.models import ToyDecoder, decoder_config
 from wsharding.models.draft import DraftDecoder, build_draft_pair, draft_config
 from wsharding.shard import WeightSharding
@@ -93,7 +93,7 @@ def _time_ms(fn: Callable[[], None], device: torch.device, reps: int) -> float:
 def shared_stream(comm: Any) -> torch.cuda.Stream:
     """The stream the target model's gathers use: our NCCL comm's gather stream, or (torch backend,
     which issues gathers from the compute stream) the current stream."""
-    return getattr(comm, "stream", None) or torch.cuda.current_stream(comm.device)
+    return comm.stream if is_ours(comm) else torch.cuda.current_stream(comm.device)
 
 
 def prepare(draft: DraftDecoder, mode: str, comm: Any) -> None:
@@ -225,7 +225,7 @@ def draft_exposed(ctx: RankContext, preset: str, *, tokens: int = 8, steps: int 
             rows.append({"mode": mode, "exposed_us": exposed, "step_ms": step_ms,
                          "exposed_us_median": _median(exposed), "step_ms_median": _median(step_ms)})
     first = planner.first_layer
-    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": getattr(comm_, "emulation", "") or ctx.emulation,
+    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": comm_.emulation or ctx.emulation,
             "communicator": type(comm_).__name__, "preset": preset, "draft_layers": draft_layers,
             "first_layer_bytes": draft.weight_sharding.layouts[first].total_bytes, "region": label,
             "commit_ms": commit_ms, "tokens": tokens, "rows": rows,

@@ -87,8 +87,7 @@ def _cap(device: torch.device, cap_bytes: int) -> None:
 
 def _outside_torch(comm: Any) -> int:
     """Device bytes our NCCL communicator holds outside torch's allocator (ncclMemAlloc)."""
-    pool = getattr(comm, "pool", None)
-    return 0 if pool is None else pool.allocated_bytes
+    return 0 if comm.pool is None else comm.pool.allocated_bytes
 
 
 def _free_cached() -> None:
@@ -185,7 +184,7 @@ def kv_fill(ctx: RankContext, preset: str, *, context: int = 4096, kv_gib_replic
     del rep
     _free_cached()
     _cap(dev, torch.cuda.get_device_properties(dev).total_memory)
-    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": getattr(comm_, "emulation", "") or ctx.emulation,
+    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": comm_.emulation or ctx.emulation,
             "cap": f"per-process memory cap of {cap / 2**30:.2f} GiB (set_per_process_memory_fraction): a GPU "
                    f"whose memory leaves {kv_gib_replicated:g} GiB of KV cache to the replicated model",
             "measured": how, "cap_bytes": cap, "reserve_bytes": reserve, "context": context, "kv_bytes_per_token": kv,

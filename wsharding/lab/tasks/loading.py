@@ -115,7 +115,7 @@ def load_variant(ctx: RankContext, preset: str | DecoderConfig, variant: str, pa
         "quant": cfg.quant,
         "quant_block": cfg.quant_block if cfg.quant.endswith("_block") else None,
         "mode": comm.mode,
-        "emulation": getattr(comm, "emulation", "") or ctx.emulation,
+        "emulation": comm.emulation or ctx.emulation,
         "world_size": comm.world_size,
         "shard_modes": sorted({t.mode for t in targets}),
         "fp8_gemm": gemm,
@@ -213,7 +213,7 @@ def hf_llama_sharded(ctx: RankContext, path: str, counts: list[list[int]], *, gr
 def outside_allocator_bytes(comm: Any) -> Callable[[], int]:
     """A counter of the bytes ``comm`` holds outside torch's allocator: our NCCL communicator's
     ncclMemAlloc'd windows ([Note: two allocators] in ``wsharding.memory``); 0 for the others."""
-    pool = getattr(comm, "pool", None)
+    pool = comm.pool
     if pool is None:
         return lambda: 0
     return lambda: pool.allocated_bytes

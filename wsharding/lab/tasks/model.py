@@ -82,6 +82,14 @@ def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None
     return ctx.store[key]
 
 
+def is_ours(comm: Any) -> bool:
+    """True when ``comm`` is our NCCL communicator: what only it has (its gather stream, watchdog,
+    issue thread and group list) is read after this check, not probed for."""
+    from wsharding.comm.nccl.communicator import NcclCommunicator
+
+    return isinstance(comm, NcclCommunicator)
+
+
 def graph_unsupported(comm: Any) -> str | None:
     """Why a step over ``comm`` cannot be captured in a CUDA graph here, or None when it can (the
     rule of ``bench step --graph`` and ``demo --graph``)."""
@@ -89,21 +97,20 @@ def graph_unsupported(comm: Any) -> str | None:
         return "CUDA graphs need GPUs (these are CPU ranks)"
     if comm.world_size == 1:
         return None
-    if getattr(comm, "shared_gpu", False):
-        return "several ranks share one GPU: capturing their gathers hung when tried there"
-    if getattr(comm, "watchdog", None) is None:
+    if not is_ours(comm):
         return "capturing gathers needs our NCCL communicator (--comm nccl)"
+    if comm.shared_gpu:
+        return "several ranks share one GPU: capturing their gathers hung when tried there"
     return None
 
 
 def group_of(comm: Any) -> list[int]:
     """Global ranks of a communicator's shard group (either backend), in group order."""
-    ranks = getattr(comm, "group_ranks", None)
-    if ranks is not None:
-        return list(ranks)
+    if is_ours(comm):
+        return list(comm.group_ranks)
     import torch.distributed as dist
 
-    group = getattr(comm, "group", None)
+    group = comm.group  # TorchDistComm: None is the whole world
     return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
 
 
@@ -129,7 +136,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
                                   close=close) | {"issue_thread_pushes": comm.issuer.pushes}
         finally:
             comm.set_issue_thread(False)
-    pool = getattr(comm, "pool", None)
+    pool = comm.pool
     pool_before = pool.allocated_bytes if pool is not None else None
     replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding

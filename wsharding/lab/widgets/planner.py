@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from wsharding.cluster import RankCluster
+from wsharding.emulation import title_note
 from wsharding.errors import InvalidArgument
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
@@ -50,7 +51,7 @@ class PlannerView:
             f"sharded layers {r0['sharded_layers']}",
         ]
         if r0["emulation"]:
-            lines.append(f"NOTE: {r0['emulation']}: times are CPU times, not GPU times")
+            lines.append(f"NOTE: {r0['emulation']}")
         for r in self.results:
             lines.append(f"  rank {r['rank']}: {r['tokens']} tokens, gathers per step {r['gathers']}, "
                          f"exposed wait {self.exposed_ms.get(r['rank'], 0.0):.2f} ms, "
@@ -77,7 +78,7 @@ def planner_view(cluster: RankCluster, preset: str = "tiny", *, layers: int | No
                instead="Pick a smaller preset or fewer layers.", device_indices=cluster.device_indices)
     results = cluster.run(traced_run, preset, tokens, lookahead, steps, layers=n_layers, sharded_layers=sharded_layers)
     records = [rec for r in results for rec in r["records"]]
-    note = " (emulated: CPU ranks)" if results[0]["emulation"] else ""
+    note = title_note(results[0]["emulation"])
     mode = f"lookahead {'on' if lookahead else 'off'}"
     return PlannerView(
         results=results,
