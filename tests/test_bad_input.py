@@ -321,6 +321,55 @@ def _ranks_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return RankCluster(0)
 
 
+def _torchrun_env(mp: pytest.MonkeyPatch, **values: str) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        mp.delenv(name, raising=False)
+    for name, value in values.items():
+        mp.setenv(name, value)
+
+
+def _init_outside_torchrun(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import init_from_env
+
+    _torchrun_env(mp)
+    return init_from_env()
+
+
+def _init_rank_not_a_number(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import init_from_env
+
+    _torchrun_env(mp, RANK="abc", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    return init_from_env()
+
+
+def _init_rank_outside_world(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import init_from_env
+
+    _torchrun_env(mp, RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    return init_from_env()
+
+
+def _init_nccl_without_gpu(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import init_from_env
+
+    _torchrun_env(mp, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+    mp.setattr(torch.cuda, "device_count", lambda: 0)
+    return init_from_env(backend="nccl")
+
+
+def _threads_per_rank_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import RankCluster
+
+    return RankCluster(2, threads_per_rank=0)
+
+
+def _env_value_not_a_string(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import RankCluster
+
+    return RankCluster(2, env={"OMP_NUM_THREADS": 4})
+
+
 def _ranks_negative(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.cluster import RankCluster
 
@@ -465,6 +514,25 @@ CASES: dict[str, Case] = {
     "ranks zero": Case(
         "asked for 0 ranks", "wsharding.cluster:ClusterError",
         ("world_size", "got 0"), "ask for 1 rank or more", _ranks_zero),
+    "init outside torchrun": Case(
+        "called init_from_env() outside torchrun (no RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)",
+        "wsharding.cluster:ClusterError", ("missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT", "torchrun"),
+        "run under torchrun, or set the four variables (or use RankCluster(N))", _init_outside_torchrun),
+    "init rank not a number": Case(
+        "set RANK=abc", "wsharding.cluster:ClusterError", ("RANK='abc'", "not an integer"),
+        "set a whole number, or run under torchrun", _init_rank_not_a_number),
+    "init rank outside world": Case(
+        "set RANK=3 with WORLD_SIZE=2", "wsharding.cluster:ClusterError", ("RANK=3", "WORLD_SIZE=2"),
+        "ranks are 0 .. WORLD_SIZE-1", _init_rank_outside_world),
+    "init nccl without gpu": Case(
+        "asked init_from_env for backend='nccl' on a machine without a GPU", "wsharding.cluster:ClusterError",
+        ("backend='nccl' needs a CUDA GPU",), "use backend='gloo' or 'auto'", _init_nccl_without_gpu),
+    "threads per rank zero": Case(
+        "asked RankCluster for 0 threads per rank", "wsharding.cluster:ClusterError",
+        ("threads_per_rank", "got 0"), "pass an integer >= 1", _threads_per_rank_zero),
+    "env value not a string": Case(
+        "gave RankCluster an environment value that is not a str", "wsharding.cluster:ClusterError",
+        ("env['OMP_NUM_THREADS']", "int"), "pass strings: {'OMP_NUM_THREADS': '4'}", _env_value_not_a_string),
     "ranks per gpu negative": Case(
         "asked for a negative number of ranks per GPU", "wsharding.cluster:ClusterError",
         ("ranks_per_gpu", "got -1"), "ask for 1 rank per GPU or more", _ranks_negative),

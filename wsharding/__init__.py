@@ -21,6 +21,7 @@ Every error the package raises derives from ``WshardingError``.
 from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
 from wsharding.cluster import ClusterError, RankContext, init_from_env
 from wsharding.comm.base import CommError
+from wsharding.comm.groups import ShardGroupAcrossNodesWarning
 from wsharding.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
 from wsharding.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
 from wsharding.runner import shard_blocks
@@ -41,6 +42,7 @@ __all__ = [
     "LayoutError",
     "OwnedPiece",
     "RankContext",
+    "ShardGroupAcrossNodesWarning",
     "ShardingError",
     "ShardingSkipWarning",
     "WeightSharding",

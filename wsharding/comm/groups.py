@@ -7,6 +7,10 @@ by ``(rank // g) * g``, so that the gather stays on NVLink and can use the copy 
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
 from wsharding.errors import InvalidArgument
 
 
@@ -30,3 +34,38 @@ def shard_group_of(rank: int, world_size: int, group_size: int = 8) -> list[int]
     groups = shard_group_ranks(world_size, group_size)
     g = len(groups[0])
     return groups[rank // g]
+
+
+class ShardGroupAcrossNodesWarning(UserWarning):
+    """A shard group spans several nodes: its weight gathers would cross the inter-node network at every
+    layer instead of staying on NVLink inside a node ([Note: shard groups and nodes])."""
+
+
+def fitting_group_size(nodes: Sequence[int]) -> int:
+    """The largest group size whose groups ``(rank // g) * g`` each sit inside one node."""
+    world = len(nodes)
+    for g in range(world, 0, -1):
+        if world % g == 0 and all(len({nodes[r] for r in range(s, s + g)}) == 1 for s in range(0, world, g)):
+            return g
+    return 1
+
+
+def warn_if_group_spans_nodes(ctx: Any, group_size: int, *, opt_in: str = "", stacklevel: int = 2) -> None:
+    """Warn (:class:`ShardGroupAcrossNodesWarning`) when ``ctx.rank``'s shard group of ``group_size``
+    spans nodes ([Note: shard groups and nodes]); ``opt_in``: how the caller says it is meant."""
+    nodes = getattr(ctx, "nodes", None)
+    if not nodes or len(nodes) != ctx.world_size:
+        return
+    groups = shard_group_ranks(ctx.world_size, group_size)
+    mine = groups[ctx.rank // len(groups[0])]
+    spanned = sorted({nodes[r] for r in mine})
+    if len(spanned) < 2:
+        return
+    fit = fitting_group_size(nodes)
+    text = (
+        f"rank {ctx.rank}: shard group {mine} (group size {len(mine)}) spans nodes {spanned}: every layer its "
+        "weight gathers would cross the slower inter-node network instead of staying on NVLink inside a node. "
+        f"Use a group size that fits in one node (here at most {fit}: shard groups of {fit})"
+    )
+    text += f", or {opt_in} if a group across nodes is what you want." if opt_in else "."
+    warnings.warn(text, ShardGroupAcrossNodesWarning, stacklevel=stacklevel + 1)

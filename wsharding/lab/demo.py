@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import SHARED_GPU_TORCH_NOTE, RankCluster, RankContext, choose_backend
+from wsharding.cluster import RankCluster, RankContext, choose_backend
 from wsharding.cuda_graph import capture_graph
+from wsharding.emulation import SHARED_GPU_TORCH_NOTE
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import link_floor

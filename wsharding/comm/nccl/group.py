@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wsharding.comm.groups import shard_group_ranks
+from wsharding.comm.groups import shard_group_ranks, warn_if_group_spans_nodes
 from wsharding.comm.nccl.binding import NcclBinding
 
 
@@ -63,9 +63,14 @@ def gloo_shard_group_for(ctx: Any, group_size: int) -> Any:
 
     Collective: every rank calls it with the same ``group_size``; every group of the world is created
     on every rank, in the same order (``new_group``'s rule), and cached in ``ctx.store``. A group size
-    of the whole world is :func:`gloo_group_for`.
+    of the whole world is :func:`gloo_group_for`. A group that spans nodes warns
+    (:class:`~wsharding.comm.groups.ShardGroupAcrossNodesWarning`): our communicator's gathers are for NVLink.
     """
     groups = shard_group_ranks(ctx.world_size, group_size)
+    checked = ctx.store.setdefault("_wsharding_nodes_checked", set())
+    if len(groups[0]) not in checked:  # [Note: shard groups and nodes], once per group size
+        checked.add(len(groups[0]))
+        warn_if_group_spans_nodes(ctx, group_size)
     if len(groups) == 1:
         return gloo_group_for(ctx)
     key = ("_wsharding_gloo_shard_groups", len(groups[0]))
