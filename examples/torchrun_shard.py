@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from wsharding.cluster import init_from_env
+from wsharding.context import init_from_env
 from wsharding.models import PRESETS, ToyDecoder
 from wsharding.runner import shard_blocks
 

@@ -29,6 +29,7 @@ FLOORS: dict[str, int] = {
     "wsharding.comm": 2,
     "wsharding.costmodel": 2,
     "wsharding.presets": 3,
+    "wsharding.context": 3,
     "wsharding.cluster": 3,
     "wsharding.slots": 3,
     "wsharding.planner": 4,

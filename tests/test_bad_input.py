@@ -141,7 +141,7 @@ def _comm_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 def _comm_context(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from datetime import timedelta
 
-    from wsharding.cluster import RankContext
+    from wsharding.context import RankContext
 
     ctx = RankContext(0, 2, torch.device("cpu"), "gloo", "cpu-gloo", "", timedelta(seconds=1))
     return _shard_blocks(comm=ctx)
@@ -329,28 +329,28 @@ def _torchrun_env(mp: pytest.MonkeyPatch, **values: str) -> None:
 
 
 def _init_outside_torchrun(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import init_from_env
+    from wsharding.context import init_from_env
 
     _torchrun_env(mp)
     return init_from_env()
 
 
 def _init_rank_not_a_number(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import init_from_env
+    from wsharding.context import init_from_env
 
     _torchrun_env(mp, RANK="abc", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     return init_from_env()
 
 
 def _init_rank_outside_world(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import init_from_env
+    from wsharding.context import init_from_env
 
     _torchrun_env(mp, RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     return init_from_env()
 
 
 def _init_nccl_without_gpu(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import init_from_env
+    from wsharding.context import init_from_env
 
     _torchrun_env(mp, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     mp.setattr(torch.cuda, "is_available", lambda: False)
@@ -424,7 +424,7 @@ CASES: dict[str, Case] = {
     "shard_blocks comm none": Case(
         "gave shard_blocks comm=None", "wsharding.shard:ShardingError",
         ("comm", "None", "not a communicator", _EXAMPLE_COMM, "init_from_env()"),
-        f"pass the shard group's communicator: {_EXAMPLE_COMM}, with ctx from wsharding.cluster.init_from_env() "
+        f"pass the shard group's communicator: {_EXAMPLE_COMM}, with ctx from wsharding.init_from_env() "
         "(torchrun) or the context a RankCluster task receives", _comm_none),
     "shard_blocks comm str": Case(
         "gave shard_blocks a backend name as comm", "wsharding.shard:ShardingError",
@@ -512,29 +512,29 @@ CASES: dict[str, Case] = {
         "built a linear on a parallel group that does not exist", "wsharding.linear.groups:GroupError",
         ("'dp_attn'", "attn_tp"), "use one of the group names the message lists", _unknown_group),
     "ranks zero": Case(
-        "asked for 0 ranks", "wsharding.cluster:ClusterError",
+        "asked for 0 ranks", "wsharding.context:ClusterError",
         ("world_size", "got 0"), "ask for 1 rank or more", _ranks_zero),
     "init outside torchrun": Case(
         "called init_from_env() outside torchrun (no RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)",
-        "wsharding.cluster:ClusterError", ("missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT", "torchrun"),
+        "wsharding.context:ClusterError", ("missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT", "torchrun"),
         "run under torchrun, or set the four variables (or use RankCluster(N))", _init_outside_torchrun),
     "init rank not a number": Case(
-        "set RANK=abc", "wsharding.cluster:ClusterError", ("RANK='abc'", "not an integer"),
+        "set RANK=abc", "wsharding.context:ClusterError", ("RANK='abc'", "not an integer"),
         "set a whole number, or run under torchrun", _init_rank_not_a_number),
     "init rank outside world": Case(
-        "set RANK=3 with WORLD_SIZE=2", "wsharding.cluster:ClusterError", ("RANK=3", "WORLD_SIZE=2"),
+        "set RANK=3 with WORLD_SIZE=2", "wsharding.context:ClusterError", ("RANK=3", "WORLD_SIZE=2"),
         "ranks are 0 .. WORLD_SIZE-1", _init_rank_outside_world),
     "init nccl without gpu": Case(
-        "asked init_from_env for backend='nccl' on a machine without a GPU", "wsharding.cluster:ClusterError",
+        "asked init_from_env for backend='nccl' on a machine without a GPU", "wsharding.context:ClusterError",
         ("backend='nccl' needs a CUDA GPU",), "use backend='gloo' or 'auto'", _init_nccl_without_gpu),
     "threads per rank zero": Case(
-        "asked RankCluster for 0 threads per rank", "wsharding.cluster:ClusterError",
+        "asked RankCluster for 0 threads per rank", "wsharding.context:ClusterError",
         ("threads_per_rank", "got 0"), "pass an integer >= 1", _threads_per_rank_zero),
     "env value not a string": Case(
-        "gave RankCluster an environment value that is not a str", "wsharding.cluster:ClusterError",
+        "gave RankCluster an environment value that is not a str", "wsharding.context:ClusterError",
         ("env['OMP_NUM_THREADS']", "int"), "pass strings: {'OMP_NUM_THREADS': '4'}", _env_value_not_a_string),
     "ranks per gpu negative": Case(
-        "asked for a negative number of ranks per GPU", "wsharding.cluster:ClusterError",
+        "asked for a negative number of ranks per GPU", "wsharding.context:ClusterError",
         ("ranks_per_gpu", "got -1"), "ask for 1 rank per GPU or more", _ranks_negative),
     "report path": Case(
         "asked for a report under a path that is a file", "wsharding.lab.cliargs:InputError",

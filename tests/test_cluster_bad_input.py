@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.cluster import ClusterError, RankCluster, init_from_env
+from wsharding.cluster import RankCluster
+from wsharding.context import ClusterError, init_from_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -141,7 +142,7 @@ def test_script_without_main_guard_is_refused_with_the_reason(tmp_path):
     out = _run_script(tmp_path, "\nmain()\n")
     assert out.returncode == 1, out.stdout + out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("wsharding.cluster.ClusterError:"), out.stderr[-3000:]
+    assert last.startswith("wsharding.context.ClusterError:"), out.stderr[-3000:]
     line = (tmp_path / "job.py").read_text().splitlines().index("main()") + 1
     # the line that starts the ranks, the reason and what to do
     for words in (f"job.py:{line}", 'if __name__ == "__main__":', "re-imports", "would run this line again"):

@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from wsharding.cluster import ClusterError, RankCluster, RemoteError, TaskTimeout, WorkerDied
+from wsharding.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied
 from wsharding.comm.base import CommError
 from wsharding.comm.groups import shard_group_of, shard_group_ranks
+from wsharding.context import ClusterError
 from wsharding.lab.tasks.layout import describe_rank, gather_layout, reference_tensors
 from wsharding.layout import FlatLayout
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.cluster import ClusterError, RankCluster, RemoteError, choose_backend
+from wsharding.cluster import RankCluster, RemoteError, choose_backend
+from wsharding.context import ClusterError
 from wsharding.emulation import SHARED_GPU_TORCH_NOTE
 
 TESTS = Path(__file__).resolve().parent

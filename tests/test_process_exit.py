@@ -1,5 +1,5 @@
 """A rank started through ``init_from_env`` tears its process group down when the script exits
-([Note: tearing down at exit] in wsharding/cluster.py): after every peer reached its exit, sub-groups
+([Note: tearing down at exit] in wsharding/context.py): after every peer reached its exit, sub-groups
 before the world, within a time limit, and without waiting for peers after an uncaught exception.
 
 The ranks here are plain processes given torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
@@ -40,7 +40,7 @@ def report():
 
 atexit.register(report)
 
-from wsharding.cluster import init_from_env
+from wsharding.context import init_from_env
 
 ctx = init_from_env(timeout_s=float(os.environ["TEST_TIMEOUT_S"]))
 """

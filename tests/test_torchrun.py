@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.cluster import RankContext
 from wsharding.comm.groups import ShardGroupAcrossNodesWarning
+from wsharding.context import RankContext
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from wsharding.cluster import init_from_env
+from wsharding.context import init_from_env
 from wsharding.comm.groups import ShardGroupAcrossNodesWarning
 
 ctx = init_from_env(timeout_s=60)

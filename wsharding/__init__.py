@@ -19,9 +19,9 @@ Every error the package raises derives from ``WshardingError``.
 """
 
 from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
-from wsharding.cluster import ClusterError, RankContext, init_from_env
 from wsharding.comm.base import CommError
 from wsharding.comm.groups import ShardGroupAcrossNodesWarning
+from wsharding.context import ClusterError, RankContext, init_from_env
 from wsharding.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
 from wsharding.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
 from wsharding.runner import shard_blocks

@@ -129,7 +129,7 @@ def check_shard_blocks_args(
         got = "None" if comm is None else f"the str {comm!r}" if isinstance(comm, str) else \
             f"a {type(comm).__name__} (it has no {', '.join(missing)})"
         raise ShardingError(f"comm: got {got}, not a communicator; pass the communicator of the shard group: "
-                            "ctx.shard_comm(group_size), with ctx = wsharding.cluster.init_from_env() in a torchrun "
+                            "ctx.shard_comm(group_size), with ctx = wsharding.init_from_env() in a torchrun "
                             "launch, or the context a RankCluster task receives")
     return block_list, pattern_list, layer_indices(sharded_layers)
 

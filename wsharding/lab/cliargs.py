@@ -257,9 +257,9 @@ def error_lines(exc: BaseException, verbose: bool = False) -> list[str]:
 
 def explained_errors() -> tuple[type[BaseException], ...]:
     """The exception types :func:`run_command` prints as lines (imported late: torch is slow)."""
-    from wsharding.cluster import ClusterError
     from wsharding.comm.base import CommError
     from wsharding.comm.nccl.library import NcclLibraryError
+    from wsharding.context import ClusterError
     from wsharding.costmodel import CostModelError
 
     return (InputError, ClusterError, CommError, NcclLibraryError, CostModelError)

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RankContext, choose_backend
+from wsharding.cluster import RankCluster, choose_backend
+from wsharding.context import RankContext
 from wsharding.cuda_graph import capture_graph
 from wsharding.emulation import SHARED_GPU_TORCH_NOTE
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off

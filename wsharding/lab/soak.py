@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RankContext, RemoteError, TaskTimeout, WorkerDied, choose_backend
+from wsharding.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
+from wsharding.context import RankContext
 from wsharding.errors import InvalidArgument, WshardingError
 from wsharding.lab.cliargs import InputError, add_json_option, check_output_path, emit_json, int_at_least
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits

@@ -737,7 +737,7 @@ class NcclCommunicator(Communicator):
 
 def from_context(ctx: Any, *, device: torch.device | str | None = None, group_size: int | None = None,
                  **kwargs: Any) -> NcclCommunicator:
-    """An :class:`NcclCommunicator` over this rank's shard group of a :class:`~wsharding.cluster.RankContext`
+    """An :class:`NcclCommunicator` over this rank's shard group of a :class:`~wsharding.context.RankContext`
     (``group_size`` ``None``: all ranks; else groups ``(rank // g) * g``, one communicator each).
 
     On gloo clusters (several ranks on one GPU) each rank takes ``cuda:(rank % gpus)``.

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RankContext
+from wsharding.cluster import RankCluster
+from wsharding.context import RankContext
 from wsharding.emulation import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE
 from wsharding.lab.cliargs import (
     MAX_CPU_RANKS,

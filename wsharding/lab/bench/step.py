@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RankContext
+from wsharding.cluster import RankCluster
 from wsharding.comm.base import Communicator
+from wsharding.context import RankContext
 from wsharding.cuda_graph import capture_graph
 from wsharding.errors import NotFound
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankContext
+from wsharding.context import RankContext
 from wsharding.errors import InvalidArgument, Unsupported
 from wsharding.lab.tasks.model import is_ours, shard_comm_for, tokens_for
 from wsharding.models import ToyDecoder, decoder_config

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankContext
 from wsharding.comm.base import CommError
+from wsharding.context import RankContext
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks

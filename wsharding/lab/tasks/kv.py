@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankContext
+from wsharding.context import RankContext
 from wsharding.errors import Unsupported
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import ToyDecoder, build_pair, decoder_config

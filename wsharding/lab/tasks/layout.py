@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankContext
+from wsharding.context import RankContext
 from wsharding.errors import InvalidArgument
 from wsharding.layout import FlatLayout
 

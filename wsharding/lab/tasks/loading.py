@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from wsharding.checkpoint import load_checkpoint, load_sharded, save_checkpoint
-from wsharding.cluster import RankContext
+from wsharding.context import RankContext
 from wsharding.errors import InvalidArgument
 from wsharding.lab.tasks.model import shard_comm_for, tokens_for
 from wsharding.linear.fp8 import fp8_gemm_path

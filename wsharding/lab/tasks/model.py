@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankContext
 from wsharding.comm.base import is_slice_of
+from wsharding.context import RankContext
 from wsharding.cuda_graph import capture_graph
 from wsharding.errors import InvalidArgument, Unsupported
 from wsharding.models import DecoderConfig, build_pair, decoder_config

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankContext
+from wsharding.context import RankContext
 from wsharding.units import MiB
 
 

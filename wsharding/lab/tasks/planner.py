@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsharding.cluster import RankContext
+from wsharding.context import RankContext
 from wsharding.errors import InvalidArgument
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
 from wsharding.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
