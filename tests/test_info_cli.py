@@ -32,3 +32,16 @@ def test_info_text_and_bad_library(capsys, monkeypatch):
     assert main(["info"]) == 1
     out = capsys.readouterr().out
     assert "NCCL library: not usable -- WSHARDING_NCCL_LIBRARY='/no/such/libnccl.so.2' does not name a file" in out
+
+
+def test_info_without_any_nccl_says_how_to_install_and_succeeds(capsys, monkeypatch):
+    # The library alone (no `nccl` extra) is a valid install for CPU ranks: info reports it, exit 0.
+    from wsharding.comm.nccl import library
+
+    def no_library():
+        raise library.NcclLibraryMissing("no libnccl found: (pip install 'wsharding[nccl]', ...)")
+
+    monkeypatch.delenv("WSHARDING_NCCL_LIBRARY", raising=False)
+    monkeypatch.setattr(library, "find_library", no_library)
+    assert main(["info"]) == 0
+    assert "wsharding[nccl]" in capsys.readouterr().out

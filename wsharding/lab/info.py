@@ -24,13 +24,13 @@ FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu", 
 
 
 def _nccl_info() -> dict[str, Any]:
-    from wsharding.comm.nccl.library import ENV_VAR, NcclLibraryError, find_library, load_library
+    from wsharding.comm.nccl.library import ENV_VAR, NcclLibraryError, NcclLibraryMissing, find_library, load_library
 
     try:
         choice = find_library()
         lib = load_library(choice.path, choice.source)
     except NcclLibraryError as e:
-        return {"error": str(e), "env_var": ENV_VAR}
+        return {"error": str(e), "env_var": ENV_VAR, "missing": isinstance(e, NcclLibraryMissing)}
     info = {k: v for k, v in lib.describe().items() if k not in FEATURES}
     info["features"] = {k: bool(lib.describe()[k]) for k in FEATURES}
     info["env_var"] = ENV_VAR
@@ -130,4 +130,6 @@ def main(args: argparse.Namespace) -> int:
     written = emit_json(info, args.json)
     if written:
         print(f"wrote {written}")
-    return 0 if "error" not in info["nccl"] else 1
+    # No NCCL at all is an install without the optional ``nccl`` extra, which CPU ranks do not need: said,
+    # not failed. A library that is there (or named) but cannot be used is a broken install: exit 1.
+    return 1 if "error" in info["nccl"] and not info["nccl"]["missing"] else 0

@@ -38,6 +38,11 @@ class NcclLibraryError(WshardingError, RuntimeError):
     """libnccl could not be found or loaded, or is too old for what was asked."""
 
 
+class NcclLibraryMissing(NcclLibraryError):
+    """No libnccl at all: not a broken install but one without the optional ``nccl`` extra (CPU ranks and
+    torch.distributed gathers need none)."""
+
+
 def decode_version(code: int) -> tuple[int, int, int]:
     """``ncclGetVersion``'s integer as (major, minor, patch).
 
@@ -116,9 +121,9 @@ def find_library() -> LibraryChoice:
     loaded = _torch_loaded_library()
     if loaded:
         return loaded
-    raise NcclLibraryError(
+    raise NcclLibraryMissing(
         f"no libnccl found: set {ENV_VAR} to a libnccl.so.2, or install a wheel "
-        "(pip install nvidia-nccl-cu12 or nvidia-nccl-cu13)"
+        "(pip install 'wsharding[nccl]', or nvidia-nccl-cu12 or nvidia-nccl-cu13)"
     )
 
 
