@@ -16,7 +16,7 @@ from wsharding.lab.bench import allgather
 from wsharding.lab.cliargs import InputError, check_output_path, error_lines, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The committed CPU demo report: the README shows its table, --figures-from draws it.
+#: The committed CPU demo report: docs/design.md shows its table, --figures-from draws it.
 CPU_REPORT = ROOT / "figures" / "demo_cpu_report.json"
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answers need a machine without CUDA")
 
@@ -224,15 +224,16 @@ def test_figures_from_a_saved_report_draws(tmp_path, capsys):
             "t_demo_memory.html"} <= {p.name for p in tmp_path.iterdir()}
 
 
-def test_readme_shows_the_saved_demo_report():
-    """The README's sample output is the committed CPU report as the demo prints it today: a change to
+def test_the_documented_demo_output_is_the_saved_report():
+    """The demo's sample output (docs/design.md, linked from the README's first command) is the
+    committed CPU report as the demo prints it today: a change to
     the demo's lines without a new run (``wsharding demo --json figures/demo_cpu_report.json --figures
     figures``) fails here."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "design.md").read_text()
     start = text.index("```\n", text.index("--json figures/demo_cpu_report.json --figures figures")) + 4
     shown = text[start:text.index("\n```", start)]
     saved = json.loads(CPU_REPORT.read_text())
-    assert shown == demo.format_table(saved), "README's demo output is stale: run the demo as the README says"
+    assert shown == demo.format_table(saved), "the demo output in docs/design.md is stale: run the demo as it says"
 
 
 def test_one_rank_demo_says_why_sharding_holds_more(tmp_path, capsys):
@@ -338,12 +339,12 @@ def test_json_alone_prints_json_and_path_writes_it(tmp_path, capsys):
 
 
 
-def test_readme_names_every_option():
-    """The README's command list matches the program: every option a command shows is in it, and
-    it names no option that does not exist."""
+def test_the_documented_command_line_names_every_option():
+    """The command list of docs/design.md (the README links to it) matches the program: every option a
+    command shows is in it, and it names no option that does not exist."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "design.md").read_text()
     leaves = dict(leaf_parsers(cli.build_parser()))
     shown = set()
     for name, p in leaves.items():
@@ -353,10 +354,10 @@ def test_readme_names_every_option():
             for o in a.option_strings:
                 shown.add(o)
                 if o != "--verbose":  # said once for all commands
-                    assert o in readme, f"README does not mention {name} {o}"
+                    assert o in readme, f"docs/design.md does not mention {name} {o}"
         assert name.removeprefix("wsharding ") in readme
-    start = readme.index("## Commands")
+    start = readme.index("## The command line")
     section = readme[start:readme.index("\n## ", start + 1)]
-    assert "--" in section, "the Commands section lists no option"
+    assert "--" in section, "the command line section lists no option"
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", section)) - {"--help"}
-    assert named <= shown, f"README names options no command has: {named - shown}"
+    assert named <= shown, f"docs/design.md names options no command has: {named - shown}"
