@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from wsharding.context import init_from_env
+from wsharding.core.context import init_from_env
 from wsharding.models import PRESETS, ToyDecoder
-from wsharding.runner import shard_blocks
+from wsharding.core.runner import shard_blocks
 
 
 def main(argv: list[str] | None = None) -> int:

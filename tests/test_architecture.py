@@ -16,31 +16,44 @@ PKG = Path(__file__).resolve().parent.parent / "wsharding"
 #: Module prefix -> floor; a module takes the floor of its longest matching prefix. Library floors
 #: first (the data path of ARCHITECTURE.md), the teaching layer above them.
 FLOORS: dict[str, int] = {
-    "wsharding.units": 0,
+    "wsharding.core.units": 0,
     "wsharding.runtime": 0,
     "wsharding.cuda_graph": 0,
     "wsharding.memory": 0,
     "wsharding.fatal": 0,
-    "wsharding.errors": 0,
-    "wsharding.emulation": 0,
-    "wsharding.layout": 1,
-    "wsharding.trace": 1,
+    "wsharding.core.errors": 0,
+    "wsharding.core.emulation": 0,
+    "wsharding.core.layout": 1,
+    "wsharding.core.trace": 1,
     "wsharding.safetensors_file": 1,
-    "wsharding.comm": 2,
+    "wsharding.core.comm": 2,
+    "wsharding.core.groups": 2,
+    "wsharding.core.torch_backend": 2,
+    "wsharding.accel": 2,
+    "wsharding.accel.mapped_slots": 3,
+    "wsharding.accel.nccl.communicator": 4,
+    "wsharding.accel.nccl.probe": 4,
+    "wsharding.accel.next_step": 4,
+    "wsharding.accel.first_layer": 4,
     "wsharding.costmodel": 2,
     "wsharding.presets": 3,
-    "wsharding.context": 3,
+    "wsharding.core.context": 3,
     "wsharding.cluster": 3,
-    "wsharding.slots": 3,
-    "wsharding.planner": 4,
+    "wsharding.core.slots": 3,
+    "wsharding.core.planner": 4,
+    "wsharding.core.edits": 4,
+    "wsharding.core.backpressure": 4,
+    "wsharding.core.plugins": 4,
+    "wsharding.core.ties": 6,
+    "wsharding.core.declare": 6,
+    "wsharding.core.accounting": 6,
     "wsharding.linear": 5,
-    "wsharding.rowloaders": 6,
-    "wsharding.bound": 6,
-    "wsharding.guards": 6,
-    "wsharding.redistribute": 6,
-    "wsharding.mapped_slots": 6,
-    "wsharding.shard": 6,
-    "wsharding.runner": 6,
+    "wsharding.core.rowloaders": 6,
+    "wsharding.core.bound": 6,
+    "wsharding.core.guards": 6,
+    "wsharding.core.redistribute": 6,
+    "wsharding.core.sharding": 6,
+    "wsharding.core.runner": 6,
     "wsharding.checkpoint": 7,
     "wsharding.models": 8,
     "wsharding": 9,  # the package face: re-exports only
@@ -182,14 +195,14 @@ def test_the_rules_see_a_violation():
     # upward import that the first wave had, replayed on a copy of today's graph.
     broken = {m: set(ts) for m, ts in GRAPH.items()}
     broken["wsharding.lab.viz.bench"].add("wsharding.lab.bench.step")
-    broken["wsharding.comm.nccl.symmetric"].add("wsharding.comm.nccl.communicator")
-    broken["wsharding.slots"].add("wsharding.lab.viz.comm")
+    broken["wsharding.accel.nccl.symmetric"].add("wsharding.accel.nccl.communicator")
+    broken["wsharding.core.slots"].add("wsharding.lab.viz.comm")
     assert sorted(map(tuple, circles_of(broken))) == [
-        ("wsharding.comm.nccl.communicator", "wsharding.comm.nccl.symmetric"),
+        ("wsharding.accel.nccl.communicator", "wsharding.accel.nccl.symmetric"),
         ("wsharding.lab.bench.step", "wsharding.lab.viz.bench"),
     ]
-    assert ("wsharding.slots", "wsharding.lab.viz.comm") in upward_imports(broken)
-    assert library_to_teaching(broken) == [("wsharding.slots", "wsharding.lab.viz.comm")]
+    assert ("wsharding.core.slots", "wsharding.lab.viz.comm") in upward_imports(broken)
+    assert library_to_teaching(broken) == [("wsharding.core.slots", "wsharding.lab.viz.comm")]
 
 
 # ---- notes, and what the library's prose may hold ---------------------------------------------------
@@ -347,3 +360,76 @@ def f():
     assert [hit.split(": ")[1] for hit in stale_prose(source, "m.py")] == [
         "a date", "an issue number", "a measurement or probe path"]
     assert stale_prose('"""On two H200s the copy-engine gather hides behind a GEMM."""\n', "m.py") == []
+
+
+# ---- the essential path: core stands alone, and the library's tests need no teaching layer ----------
+TESTS = Path(__file__).resolve().parent
+CORE = "wsharding.core"
+CORE_MAX_LINES = 400
+
+
+def names_lab(node: ast.AST) -> bool:
+    """True for an import of ``wsharding.lab`` (or below), ``from wsharding import lab``, or a string
+    naming it (``__import__``, ``python -m wsharding.lab.plan``)."""
+    def is_lab(name: str) -> bool:
+        return name == "wsharding.lab" or name.startswith(("wsharding.lab.", "wsharding.lab:"))
+
+    if isinstance(node, ast.Import):
+        return any(is_lab(a.name) for a in node.names)
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return is_lab(node.module) or (node.module == "wsharding" and any(a.name == "lab" for a in node.names))
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and is_lab(node.value)
+
+
+def lab_users_among_tests(sources: dict[str, str]) -> list[str]:
+    """Test files (paths relative to tests/) outside ``lab/`` that import or name ``wsharding.lab``."""
+    return sorted(path for path, source in sources.items()
+                  if not path.startswith("lab/") and any(names_lab(n) for n in ast.walk(ast.parse(source))))
+
+
+def core_reaching_out(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(core module, imported module) for every import -- inside functions too -- from
+    ``wsharding.core`` into ``wsharding.accel`` or ``wsharding.lab``."""
+    outside = ("wsharding.accel", "wsharding.lab")
+    return sorted((m, t) for m, ts in graph.items() if m == CORE or m.startswith(CORE + ".")
+                  for t in ts if any(t == o or t.startswith(o + ".") for o in outside))
+
+
+def long_core_files(lines: dict[str, int]) -> list[str]:
+    """Core modules over :data:`CORE_MAX_LINES` lines, with their length."""
+    return sorted(f"{m}: {n} lines" for m, n in lines.items()
+                  if (m == CORE or m.startswith(CORE + ".")) and n > CORE_MAX_LINES)
+
+
+def test_library_tests_do_not_import_the_teaching_layer():
+    # this file names the teaching layer's modules as data (FLOORS), importing none of them
+    sources = {p.relative_to(TESTS).as_posix(): p.read_text() for p in TESTS.rglob("*.py") if p != Path(__file__)}
+    assert lab_users_among_tests(sources) == [], "move the test to tests/lab/, or give it a rank task of its own"
+
+
+def test_core_imports_neither_the_accelerations_nor_the_teaching_layer():
+    assert core_reaching_out(GRAPH) == []
+
+
+def test_core_files_are_short():
+    assert long_core_files({m: len(p.read_text().splitlines()) for m, p in MODULES.items()}) == []
+
+
+def test_the_essential_path_rules_see_a_violation():
+    sources = {
+        "core/test_ok.py": "import wsharding.core.layout\nfrom wsharding import models\n",
+        "core/test_direct.py": "from wsharding.lab.tasks.model import model_equality\n",
+        "models/test_in_function.py": "def f():\n    from wsharding import lab\n",
+        "linear/test_by_name.py": "import importlib\nm = importlib.import_module('wsharding.lab.demo')\n",
+        "lab/test_demo.py": "from wsharding.lab import demo\n",  # the teaching layer's own tests may
+    }
+    assert lab_users_among_tests(sources) == ["core/test_direct.py", "linear/test_by_name.py",
+                                            "models/test_in_function.py"]
+    graph = {"wsharding.core.slots": {"wsharding.core.layout", "wsharding.accel.cuda_vmm"},
+             "wsharding.core.planner": {"wsharding.lab.viz.planner"},
+             "wsharding.checkpoint": {"wsharding.accel.nccl"},  # the library outside core may
+             "wsharding.core": {"wsharding.core.layout"}}
+    assert core_reaching_out(graph) == [("wsharding.core.planner", "wsharding.lab.viz.planner"),
+                                        ("wsharding.core.slots", "wsharding.accel.cuda_vmm")]
+    assert long_core_files({"wsharding.core.layout": 400, "wsharding.core.sharding": 401,
+                            "wsharding.checkpoint": 900}) == ["wsharding.core.sharding: 401 lines"]

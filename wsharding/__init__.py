@@ -19,13 +19,14 @@ Every error the package raises derives from ``WshardingError``.
 """
 
 from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
-from wsharding.comm.base import CommError
-from wsharding.comm.groups import ShardGroupAcrossNodesWarning
-from wsharding.context import ClusterError, RankContext, init_from_env
-from wsharding.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
-from wsharding.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
-from wsharding.runner import shard_blocks
-from wsharding.shard import ShardingSkipWarning, WeightSharding
+from wsharding.core.comm import CommError
+from wsharding.core.context import ClusterError, RankContext, init_from_env
+from wsharding.core.declare import ShardingSkipWarning
+from wsharding.core.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
+from wsharding.core.groups import ShardGroupAcrossNodesWarning
+from wsharding.core.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
+from wsharding.core.runner import shard_blocks
+from wsharding.core.sharding import WeightSharding
 
 __version__ = "0.1.0"
 __all__ = [

@@ -24,15 +24,15 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from wsharding.comm.base import Communicator
-from wsharding.errors import WshardingError
-from wsharding.guards import bound_weights
+from wsharding.core.comm import Communicator
+from wsharding.core.errors import WshardingError
+from wsharding.core.guards import bound_weights
+from wsharding.core.runner import check_shard_blocks_args, shard_blocks
+from wsharding.core.sharding import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import CheckpointShapeError
-from wsharding.runner import check_shard_blocks_args, shard_blocks
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
-from wsharding.shard import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
 
 #: merged module -> the checkpoint modules it is loaded from, with their shard ids
 STACKED: dict[str, list[tuple[str, Any]]] = {
@@ -75,7 +75,7 @@ def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str,
 
     ``state_dict``: tensors to write instead of the parameters' own values. A sharded model (after
     finalize) holds none of its sharded weights whole -- each is a view of a gather slot -- so it is
-    saved from :meth:`wsharding.shard.WeightSharding.full_state_dict`, a collective that every rank
+    saved from :meth:`wsharding.core.sharding.WeightSharding.full_state_dict`, a collective that every rank
     of the shard group calls, and written by one rank::
 
         full = ws.full_state_dict(model)          # every rank
@@ -226,7 +226,7 @@ def _default_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
 
 def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList, patterns: Sequence[str],
                  comm: Communicator, **kwargs: Any) -> WeightSharding:
-    """:func:`~wsharding.runner.shard_blocks` with the weights read from checkpoint ``path``.
+    """:func:`~wsharding.core.runner.shard_blocks` with the weights read from checkpoint ``path``.
 
     The matching linears are shrunk to this rank's rows (their current values are not kept), the
     checkpoint is loaded -- each sharded weight reads only this rank's rows, every other tensor is

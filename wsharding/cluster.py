@@ -63,11 +63,11 @@ from typing import Any
 
 import torch
 
-from wsharding.context import ClusterError, current_context, make_context, seconds_arg, set_current_context
-from wsharding.emulation import CPU_EMULATION_NOTE, SHARED_GPU_NOTE
-from wsharding.errors import WshardingError
+from wsharding.core.context import ClusterError, current_context, make_context, seconds_arg, set_current_context
+from wsharding.core.emulation import CPU_EMULATION_NOTE, SHARED_GPU_NOTE
+from wsharding.core.errors import WshardingError
+from wsharding.core.units import ceil_div
 from wsharding.fatal import add_last_words
-from wsharding.units import ceil_div
 
 
 class RemoteError(ClusterError):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from wsharding.errors import Unsupported
+from wsharding.core.errors import Unsupported
 
 
 def capture_graph(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:

@@ -3,7 +3,7 @@
 [Note: a host held behind a stuck gather]
 A copy-engine gather whose peer is gone waits on the GPU for a flag that never comes, and nothing
 releases it: ``ncclCommAbort`` does not (see [Note: abort with a stuck gather] in
-``comm/nccl/communicator.py``). A host thread that synchronizes with that stream -- ``.item()``,
+``wsharding/accel/nccl/teardown.py``). A host thread that synchronizes with that stream -- ``.item()``,
 ``.cpu()``, ``torch.equal`` on a GPU tensor, a copy from pageable memory -- is then held inside a
 CUDA call for good: it never reaches the planner call that would raise the watchdog's error. (So is
 a host held inside a blocking NCCL call that waits for a peer: the watchdog then cannot even take

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from wsharding.errors import InvalidArgument, WshardingError
+from wsharding.core.errors import InvalidArgument, WshardingError
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

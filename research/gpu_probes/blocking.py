@@ -4,7 +4,7 @@ non-blocking NCCL communicator, side by side in one run.
     torchrun --nproc-per-node 2 research/gpu_probes/blocking.py     # two GPUs; rank 0 prints JSON
 
 Why: a non-blocking communicator runs each collective on a thread NCCL starts for that call
-([Note: blocking communicator] in wsharding/comm/nccl/communicator.py). Writes
+([Note: blocking communicator] in wsharding/accel/nccl/communicator.py). Writes
 ``$OUT/blocking_probe.json`` when ``OUT`` is set.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from probe_report import report
 
-from wsharding.comm.nccl.communicator import NcclCommunicator
+from wsharding.accel.nccl.communicator import NcclCommunicator
 
 CALLS, REPEATS = 200, 5
 

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from probe_report import report
 from torch.profiler import ProfilerActivity, profile
 
-from wsharding.comm.nccl.communicator import NcclCommunicator
+from wsharding.accel.nccl.communicator import NcclCommunicator
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
-from wsharding.runner import shard_blocks
+from wsharding.core.runner import shard_blocks
 
 STEPS = 10
 

@@ -35,7 +35,7 @@ from probe_report import finish, nccl_rank
 
 from wsharding.lab.bench.step import paired_host_us, planner_host_us
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
-from wsharding.runner import shard_blocks
+from wsharding.core.runner import shard_blocks
 
 PAIRS = 400
 
@@ -56,8 +56,8 @@ def own_times(fn, calls: int = 20) -> dict[str, tuple[int, float]]:
 
 def action_costs(model, x, layers: int, dev: torch.device) -> dict[str, dict[str, float]]:
     """Host us per block that one action before each block adds to ``model``'s forward (paired)."""
-    from wsharding.comm.captured_launch import CapturedLaunch
-    from wsharding.comm.cuda_driver import driver
+    from wsharding.accel.captured_launch import CapturedLaunch
+    from wsharding.accel.cuda_driver import driver
 
     cu = driver()
     compute = torch.cuda.current_stream(dev)
@@ -135,7 +135,7 @@ def main() -> None:
     hooked.register_forward_hook(lambda _m, _a, _o: None)
     x = replicated.inputs(tokens, rank, dev)
     layers = len(ws.sharded_layer_ids)
-    gathers = list(ws.planner.prepared_gathers.values())
+    gathers = list(ws.planner.gathers.values())
     out: dict = {"model": model, "tokens_per_rank": tokens, "world_size": world, "gpus": gpus, "mode": comm.mode,
                  "emulation": comm.emulation, "nccl": comm.library.describe(), "sharded_layers": layers,
                  "pairs": PAIRS, "launch": sorted({g.launch for g in gathers})}

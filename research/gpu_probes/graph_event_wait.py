@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from wsharding.comm.captured_launch import CapturedLaunch
-from wsharding.comm.cuda_driver import driver
+from wsharding.accel.captured_launch import CapturedLaunch
+from wsharding.accel.cuda_driver import driver
 
 lib = ctypes.CDLL("libcuda.so.1")
 record_flags = lib.cuEventRecordWithFlags

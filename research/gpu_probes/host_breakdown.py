@@ -26,7 +26,7 @@ from probe_report import finish, nccl_rank
 
 from wsharding.lab.bench.step import planner_host_us
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
-from wsharding.runner import shard_blocks
+from wsharding.core.runner import shard_blocks
 
 ROUNDS = 7
 
@@ -91,7 +91,7 @@ def main() -> None:
     with torch.no_grad():
         net(net.inputs(1, rank, dev))
     torch.cuda.synchronize()
-    gathers = list(ws.planner.prepared_gathers.values())
+    gathers = list(ws.planner.gathers.values())
     out: dict = {"model": model, "world_size": world, "gpus": gpus, "mode": comm.mode, "emulation": comm.emulation,
                  "nccl": comm.library.describe(), "sharded_layers": len(gathers),
                  "in_place": sorted({g.in_place for g in gathers}), "launch": sorted({g.launch for g in gathers})}

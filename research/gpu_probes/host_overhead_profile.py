@@ -21,7 +21,7 @@ import torch
 from wsharding.cluster import RankCluster
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
-from wsharding.runner import shard_blocks
+from wsharding.core.runner import shard_blocks
 
 
 def own_times(prof: cProfile.Profile) -> dict[str, float]:

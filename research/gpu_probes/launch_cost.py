@@ -10,7 +10,7 @@ differ between the two forwards, each in pairs against the plain case:
   waited     the compute stream waits, before the linears, on an event recorded on another stream
              behind a long sleep (a gather not yet done)
   copying    a 218 MB device-to-device copy runs on another stream meanwhile
-  threadN    the issue thread (wsharding/comm/issue_thread.py) launches N captured graphs of a 218 MB
+  threadN    the issue thread (wsharding/accel/issue_thread.py) launches N captured graphs of a 218 MB
              copy on another stream while this thread launches the linears: does the driver let two
              threads launch at once, or do this thread's launches wait for the other's?
   smallN     the same with graphs of a 1 MB copy
@@ -55,9 +55,9 @@ def linears(ws):
     torch.nn.functional.linear(x, ws[0])
 
 
-from wsharding.comm.captured_launch import CapturedLaunch  # noqa: E402
-from wsharding.comm.cuda_driver import driver  # noqa: E402
-from wsharding.comm.issue_thread import OP_LAUNCH, IssueThread, driver_issue_thread  # noqa: E402
+from wsharding.accel.captured_launch import CapturedLaunch  # noqa: E402
+from wsharding.accel.cuda_driver import driver  # noqa: E402
+from wsharding.accel.issue_thread import OP_LAUNCH, IssueThread, driver_issue_thread  # noqa: E402
 
 cu = driver()
 small_a = torch.empty(2**20, dtype=torch.uint8, device=dev)

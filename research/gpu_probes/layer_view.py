@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N research/gpu_probes/layer_view.py     # N ranks; prints JSON on rank 0
 
 Why: every gather today copies the rank's own chunk into its slot first (a same-device copy, on the
-SMs, ~100 us per 218 MB layer on an H200; [Note: no serial local copy] in wsharding/comm/nccl/
+SMs, ~100 us per 218 MB layer on an H200; [Note: no serial local copy] in wsharding/accel/nccl/
 gather.py). With CUDA's virtual memory API the copy need not exist at all: reserve one address range
 per layer of the layer's full size S, map the rank's slice of it onto the physical pages of that
 layer's *resident chunk*, and the other N-1 slices onto the physical pages of a slot. An in-place
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from probe_report import report
 
-from wsharding.comm.nccl.binding import NCCL_UINT8, NCCL_WIN_COLL_SYMMETRIC
-from wsharding.comm.nccl.communicator import NcclCommunicator
-from wsharding.comm.nccl.probe import device_activity
-from wsharding.comm.nccl.symmetric import wrap_device_memory
+from wsharding.accel.nccl.binding import NCCL_UINT8, NCCL_WIN_COLL_SYMMETRIC
+from wsharding.accel.nccl.communicator import NcclCommunicator
+from wsharding.accel.nccl.probe import device_activity
+from wsharding.accel.nccl.symmetric import wrap_device_memory
 
 CHUNK = 64 << 20  # bytes per rank; a multiple of the allocation granularity (2 MiB on H200)
 

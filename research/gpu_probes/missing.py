@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 research/gpu_probes/missing.py gather 0  # one gather, non-blocking comm
 
 ``model``: rank 0 steps a sharded tiny decoder back to back (a serving loop) and should get the
-watchdog's error within the 5 s timeout ([Note: backpressure] in wsharding/planner.py). ``gather``:
+watchdog's error within the 5 s timeout ([Note: backpressure] in wsharding/core/planner.py). ``gather``:
 one in-place gather and a host wait on it, then close ([Note: abort with a stuck gather]). After 25 s
 faulthandler prints every thread's stack and ends the process, so a hang shows where it sits.
 """
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from wsharding.comm.base import CommError
-from wsharding.comm.nccl.communicator import NcclCommunicator
+from wsharding.core.comm import CommError
+from wsharding.accel.nccl.communicator import NcclCommunicator
 
 
 def main() -> None:

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from probe_report import report
 
-from wsharding.comm.captured_launch import CapturedLaunch
-from wsharding.comm.cuda_driver import driver
-from wsharding.comm.cuda_vmm import MEM_HANDLE_POSIX_FD, VirtualMemory
-from wsharding.comm.nccl.binding import NcclBinding
-from wsharding.comm.nccl.library import default_library
-from wsharding.comm.nccl.symmetric import wrap_device_memory
+from wsharding.accel.captured_launch import CapturedLaunch
+from wsharding.accel.cuda_driver import driver
+from wsharding.accel.cuda_vmm import MEM_HANDLE_POSIX_FD, VirtualMemory
+from wsharding.accel.nccl.binding import NcclBinding
+from wsharding.accel.nccl.library import default_library
+from wsharding.accel.nccl.symmetric import wrap_device_memory
 
 lib = ctypes.CDLL("libcuda.so.1")
 export = lib.cuMemExportToShareableHandle

@@ -21,7 +21,7 @@ def report(name: str, result: Any) -> None:
 
 def nccl_rank() -> tuple[int, int, int, torch.device, Any]:
     """(rank, world size, GPUs, this rank's device, our NCCL communicator) of a torchrun rank."""
-    from wsharding.comm.nccl import NcclCommunicator
+    from wsharding.accel.nccl import NcclCommunicator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     gpus = torch.cuda.device_count()

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from wsharding.comm.captured_launch import CU_STREAM_CAPTURE_MODE_RELAXED
-from wsharding.comm.cuda_driver import CUgraph, CUgraphExec, driver
+from wsharding.accel.captured_launch import CU_STREAM_CAPTURE_MODE_RELAXED
+from wsharding.accel.cuda_driver import CUgraph, CUgraphExec, driver
 
 cu = driver()
 lib = ctypes.CDLL("libcuda.so.1")

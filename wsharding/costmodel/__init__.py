@@ -5,7 +5,7 @@ bill). With R the bytes of the sharded (otherwise replicated) weights, N ranks i
 ``T_l`` the flat buffer of sharded layer ``l``:
 
 * memory per GPU: replicated ``R``  ->  sharded ``R/N + 2 * max_l |T_l|`` (two ping-pong slots sized
-  by the largest layer). ``|T_l|`` is the *padded* flat buffer of :class:`~wsharding.layout.FlatLayout`
+  by the largest layer). ``|T_l|`` is the *padded* flat buffer of :class:`~wsharding.core.layout.FlatLayout`
   (16-byte aligned entries, total a multiple of ``16 * N``), so the resident shards are
   ``sum_l |T_l| / N`` -- a few bytes more than ``R/N``.
 * the design reports the **gross** figure ``R`` as "reclaimed" (e.g. 31.45 GiB). What is really
@@ -29,6 +29,7 @@ calls too), :mod:`~wsharding.costmodel.plan` (deployment, timing, the whole plan
 
 from __future__ import annotations
 
+from wsharding.core.units import GB, GiB, fmt_bytes  # re-exported for the notebooks
 from wsharding.costmodel.bill import Bill, bill_for_layouts
 from wsharding.costmodel.checks import CostModelError
 from wsharding.costmodel.devices import DEVICES, MAPPED_PAGE_BYTES, Device, get_device
@@ -43,7 +44,6 @@ from wsharding.costmodel.plan import (
 )
 from wsharding.costmodel.report import fmt_seconds, plan_table
 from wsharding.costmodel.spec import LayerSpec, ModelSpec, WeightGroup, load_model_file, model_from_dict
-from wsharding.units import GB, GiB, fmt_bytes  # re-exported for the notebooks
 
 __all__ = [
     "DEVICES",

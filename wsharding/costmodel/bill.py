@@ -4,7 +4,7 @@ What a rank holds after finalize is its chunk of every sharded layer plus two pi
 ``sum_l |T_l|/N + 2 * max_l |T_l|``, or with ``map_own_chunk`` (the slots are views mapped over the
 chunks) ``sum_l |T_l|/N + 2 * (N-1)/N * max_l |T_l|``. :func:`bill_for_layouts` is the only place
 that arithmetic is written: the cost model prices a model with it, and the sharding
-(:func:`wsharding.shard.resident_formula`) checks what a rank really allocated against it, rounding
+(:func:`wsharding.core.sharding.resident_formula`) checks what a rank really allocated against it, rounding
 each allocation up to its backend's unit.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from wsharding.core.layout import FlatLayout
+from wsharding.core.units import align_up
 from wsharding.costmodel.checks import CostModelError, require_int
-from wsharding.layout import FlatLayout
-from wsharding.units import align_up
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from wsharding.errors import WshardingError
-from wsharding.layout import LayoutError, parse_dtype
+from wsharding.core.errors import WshardingError
+from wsharding.core.layout import LayoutError, parse_dtype
 
 
 class CostModelError(WshardingError, ValueError):

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from wsharding.core.units import GB
 from wsharding.costmodel.checks import CostModelError
-from wsharding.units import GB
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from wsharding.core.layout import SUPPORTED_DTYPES
 from wsharding.costmodel.bill import Bill, bill_for_layouts
 from wsharding.costmodel.checks import CostModelError, require_int
 from wsharding.costmodel.devices import MAPPED_PAGE_BYTES, Device
 from wsharding.costmodel.spec import LayerSpec, ModelSpec
-from wsharding.layout import SUPPORTED_DTYPES
 
 
 @dataclass(frozen=True)

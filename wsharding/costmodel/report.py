@@ -6,9 +6,9 @@ Presentation only: every number comes from :class:`~wsharding.costmodel.plan.Pla
 
 from __future__ import annotations
 
+from wsharding.core.layout import SUPPORTED_DTYPES
+from wsharding.core.units import GB, GiB, fmt_bytes
 from wsharding.costmodel.plan import Plan
-from wsharding.layout import SUPPORTED_DTYPES
-from wsharding.units import GB, GiB, fmt_bytes
 
 
 def fmt_seconds(s: float) -> str:

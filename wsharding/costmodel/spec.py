@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from wsharding.core.layout import FlatLayout
 from wsharding.costmodel.checks import CostModelError, require_dtype, require_int
-from wsharding.layout import FlatLayout
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The teaching layer: rank tasks, figures, widget panels, the demo, benchmarks and the command.
 
-Everything here stands on the library (``wsharding.layout`` ... ``wsharding.models``) and imports it
+Everything here stands on the library (``wsharding.core.layout`` ... ``wsharding.models``) and imports it
 only through public names; nothing in the library imports this package. Notebooks call these
 modules, and the tests call the same functions the widgets wrap.
 

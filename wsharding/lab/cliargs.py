@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from wsharding.errors import WshardingError
+from wsharding.core.errors import WshardingError
 
 #: CPU rank processes are full Python processes with torch (a few hundred MB each); past this many
 #: the machine swaps or the gloo rendezvous times out -- and the code path is the same from 2 ranks.
@@ -257,9 +257,9 @@ def error_lines(exc: BaseException, verbose: bool = False) -> list[str]:
 
 def explained_errors() -> tuple[type[BaseException], ...]:
     """The exception types :func:`run_command` prints as lines (imported late: torch is slow)."""
-    from wsharding.comm.base import CommError
-    from wsharding.comm.nccl.library import NcclLibraryError
-    from wsharding.context import ClusterError
+    from wsharding.accel.nccl.library import NcclLibraryError
+    from wsharding.core.comm import CommError
+    from wsharding.core.context import ClusterError
     from wsharding.costmodel import CostModelError
 
     return (InputError, ClusterError, CommError, NcclLibraryError, CostModelError)

@@ -33,9 +33,11 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, choose_backend
-from wsharding.context import RankContext
+from wsharding.core.context import RankContext
+from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE
+from wsharding.core.runner import aligned_forward
+from wsharding.core.units import ceil_div
 from wsharding.cuda_graph import capture_graph
-from wsharding.emulation import SHARED_GPU_TORCH_NOTE
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import link_floor
@@ -54,9 +56,7 @@ from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.lab.tasks.model import graph_unsupported, is_ours, ours_supported, shard_comm_for, tokens_for
 from wsharding.models import PRESETS, decoder_config
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
-from wsharding.runner import aligned_forward
 from wsharding.runtime import gpu_count, in_ci
-from wsharding.units import ceil_div
 
 #: Where the demo writes its figures by default: untracked, so a run never dirties the checkout.
 DEFAULT_OUT = "wsharding-out"

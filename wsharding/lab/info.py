@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from wsharding.emulation import CPU_EMULATION_SHORT
+from wsharding.core.emulation import CPU_EMULATION_SHORT
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
@@ -24,7 +24,7 @@ FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu", 
 
 
 def _nccl_info() -> dict[str, Any]:
-    from wsharding.comm.nccl.library import ENV_VAR, NcclLibraryError, NcclLibraryMissing, find_library, load_library
+    from wsharding.accel.nccl.library import ENV_VAR, NcclLibraryError, NcclLibraryMissing, find_library, load_library
 
     try:
         choice = find_library()
@@ -74,7 +74,7 @@ def collect_info() -> dict[str, Any]:
         missing = [k for k, v in offered.items() if not v]
         why = f"NCCL {nccl['version']} is too old for: {', '.join(missing)}" if missing else ""
     if n:
-        gather = ("our NCCL communicator (wsharding.comm.nccl): symmetric windows, CTA policy 2 (copy engine)"
+        gather = ("our NCCL communicator (wsharding.accel.nccl): symmetric windows, CTA policy 2 (copy engine)"
                   if ours else "torch.distributed NCCL (TorchDistComm): the loaded NCCL is too old for windows")
     else:
         gather = f"torch.distributed gloo between CPU processes ({CPU_EMULATION_SHORT})"

@@ -1,6 +1,6 @@
 """Named layers to lay out: the weights one sharded layer gathers, as ``(name, shape, dtype)`` specs.
 
-These feed :class:`~wsharding.layout.FlatLayout` in the notebooks and the layout panel. Real shapes
+These feed :class:`~wsharding.core.layout.FlatLayout` in the notebooks and the layout panel. Real shapes
 come from public model configs; where a model's config is not public (Kimi K3), the preset says how
 its shapes were chosen so that nobody mistakes them for the real model.
 """
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from wsharding.layout import LayoutError
-from wsharding.units import ceil_div
+from wsharding.core.layout import LayoutError
+from wsharding.core.units import ceil_div
 
 #: Block size of block-wise FP8 checkpoints (``weight_block_size: [128, 128]`` in the DeepSeek-V3 and
 #: Kimi-K2 configs): one fp32 scale per 128 x 128 tile of the weight.

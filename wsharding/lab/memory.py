@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from wsharding.errors import WshardingError
+from wsharding.core.errors import WshardingError
+from wsharding.core.units import GiB, MiB, ceil_div
 from wsharding.models import PRESETS, DecoderConfig, decoder_config
 from wsharding.models.decoder import DecoderLayer
-from wsharding.units import GiB, MiB, ceil_div
 
 #: A CPU rank before it builds anything: torch, gloo's process group and the package.
 CPU_RANK_BASE = 384 * MiB

@@ -9,7 +9,7 @@ changes them to their own numbers first.
 
 from __future__ import annotations
 
-from wsharding.errors import InvalidArgument, WshardingError
+from wsharding.core.errors import InvalidArgument, WshardingError
 
 
 class WrongAnswer(WshardingError, AssertionError):

@@ -37,14 +37,14 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
-from wsharding.context import RankContext
-from wsharding.errors import InvalidArgument, WshardingError
+from wsharding.core.context import RankContext
+from wsharding.core.errors import InvalidArgument, WshardingError
+from wsharding.core.runner import aligned_forward
+from wsharding.core.units import KiB, MiB
 from wsharding.lab.cliargs import InputError, add_json_option, check_output_path, emit_json, int_at_least
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
-from wsharding.runner import aligned_forward
-from wsharding.units import KiB, MiB
 
 #: Bytes in use by malloc may move by what Python's and torch's free lists keep; a leak of a few
 #: hundred bytes per step is larger than this over a soak of a few hundred steps.
@@ -129,7 +129,7 @@ def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm
     counts at the end of the warm-up and at the end.
 
     ``keep_traces``: a leak on purpose (every step's trace is kept), to show the check catches one.
-    ``map_own_chunk``: :class:`~wsharding.shard.WeightSharding`'s (``"auto"``, the default, keeps plain
+    ``map_own_chunk``: :class:`~wsharding.core.sharding.WeightSharding`'s (``"auto"``, the default, keeps plain
     slots for ``tiny``, whose layers are smaller than the 2 MiB page: True maps them anyway)."""
     if fault is not None and fault not in FAULTS:
         raise InvalidArgument(f"fault: {fault!r} is not one of {FAULTS}")
@@ -137,7 +137,7 @@ def soak_rank(ctx: RankContext, preset: str = "tiny", steps: int = 1000, *, comm
         raise InvalidArgument(f"warmup: need 0 < warmup ({warmup}) < steps ({steps})")
     cfg = decoder_config(preset)
     if comm == "nccl":
-        from wsharding.comm.nccl import from_context
+        from wsharding.accel.nccl import from_context
 
         # our communicator gives up on a gather after its own timeout: the cluster's collective timeout,
         # so that a fault run's errors arrive within it (one soak or fault run per fresh cluster)

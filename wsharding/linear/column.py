@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.units import ceil_div
 from wsharding.linear.base import LinearBase
 from wsharding.linear.groups import (
     GroupError,
@@ -23,7 +24,6 @@ from wsharding.linear.groups import (
 from wsharding.linear.loading import check_shape, copy_with_check, pad_or_narrow
 from wsharding.linear.parameters import v1_rows
 from wsharding.linear.quant import LinearMethodBase
-from wsharding.units import ceil_div
 
 #: ``(shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)``, in logical weight rows.
 RowSubBlock = tuple[object, int, int, int]

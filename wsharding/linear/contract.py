@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.units import ceil_div
 from wsharding.linear.base import LinearBase
 from wsharding.linear.column import ColumnParallelLinear, MergedColumnParallelLinear
 from wsharding.linear.groups import GroupError, group_rank_size, same_collective
 from wsharding.linear.parameters import BlockQuantScaleParameter, PackedParameter
 from wsharding.linear.qkv import QKVParallelLinear, kv_head_split
 from wsharding.linear.row import RowParallelLinear
-from wsharding.units import ceil_div
 
 RULES = ("group", "size", "packing", "kv-replica", "reduction")
 

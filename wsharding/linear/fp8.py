@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wsharding.core.units import ceil_div
 from wsharding.linear.parameters import BlockQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
 from wsharding.linear.quant import LinearMethodBase, QuantError, register_param
-from wsharding.units import ceil_div
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max

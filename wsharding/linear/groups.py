@@ -29,7 +29,7 @@ from typing import Any, Literal, Union
 
 import torch
 
-from wsharding.errors import WshardingError
+from wsharding.core.errors import WshardingError
 
 GROUP_NAMES = ("tp", "attn_tp", "shared_experts_tp")
 

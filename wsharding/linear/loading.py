@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from wsharding.errors import InvalidArgument, WshardingError
+from wsharding.core.errors import InvalidArgument, WshardingError
 
 
 class CheckpointShapeError(WshardingError, ValueError):

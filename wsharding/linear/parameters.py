@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsharding.errors import InvalidType
+from wsharding.core.errors import InvalidType
+from wsharding.core.units import ceil_div
 from wsharding.linear.loading import CheckpointShapeError, check_shape, copy_with_check, pad_or_narrow
-from wsharding.units import ceil_div
 
 QKV_INDEX = {"q": 0, "k": 1, "v": 2}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
 from wsharding.linear.column import ColumnParallelLinear, RowSubBlock
 from wsharding.linear.groups import (
     GroupError,

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsharding.errors import InvalidArgument, Unsupported, WshardingError
+from wsharding.core.errors import InvalidArgument, Unsupported, WshardingError
+from wsharding.core.units import ceil_div
 from wsharding.linear.parameters import (
     BlockQuantScaleParameter,
     ChannelQuantScaleParameter,
@@ -32,7 +33,6 @@ from wsharding.linear.parameters import (
     PackedParameter,
     PerTensorScaleParameter,
 )
-from wsharding.units import ceil_div
 
 
 class QuantError(WshardingError, ValueError):

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
-from wsharding.errors import InvalidArgument, Unsupported
+from wsharding.core.errors import InvalidArgument, Unsupported
+from wsharding.core.units import ceil_div
 from wsharding.linear.base import LinearBase
 from wsharding.linear.groups import (
     ParallelGroupSpec,
@@ -31,7 +32,6 @@ from wsharding.linear.groups import (
 )
 from wsharding.linear.loading import pad_or_narrow
 from wsharding.linear.quant import LinearMethodBase
-from wsharding.units import ceil_div
 
 _SKIP_MLP_ALL_REDUCE = [False]
 

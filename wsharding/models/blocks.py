@@ -3,7 +3,7 @@
 ``llama8b-blocks`` is the model of the FSDP2 baseline in ``wsharding bench step``: 8 blocks of Llama-3.1-8B's
 shapes (hidden 4096, 32 query heads and 8 KV heads of 128, gated MLP 14336), 436 MB of BF16 weights
 per block. It is sharded the generic way, from the outside, with
-:func:`wsharding.runner.shard_blocks` -- the path a user takes with a model that is not ours -- and
+:func:`wsharding.core.runner.shard_blocks` -- the path a user takes with a model that is not ours -- and
 the same model goes to FSDP2's ``fully_shard`` in ``wsharding bench step``.
 
 Each rank runs its own tokens through every block (DP attention: causal attention over the rank's
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

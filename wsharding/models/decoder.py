@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsharding.comm.base import Communicator
-from wsharding.errors import InvalidArgument
+from wsharding.core.comm import Communicator
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.runner import prepare_layer_weight_shard_forward, run_layers
+from wsharding.core.sharding import WeightSharding
 from wsharding.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -36,8 +38,6 @@ from wsharding.linear import (
 )
 from wsharding.linear.methods import make_quant_method
 from wsharding.models.kv_cache import KVStep
-from wsharding.runner import prepare_layer_weight_shard_forward, run_layers
-from wsharding.shard import WeightSharding
 
 
 @dataclass(frozen=True)
@@ -353,7 +353,7 @@ class ToyDecoder(nn.Module):
     """Embedding, layers (dense layer 0, DP-attention + latent-MoE layers), norm, LM head.
 
     ``forward(tokens)`` takes one rank's token ids ``[T]`` and returns logits ``[T, vocab]``.
-    With ``weight_sharding`` (a :class:`~wsharding.shard.WeightSharding` not yet finalized) each
+    With ``weight_sharding`` (a :class:`~wsharding.core.sharding.WeightSharding` not yet finalized) each
     layer's targets are shrunk to this rank's rows right after the layer is built, as the design's
     layers do at the end of ``__init__``: at most one layer's full weights exist during construction.
     """
@@ -407,7 +407,7 @@ class ToyDecoder(nn.Module):
         return out
 
     def dummy_tokens(self) -> torch.Tensor:
-        """One token, for a rank with no work this step (see :func:`wsharding.runner.aligned_forward`)."""
+        """One token, for a rank with no work this step (see :func:`wsharding.core.runner.aligned_forward`)."""
         return torch.zeros(1, dtype=torch.long, device=self.embed.weight.device)
 
 
@@ -454,7 +454,7 @@ def build_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 0, lookahe
     """The replicated model and its sharded twin (same seed: the same weights) on this rank.
 
     The weight-sharding design's default range leaves the dense layer 0 out: layers 1..L-1 are sharded.
-    ``map_own_chunk``: :class:`~wsharding.shard.WeightSharding`'s (no own-chunk copy per gather; "auto" by default).
+    ``map_own_chunk``: :class:`~wsharding.core.sharding.WeightSharding`'s (no own-chunk copy per gather; "auto" by default).
     """
     device = comm.device
     replicated = ToyDecoder(cfg, seed=seed, device=device).eval()

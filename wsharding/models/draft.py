@@ -1,9 +1,9 @@
 """A small draft model whose first sharded layer is gathered before its step (speculative decoding).
 
 In the deployment of SGLang's weight sharding for Kimi K3 a draft model (dflash) runs after the target
-model every step. Its weights are sharded too ("推广到 attention 和 draft"), and its layer 0 -- the first
-sharded layer -- has no earlier layer whose compute could hide its gather. The planner's answer ([Note:
-the draft's first layer] in ``wsharding/planner.py``) is to issue that gather between the two models, on
+model every step. Its weights are sharded too (its section "extending to attention and the draft"), and its layer 0 -- the first
+sharded layer -- has no earlier layer whose compute could hide its gather. The answer ([Note: the draft's
+first layer] in ``wsharding/accel/first_layer.py``, a planner plug-in) is to issue that gather between the two models, on
 a dedicated stream, and to wait on it just before the draft's step; this module gives the draft the step
 that uses it.
 
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from wsharding.comm.base import Communicator
+from wsharding.accel.first_layer import FirstLayerPrefetch
+from wsharding.core.comm import Communicator
+from wsharding.core.runner import run_layers
+from wsharding.core.sharding import WeightSharding
 from wsharding.models.decoder import DecoderConfig, ToyDecoder, decoder_config
-from wsharding.runner import run_layers
-from wsharding.shard import WeightSharding
 
 
 def draft_config(target: str | DecoderConfig, layers: int = 2) -> DecoderConfig:
@@ -28,11 +29,16 @@ def draft_config(target: str | DecoderConfig, layers: int = 2) -> DecoderConfig:
 
 
 class DraftDecoder(ToyDecoder):
-    """A :class:`ToyDecoder` whose step begins with :meth:`WeightShardPlanner.pre_dispatch_after_prefetch`:
-    the first sharded layer's weights were made ready before the step by
-    ``planner.wait_first_weight_shard()`` (after ``planner.prefetch_first_weight_shard()``, or inline on
-    a cold start). Without either call the step gathers that layer itself, as any model does.
+    """A :class:`ToyDecoder` whose step begins with :meth:`FirstLayerPrefetch.pre_dispatch`: the first
+    sharded layer's weights were made ready before the step by ``draft.first_prefetch.wait()`` (after
+    ``draft.first_prefetch.prefetch()``, or inline on a cold start). Without either call the step
+    gathers that layer itself, as any model does.
     """
+
+    @property
+    def first_prefetch(self) -> FirstLayerPrefetch:
+        """The planner plug-in that gathers the first sharded layer ahead of the step."""
+        return FirstLayerPrefetch.of(self.planner)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -40,10 +46,10 @@ class DraftDecoder(ToyDecoder):
         if planner is None:
             h = run_layers(self.layers, h, None)
         else:
-            # The loop of wsharding.runner.run_layers, except for the step's start.
+            # The loop of wsharding.core.runner.run_layers, except for the step's start.
             end = len(self.layers)
             planner.reset()
-            planner.pre_dispatch_after_prefetch(0, end)
+            self.first_prefetch.pre_dispatch(0, end)
             for i in range(end):
                 planner.maybe_dispatch(i + 1)
                 h = self.layers[i](h)

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from wsharding.emulation import CPU_BUDGET_NOTE
-from wsharding.errors import InvalidArgument, WshardingError
+from wsharding.core.emulation import CPU_BUDGET_NOTE
+from wsharding.core.errors import InvalidArgument, WshardingError
 
 
 class KVCacheFull(WshardingError, RuntimeError):

@@ -27,8 +27,10 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster
-from wsharding.context import RankContext
-from wsharding.emulation import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE
+from wsharding.core.context import RankContext
+from wsharding.core.emulation import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE
+from wsharding.core.layout import ALIGNMENT
+from wsharding.core.units import MiB, ceil_div
 from wsharding.lab.cliargs import (
     MAX_CPU_RANKS,
     MAX_RANKS_PER_GPU,
@@ -39,8 +41,6 @@ from wsharding.lab.cliargs import (
     int_at_least,
     number_list,
 )
-from wsharding.layout import ALIGNMENT
-from wsharding.units import MiB, ceil_div
 
 DEFAULT_SIZES_MIB = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CPU_SIZES_MIB = [0.25, 1, 4]
@@ -145,8 +145,8 @@ def gpu_bench_rank(
     """This rank's part of the GPU benchmark (see the module docstring)."""
     import torch.distributed as dist
 
-    from wsharding.comm.nccl import from_context
-    from wsharding.comm.nccl.probe import copy_engine_check, own_log_text, policies_in_log
+    from wsharding.accel.nccl import from_context
+    from wsharding.accel.nccl.probe import copy_engine_check, own_log_text, policies_in_log
 
     dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
@@ -212,7 +212,7 @@ def gpu_bench_rank(
 def _torch_baseline(ctx: RankContext, dev: torch.device, sizes: list[int], measure) -> None:
     import torch.distributed as dist
 
-    from wsharding.comm.torch_backend import all_gather_single
+    from wsharding.core.torch_backend import all_gather_single
 
     group = ctx.store.get("_bench_nccl_group")
     if group is None:
@@ -322,7 +322,7 @@ def run_gpu(ranks: int, ranks_per_gpu: int, sizes_mib: list[float], policies: li
     logdir = tempfile.mkdtemp(prefix="wsharding-nccl-log-")
     env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if ranks_per_gpu > 1 else {}
     if nccl_log:
-        from wsharding.comm.nccl.probe import log_environment
+        from wsharding.accel.nccl.probe import log_environment
 
         env.update(log_environment(logdir))
     with RankCluster(ranks, backend="gloo", task_timeout=590, collective_timeout=300, env=env) as cluster:

@@ -18,13 +18,13 @@ import argparse
 from typing import Any
 
 from wsharding.cluster import RankCluster
+from wsharding.core.units import ceil_div
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least
 from wsharding.lab.tasks.draft import draft_exposed
 from wsharding.lab.tasks.model import ours_supported
 from wsharding.models import PRESETS
 from wsharding.runtime import gpu_count, in_ci
-from wsharding.units import ceil_div
 
 #: The longest region between the models, in ms: it stands in for a commit step of a few ms, and every
 #: timed step of every mode waits it out (1e9 ms would be about 11 days per step).

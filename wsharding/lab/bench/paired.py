@@ -20,7 +20,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,15 @@ from typing import Any
 
 import torch
 
+from wsharding.accel.next_step import NextStepPrefetch
 from wsharding.cluster import RankCluster
-from wsharding.comm.base import Communicator
-from wsharding.context import RankContext
+from wsharding.core.comm import Communicator
+from wsharding.core.context import RankContext
+from wsharding.core.errors import NotFound
+from wsharding.core.runner import shard_blocks
+from wsharding.core.sharding import WeightSharding
+from wsharding.core.units import ceil_div
 from wsharding.cuda_graph import capture_graph
-from wsharding.errors import NotFound
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired
 from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
@@ -47,16 +51,13 @@ from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least,
 from wsharding.lab.tasks.model import graph_unsupported, is_ours, shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
-from wsharding.runner import shard_blocks
 from wsharding.runtime import gpu_count, in_ci
-from wsharding.shard import WeightSharding
-from wsharding.units import ceil_div
 
 EAGER = ("replicated", "sharded", "sharded_no_lookahead", "sharded_next_step", "sharded_issue_thread",
          "sharded_mapped", "sharded_mapped_next_step", "sharded_mapped_issue_thread", "fsdp2")
 #: What the variants that are not self-explanatory measure (printed under the table).
 LEGEND = {"sharded_next_step": "sharded, with the next step's first gather issued while this step's last layers run "
-                               "(planner.prefetch_next_step)",
+                               "(NextStepPrefetch)",
           "sharded_mapped": "a second sharding of the model whose layers gather into views mapped over their chunks: "
                             "no own-chunk copy (map_own_chunk=True, NCCL >= 2.30)",
           "sharded_mapped_next_step": "sharded_mapped, with the next step's first gather issued while this step's last "
@@ -250,7 +251,7 @@ def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
 def direct_launch_host_us(ws: WeightSharding) -> float | None:
     """:func:`planner_host_us` with every gather calling ``ncclAllGather`` itself instead of launching
     its captured graph ([Note: a gather launched as a graph]); None when no gather has a graph."""
-    gathers = [g for g in ws.planner.prepared_gathers.values() if getattr(g, "launch", None) == "graph"]
+    gathers = [g for g in ws.planner.gathers.values() if getattr(g, "launch", None) == "graph"]
     if not gathers:
         return None
     for g in gathers:
@@ -268,7 +269,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
                     mapped: bool = False, issue_thread: bool = False) -> dict[str, Any]:
     """On one rank: every variant at every tokens-per-rank value, in the same run. ``mapped``: also
     the ``sharded_mapped`` and ``sharded_mapped_next_step`` variants (a second sharding with
-    ``map_own_chunk=True``, without and with ``prefetch_next_step``). ``issue_thread``: also the
+    ``map_own_chunk=True``, without and with the next-step prefetch). ``issue_thread``: also the
     ``*_issue_thread`` variants (our NCCL communicator only)."""
     c = shard_comm_for(ctx, comm)
     dev = c.device
@@ -293,9 +294,9 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
 
     def switch(variant: str) -> None:
         planner.lookahead = variant != "sharded_no_lookahead"
-        planner.prefetch_next_step = variant == "sharded_next_step"
+        NextStepPrefetch.switch(planner, variant == "sharded_next_step")
         if ws_mapped is not None:
-            ws_mapped.planner.prefetch_next_step = variant == "sharded_mapped_next_step"
+            NextStepPrefetch.switch(ws_mapped.planner, variant == "sharded_mapped_next_step")
         if issue_thread:
             c.set_issue_thread(variant in ISSUE_THREAD)
 
@@ -398,7 +399,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
             "mapped_resident_bytes": ws_mapped.resident_bytes() if ws_mapped is not None else None,
             "fsdp2": fsdp_model is not None,
-            "nccl_in_progress_launches": sum(getattr(g, "in_progress_launches", 0) for g in planner.prepared_gathers.values()), "graph_error": graph_error}
+            "nccl_in_progress_launches": sum(getattr(g, "in_progress_launches", 0) for g in planner.gathers.values()), "graph_error": graph_error}
 
 
 # ---- the report -------------------------------------------------------------------------------------------

@@ -5,14 +5,14 @@ forward, a region that is not a layer (the design's ~4 ms commit step; here a la
 :func:`commit_region`), then the draft model's forward. The draft's first sharded layer is gathered in
 one of three ways (``mode``):
 
-* ``"dedicated"``: ``prefetch_first_weight_shard()`` on the planner's own stream after the target, so
-  the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/planner.py``);
+* ``"dedicated"``: ``FirstLayerPrefetch.prefetch()`` on its own stream after the target, so
+  the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/accel/first_layer.py``);
 * ``"shared"``: the same prefetch on the stream the target's gathers use (our NCCL comm's gather stream;
   the torch backend issues its gathers from the compute stream, so that stream) -- what the design
   measured at ~25 us of overlap;
-* ``"inline"``: no prefetch; ``wait_first_weight_shard()`` finds none (a cold start) and gathers now.
+* ``"inline"``: no prefetch; ``FirstLayerPrefetch.wait()`` finds none (a cold start) and gathers now.
 
-Exposed time is what the compute stream spends in ``wait_first_weight_shard()``: CUDA events recorded
+Exposed time is what the compute stream spends in ``FirstLayerPrefetch.wait()``: CUDA events recorded
 on the compute stream just before and after it (CUDA), or the wall time of the call (CPU ranks, where
 gloo gathers on its own thread; there are no streams, so ``"shared"`` does not apply).
 """
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from wsharding.context import RankContext
-from wsharding.errors import InvalidArgument, Unsupported
+from wsharding.core.context import RankContext
+from wsharding.core.errors import InvalidArgument, Unsupported
+from wsharding.core.sharding import WeightSharding
 from wsharding.lab.tasks.model import is_ours, shard_comm_for, tokens_for
 from wsharding.models import ToyDecoder, decoder_config
 from wsharding.models.draft import DraftDecoder, build_draft_pair, draft_config
-from wsharding.shard import WeightSharding
 
 MODES = ("dedicated", "shared", "inline")
 #: What the CPU-rank version runs: gloo has no streams to share.
@@ -99,10 +99,11 @@ def shared_stream(comm: Any) -> torch.cuda.Stream:
 def prepare(draft: DraftDecoder, mode: str, comm: Any) -> None:
     """Between the target and the region: issue the draft's first gather as ``mode`` says."""
     planner = draft.planner
+    ahead = draft.first_prefetch
     if mode == "dedicated":
-        planner.prefetch_first_weight_shard()
+        ahead.prefetch()
     elif mode == "shared":
-        planner.prefetch_first_weight_shard(shared_stream(comm) if planner.cuda else None)
+        ahead.prefetch(shared_stream(comm) if planner.cuda else None)
     elif mode != "inline":
         raise InvalidArgument(f"mode {mode!r}: use one of {MODES}")
 
@@ -147,10 +148,11 @@ def draft_equality(ctx: RankContext, preset: str, counts: Sequence[Sequence[int]
     comm_, cfg, target, draft_rep, draft = _models(ctx, preset, comm, draft_layers)
     region, label = commit_region(comm_.device, commit_ms)
     planner = draft.planner
+    ahead = draft.first_prefetch
     results: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for mode in [*modes, "no_wait", "no_calls"]:
-            prefetches, cold = planner.first_prefetches, planner.cold_starts
+            prefetches, cold = ahead.prefetches, ahead.cold_starts
             equal, gathers = [], []
             for step in range(len(counts)):
                 n = max(1, counts[step][ctx.rank % len(counts[step])])
@@ -159,17 +161,17 @@ def draft_equality(ctx: RankContext, preset: str, counts: Sequence[Sequence[int]
                 if mode in MODES:
                     prepare(draft, mode, comm_)
                     region()
-                    planner.wait_first_weight_shard()
+                    ahead.wait()
                 elif mode == "no_wait":
-                    planner.prefetch_first_weight_shard()
+                    ahead.prefetch()
                     region()
                 logits = draft(x)
                 gathers.append(planner.gathers_this_step)
                 equal.append(bool(torch.equal(logits, draft_rep(x))))
-            results[mode] = {"equal": equal, "gathers": gathers, "prefetches": planner.first_prefetches - prefetches,
-                             "cold_starts": planner.cold_starts - cold}
+            results[mode] = {"equal": equal, "gathers": gathers, "prefetches": ahead.prefetches - prefetches,
+                             "cold_starts": ahead.cold_starts - cold}
     return {"rank": ctx.rank, "mode": comm_.mode, "emulation": ctx.emulation, "region": label,
-            "first_layer": planner.first_layer, "sharded_layers": draft.weight_sharding.sharded_layer_ids,
+            "first_layer": ahead.first_layer, "sharded_layers": draft.weight_sharding.sharded_layer_ids,
             "modes": results}
 
 
@@ -178,7 +180,7 @@ def draft_exposed(ctx: RankContext, preset: str, *, tokens: int = 8, steps: int 
                   modes: Sequence[str] | None = None) -> dict[str, Any]:
     """Exposed time of the draft's first-layer gather per mode, over ``steps`` timed steps of
     target + region + draft (after ``warmup``), and the mean step time. On CUDA the exposed time is
-    taken by events on the compute stream around ``wait_first_weight_shard()``; on CPU ranks it is
+    taken by events on the compute stream around ``FirstLayerPrefetch.wait()``; on CPU ranks it is
     the wall time of that call.
     """
     comm_, cfg, target, _rep, draft = _models(ctx, preset, comm, draft_layers)
@@ -186,9 +188,9 @@ def draft_exposed(ctx: RankContext, preset: str, *, tokens: int = 8, steps: int 
     cuda = dev.type == "cuda"
     modes = check_modes(modes or (MODES if cuda else CPU_MODES))
     region, label = commit_region(dev, commit_ms, region_kind)
-    planner = draft.planner
+    ahead = draft.first_prefetch
     x = tokens_for(ctx.rank, 0, [[tokens]], cfg.vocab, dev)
-    prefetches, cold = planner.first_prefetches, planner.cold_starts
+    prefetches, cold = ahead.prefetches, ahead.cold_starts
     rows = []
     with torch.no_grad():
         for mode in modes:
@@ -206,7 +208,7 @@ def draft_exposed(ctx: RankContext, preset: str, *, tokens: int = 8, steps: int 
                     marks[1].record()
                 else:
                     w0 = time.perf_counter()
-                planner.wait_first_weight_shard()
+                ahead.wait()
                 if cuda:
                     marks[2].record()
                 else:
@@ -224,12 +226,12 @@ def draft_exposed(ctx: RankContext, preset: str, *, tokens: int = 8, steps: int 
                 comm_.barrier()  # every rank starts the next step together: the gathers pair up
             rows.append({"mode": mode, "exposed_us": exposed, "step_ms": step_ms,
                          "exposed_us_median": _median(exposed), "step_ms_median": _median(step_ms)})
-    first = planner.first_layer
+    first = ahead.first_layer
     return {"rank": ctx.rank, "mode": comm_.mode, "emulation": comm_.emulation or ctx.emulation,
             "communicator": type(comm_).__name__, "preset": preset, "draft_layers": draft_layers,
             "first_layer_bytes": draft.weight_sharding.layouts[first].total_bytes, "region": label,
             "commit_ms": commit_ms, "tokens": tokens, "rows": rows,
-            "cold_starts": planner.cold_starts - cold, "prefetches": planner.first_prefetches - prefetches}
+            "cold_starts": ahead.cold_starts - cold, "prefetches": ahead.prefetches - prefetches}
 
 
 def _median(values: Sequence[float]) -> float:
@@ -251,6 +253,7 @@ def draft_graph_replay(ctx: RankContext, preset: str, tokens: int = 8, replays: 
         raise Unsupported("draft_graph_replay needs CUDA ranks")
     region, label = commit_region(dev, commit_ms)
     planner = draft.planner
+    ahead = draft.first_prefetch
     static = torch.zeros(tokens, dtype=torch.long, device=dev)
     results = []
     with torch.no_grad():
@@ -259,12 +262,12 @@ def draft_graph_replay(ctx: RankContext, preset: str, tokens: int = 8, replays: 
         with torch.cuda.stream(side):
             for _ in range(2):
                 target(static)
-                planner.prefetch_first_weight_shard()
-                planner.wait_first_weight_shard()
+                ahead.prefetch()
+                ahead.wait()
                 draft(static)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
-        planner.wait_first_weight_shard()  # a cold start, outside the capture: the captured step skips layer 0
+        ahead.wait()  # a cold start, outside the capture: the captured step skips layer 0
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             static_out = draft(static)
@@ -273,9 +276,9 @@ def draft_graph_replay(ctx: RankContext, preset: str, tokens: int = 8, replays: 
             x = tokens_for(ctx.rank, r, [[tokens]], cfg.vocab, dev)
             static.copy_(x)
             target(x)
-            planner.prefetch_first_weight_shard()
+            ahead.prefetch()
             region()
-            planner.wait_first_weight_shard()
+            ahead.wait()
             graph.replay()
             torch.cuda.synchronize(dev)
             results.append(bool(torch.equal(static_out, draft_rep(x))))

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from wsharding.comm.base import CommError
-from wsharding.context import RankContext
+from wsharding.core.comm import CommError
+from wsharding.core.context import RankContext
+from wsharding.core.runner import shard_blocks
 from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
-from wsharding.runner import shard_blocks
 
 #: About a second of GPU time on an H200 (torch.cuda._sleep spins this many cycles).
 LONG_SLEEP_CYCLES = 2_000_000_000
@@ -68,7 +68,7 @@ def missing_rank(ctx: RankContext, timeout_s: float = 5.0, blocking: bool = True
     gets instead is the error on the host; the process then exits (a stuck stream does not hold the
     exit), and the cluster stops its ranks.
     """
-    from wsharding.comm.nccl import from_context
+    from wsharding.accel.nccl import from_context
 
     c = from_context(ctx, timeout_s=timeout_s, blocking=blocking)
     _, net = build_pair(decoder_config("tiny"), c)
@@ -102,7 +102,7 @@ def launch_modes_equal(ctx: RankContext, model: str = "small", steps: int = 3) -
     c = shard_comm_for(ctx, "nccl")
     replicated, net = build_pair(decoder_config(model), c, map_own_chunk=False)  # plain: every gather copies
     ws = net.weight_sharding
-    gathers = list(ws.planner.prepared_gathers.values())
+    gathers = list(ws.planner.gathers.values())
     graphs_open = c.describe()["captured_graphs"]
     out: dict[str, Any] = {"rank": ctx.rank, "mode": c.mode, "gather_launch": c.gather_launch,
                            "sharded_layers": len(gathers), "graphs_while_open": graphs_open,
@@ -131,7 +131,7 @@ def issue_thread_error(ctx: RankContext) -> dict[str, Any]:
     gate. Leaves the communicator aborted: run it in a cluster of its own."""
     import ctypes
 
-    from wsharding.comm.issue_thread import driver_issue_thread, fn_address
+    from wsharding.accel.issue_thread import driver_issue_thread, fn_address
 
     c = shard_comm_for(ctx, "nccl")
     _, net = build_pair(decoder_config("tiny"), c)

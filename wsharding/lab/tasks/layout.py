@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from wsharding.context import RankContext
-from wsharding.errors import InvalidArgument
-from wsharding.layout import FlatLayout
+from wsharding.core.context import RankContext
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.layout import FlatLayout
 
 
 def describe_rank(ctx: RankContext) -> dict[str, Any]:

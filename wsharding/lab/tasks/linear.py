@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from wsharding.context import RankContext
+from wsharding.core.context import RankContext
 from wsharding.linear.column import ColumnParallelLinear, MergedColumnParallelLinear
 from wsharding.linear.groups import ParallelState, ReplicatedParallelGroup
 from wsharding.linear.qkv import QKVParallelLinear

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from wsharding.comm.base import is_slice_of
-from wsharding.context import RankContext
-from wsharding.cuda_graph import capture_graph
-from wsharding.errors import InvalidArgument, Unsupported
+from wsharding.accel.next_step import NextStepPrefetch
+from wsharding.core.comm import is_slice_of
+from wsharding.core.context import RankContext
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.runner import aligned_forward
 from wsharding.models import DecoderConfig, build_pair, decoder_config
 from wsharding.models.kv_cache import model_bytes, sharded_model_bytes
-from wsharding.runner import aligned_forward
 
 
 def tokens_for(rank: int, step: int, counts: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -31,7 +31,7 @@ def ours_supported() -> bool:
     windows and the copy engine (>= 2.28.3)."""
     if not torch.cuda.is_available():
         return False
-    from wsharding.comm.nccl.library import NcclLibraryError, default_library
+    from wsharding.accel.nccl.library import NcclLibraryError, default_library
 
     try:
         return bool(default_library().describe().get("copy_engine_allgather"))
@@ -46,7 +46,7 @@ def multi_rank_per_gpu_supported() -> bool:
 
     if not torch.cuda.is_available() or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
         return False
-    from wsharding.comm.nccl.library import NcclLibraryError, default_library
+    from wsharding.accel.nccl.library import NcclLibraryError, default_library
 
     try:
         return bool(default_library().describe().get("multi_rank_per_gpu"))
@@ -76,7 +76,7 @@ def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None
         raise InvalidArgument(f"unknown communicator {comm!r}: use 'torch', 'nccl' or 'auto'")
     key = "_wsharding_nccl_comm" if g == ctx.world_size else f"_wsharding_nccl_comm.g{g}"
     if key not in ctx.store:
-        from wsharding.comm.nccl import from_context
+        from wsharding.accel.nccl import from_context
 
         ctx.store[key] = from_context(ctx, group_size=None if g == ctx.world_size else g)
     return ctx.store[key]
@@ -85,7 +85,7 @@ def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None
 def is_ours(comm: Any) -> bool:
     """True when ``comm`` is our NCCL communicator: what only it has (its gather stream, watchdog,
     issue thread and group list) is read after this check, not probed for."""
-    from wsharding.comm.nccl.communicator import NcclCommunicator
+    from wsharding.accel.nccl.communicator import NcclCommunicator
 
     return isinstance(comm, NcclCommunicator)
 
@@ -120,7 +120,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
                    close: bool = False, issue_thread: bool = False) -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
     tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit.
-    ``prefetch_next_step``: the planner's [Note: the next step's first gather]; ``map_own_chunk``:
+    ``prefetch_next_step``: a :class:`~wsharding.accel.next_step.NextStepPrefetch` plug-in ([Note: the next step's first gather]); ``map_own_chunk``:
     [Note: the own chunk mapped, not copied] (``in_place_gathers`` counts the gathers that copy nothing
     of their own); plain slots unless asked, ``"auto"`` as the package's default. ``close``: close the sharding at the end and report the communicator's device
     bytes before the build and after the close (our NCCL communicator; None for the others).
@@ -140,7 +140,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
     pool_before = pool.allocated_bytes if pool is not None else None
     replicated, sharded = build_pair(cfg, comm, seed=seed, lookahead=lookahead, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding
-    ws.planner.prefetch_next_step = prefetch_next_step
+    next_step = NextStepPrefetch.switch(ws.planner, prefetch_next_step)
     equal, max_diff, gathers, waits = [], 0.0, [], []
     with torch.no_grad():
         for step in range(len(counts)):
@@ -160,7 +160,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         "max_abs_diff": max_diff,
         "gathers": gathers,
         "waits": waits,
-        "next_step_prefetches": ws.planner.next_step_prefetches,
+        "next_step_prefetches": next_step.prefetches if next_step is not None else 0,
         # the gather's own rule for "nothing of its own to copy" (NcclPreparedGather.in_place)
         "in_place_gathers": sum(is_slice_of(ws.slots.gather_chunk(i, ws.chunks[i]), ws.slots.full_buffer(i), comm.rank)
                                 for i in ws.sharded_layer_ids),
@@ -186,97 +186,3 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         ws.close()
         result["pool_bytes"] = (pool_before, pool.allocated_bytes if pool is not None else None)
     return result
-
-
-def graph_replay(ctx: RankContext, preset: str | DecoderConfig, tokens: int, replays: int = 3,
-                 group_size: int | None = None, comm: str = "torch") -> dict[str, Any]:
-    """CUDA only: capture the sharded model's step -- gathers on the side stream, gate and ready
-    events, layer compute -- in one CUDA graph, replay it on new tokens, compare with eager and with
-    the replicated model."""
-    cfg = decoder_config(preset)
-    comm = shard_comm_for(ctx, comm, group_size)
-    if comm.device.type != "cuda":
-        raise Unsupported("graph_replay needs CUDA ranks")
-    replicated, sharded = build_pair(cfg, comm, lookahead=True)
-    dev = comm.device
-    static = torch.zeros(tokens, dtype=torch.long, device=dev)
-    results = []
-    with torch.no_grad():
-        graph, static_out = capture_graph(lambda: sharded(static), dev)
-        for r in range(replays):
-            x = tokens_for(ctx.rank, r, [[tokens]], cfg.vocab, dev)
-            static.copy_(x)
-            graph.replay()
-            torch.cuda.synchronize(dev)
-            eager = sharded(x)
-            ref = replicated(x)
-            results.append((bool(torch.equal(static_out, eager)), bool(torch.equal(static_out, ref))))
-    return {"rank": ctx.rank, "mode": comm.mode, "replays": results, "gathers_captured": sharded.planner.gathers_this_step}
-
-
-def memory_over_steps(ctx: RankContext, preset: str | DecoderConfig, steps: int, tokens: int = 8,
-                      comm: str = "torch") -> dict[str, Any]:
-    """Allocated device memory (CUDA) after a warm-up and after ``steps`` more steps: must not grow."""
-    cfg = decoder_config(preset)
-    comm = shard_comm_for(ctx, comm)
-    _, sharded = build_pair(cfg, comm)
-    dev = comm.device
-    with torch.no_grad():
-        for s in range(3):
-            sharded(tokens_for(ctx.rank, s, [[tokens]], cfg.vocab, dev))
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_allocated(dev)
-        for s in range(steps):
-            sharded(tokens_for(ctx.rank, s, [[tokens]], cfg.vocab, dev))
-        torch.cuda.synchronize(dev)
-        after = torch.cuda.memory_allocated(dev)
-    return {"rank": ctx.rank, "before": before, "after": after, "gathers": sharded.planner.gathers_total}
-
-
-def parallel_model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[list[int]], *,
-                            moe_tp: bool = True, merge_front: bool = False, lookahead: bool = True,
-                            seed: int = 0) -> dict[str, Any]:
-    """The decoder built with **DP attention** (attention on ``attn_tp``, of size 1: every rank its own
-    tokens) and, with ``moe_tp``, a **TP MoE** shared expert (``shared_experts_tp`` over all ranks), its
-    targets decided by their groups; sharded against unsharded, bit for bit, over ``counts`` steps.
-
-    ``merge_front``: the decoder's storage-changing fusion, which the sharded layers must skip. The
-    reference is then built without it, so that both compute the same GEMMs.
-    """
-    from wsharding.linear import ParallelState, parallel_state
-    from wsharding.models import ToyDecoder
-    from wsharding.shard import WeightSharding
-
-    base = decoder_config(preset)
-    cfg = base.with_(attn_group="attn_tp", moe_group="shared_experts_tp" if moe_tp else "replicated",
-                     merge_front=merge_front)
-    comm = shard_comm_for(ctx, "torch")
-    state = ParallelState.from_dist(ctx, attn_dp_size=ctx.world_size)  # attn_tp size 1: DP attention
-    with parallel_state(state):
-        replicated = ToyDecoder(cfg.with_(merge_front=False), seed=seed, device=comm.device).eval()
-        ws = WeightSharding(comm, sharded_layers=range(1, cfg.layers), lookahead=lookahead)
-        sharded = ToyDecoder(cfg, seed=seed, weight_sharding=ws, device=comm.device).eval()
-        ws.finalize()
-    equal, max_diff = [], 0.0
-    with torch.no_grad():
-        for step in range(len(counts)):
-            x = tokens_for(ctx.rank, step, counts, cfg.vocab, comm.device)
-            out_s = aligned_forward(sharded, x, sharded.dummy_tokens)
-            out_r = aligned_forward(replicated, x, replicated.dummy_tokens)  # collectives of the TP MoE pair up
-            if out_s is None:
-                equal.append(None)
-                continue
-            equal.append(bool(torch.equal(out_r, out_s)))
-            max_diff = max(max_diff, float((out_r.float() - out_s.float()).abs().max()))
-    layer1 = sharded.layers[1]
-    return {
-        "rank": ctx.rank, "equal": equal, "max_abs_diff": max_diff,
-        "attn_tp_size": state.attn_tp_size,
-        "report": ws.report(),
-        "targets": {i: [t.name for t in ts] for i, ts in ws.targets.items()},
-        "shared_gate_up_shape": list(layer1.moe.shared_expert.gate_up_proj.weight.shape),
-        "fusions": {i: dict(layer.fusions) for i, layer in enumerate(sharded.layers)},
-        "reference_fusions": {i: dict(layer.fusions) for i, layer in enumerate(replicated.layers)},
-        "replicated_bytes": ws.replicated_bytes(), "resident_bytes": ws.resident_bytes(),
-        "formula_bytes": ws.formula_bytes(),
-    }

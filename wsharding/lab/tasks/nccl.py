@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from wsharding.context import RankContext
-from wsharding.units import MiB
+from wsharding.core.context import RankContext
+from wsharding.core.units import MiB
 
 
 def _pattern(rank: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
@@ -31,8 +31,8 @@ def gather_roundtrip(ctx: RankContext | None, sizes: list[int], cta_policy: int 
 
     ``ctx=None`` runs at world size 1 in this process (no torch.distributed).
     """
-    from wsharding.comm.nccl.communicator import NcclCommunicator, from_context
-    from wsharding.comm.nccl.probe import copy_engine_check
+    from wsharding.accel.nccl.communicator import NcclCommunicator, from_context
+    from wsharding.accel.nccl.probe import copy_engine_check
 
     comm = (from_context(ctx, cta_policy=cta_policy, timeout_s=60) if ctx is not None
             else NcclCommunicator(device=0, cta_policy=cta_policy, timeout_s=60))
@@ -90,8 +90,8 @@ def missing_rank(ctx: RankContext, timeout_s: float = 5.0, cta_policy: int = 2, 
     ``timeout_s``, not hang. ``how="leave"``: it aborts its communicator and returns (a crashed or
     exited rank); ``how="skip"``: it stays alive but never joins (an idle rank skipping a step),
     so only our timeout can end the wait."""
-    from wsharding.comm.base import CommError
-    from wsharding.comm.nccl.communicator import from_context
+    from wsharding.accel.nccl.communicator import from_context
+    from wsharding.core.comm import CommError
 
     comm = from_context(ctx, cta_policy=cta_policy, timeout_s=timeout_s)
     full = comm.alloc(4 * MiB, tag="layer.0.full")
@@ -121,7 +121,7 @@ def graph_replay(ctx: RankContext | None, size: int = 8 * MiB, replays: int = 3,
 
     ``ctx=None``: world size 1 in this process.
     """
-    from wsharding.comm.nccl.communicator import NcclCommunicator, from_context
+    from wsharding.accel.nccl.communicator import NcclCommunicator, from_context
 
     comm = (from_context(ctx, cta_policy=cta_policy, timeout_s=60) if ctx is not None
             else NcclCommunicator(device=0, cta_policy=cta_policy, timeout_s=60))
@@ -163,8 +163,8 @@ def graph_replay(ctx: RankContext | None, size: int = 8 * MiB, replays: int = 3,
 
 def default_stream_refused() -> str:
     """The error text when a gather is asked to run on the legacy default stream."""
-    from wsharding.comm.base import CommError
-    from wsharding.comm.nccl.communicator import NcclCommunicator
+    from wsharding.accel.nccl.communicator import NcclCommunicator
+    from wsharding.core.comm import CommError
 
     with NcclCommunicator(device=0) as comm:
         full = comm.alloc(4096, tag="x")
@@ -178,8 +178,8 @@ def default_stream_refused() -> str:
 
 def unregistered_refused() -> str:
     """The error when a gather uses memory outside any registered window."""
-    from wsharding.comm.base import CommError
-    from wsharding.comm.nccl.communicator import NcclCommunicator
+    from wsharding.accel.nccl.communicator import NcclCommunicator
+    from wsharding.core.comm import CommError
 
     with NcclCommunicator(device=0) as comm:
         plain = torch.empty(4096, dtype=torch.uint8, device=comm.device)
@@ -195,18 +195,18 @@ __all__ = ["default_stream_refused", "gather_roundtrip", "graph_replay", "missin
 
 
 def group_unique_ids(ctx: RankContext, group_size: int) -> dict[str, Any]:
-    """The unique-id exchange of :class:`~wsharding.comm.nccl.NcclCommunicator`, run on its own over this
+    """The unique-id exchange of :class:`~wsharding.accel.nccl.NcclCommunicator`, run on its own over this
     rank's shard group: the gloo group from ``from_context``'s helper, rank 0 of each group making a
     real ``ncclGetUniqueId`` (it needs libnccl, not a GPU), every member receiving its group's id.
 
     This is the part of the constructor that decides which ranks end up in one communicator; the rest
-    (``ncclCommInitRankConfig``, windows) needs GPUs (``tests/test_gpu_sharding.py``).
+    (``ncclCommInitRankConfig``, windows) needs GPUs (``tests/models/test_gpu_sharding.py``).
     """
     import torch.distributed as dist
 
-    from wsharding.comm.nccl.binding import NcclBinding
-    from wsharding.comm.nccl.group import exchange_over, gloo_shard_group_for, group_members, share_unique_id
-    from wsharding.comm.nccl.library import default_library
+    from wsharding.accel.nccl.binding import NcclBinding
+    from wsharding.accel.nccl.group import exchange_over, gloo_shard_group_for, group_members, share_unique_id
+    from wsharding.accel.nccl.library import default_library
 
     group = gloo_shard_group_for(ctx, group_size)
     size = dist.get_world_size(group)

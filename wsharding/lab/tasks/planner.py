@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsharding.context import RankContext
-from wsharding.errors import InvalidArgument
+from wsharding.core.context import RankContext
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
+from wsharding.core.sharding import WeightSharding
+from wsharding.core.slots import SLOT_NAMES
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
-from wsharding.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
-from wsharding.shard import WeightSharding
-from wsharding.slots import SLOT_NAMES
 
 
 def _tokens_of(tokens: int | Sequence[int], rank: int) -> int:
@@ -113,7 +113,7 @@ def run_traced_steps(ctx: RankContext, preset: str | DecoderConfig, tokens: int 
 def slot_table(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | None = None,
                sharded_layers: Iterable[int] | None = None, group_size: int | None = None) -> list[dict[str, Any]]:
     """Per sharded layer of a real sharded decoder: its slot, the layer whose slot it overwrites
-    (the gate) and its flat buffer size, read from the model's :class:`~wsharding.slots.SlotPool`."""
+    (the gate) and its flat buffer size, read from the model's :class:`~wsharding.core.slots.SlotPool`."""
     cfg = decoder_config(preset, layers)
     model = _sharded_model(ctx, cfg, sharded_layers, True, 0, group_size)
     ws = model.weight_sharding

@@ -16,7 +16,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from wsharding.units import MiB
+from wsharding.core.units import MiB
 
 IMPL_COLORS = {
     "nccl-ce (policy 2)": "#2ca02c",
@@ -116,14 +116,14 @@ def gather_vs_allreduce_figure(layer_bytes: int, hidden: int, n: int, tokens: Se
 
 
 def binding_table_figure(rows: Sequence[dict[str, str]]) -> go.Figure:
-    """The ctypes binding table (``wsharding.comm.nccl.binding.binding_table()``)."""
+    """The ctypes binding table (``wsharding.accel.nccl.binding.binding_table()``)."""
     cols = ["function", "returns", "arguments", "since", "why"]
     fig = go.Figure(go.Table(
         columnwidth=[2.2, 1.2, 3.6, 0.6, 3.4],
         header={"values": cols, "align": "left", "fill_color": "#dde"},
         cells={"values": [[r[c] for r in rows] for c in cols], "align": "left"},
     ))
-    fig.update_layout(title="libnccl functions bound by wsharding.comm.nccl (declarative ctypes table)",
+    fig.update_layout(title="libnccl functions bound by wsharding.accel.nccl (declarative ctypes table)",
                       height=120 + 28 * len(rows), margin={"l": 10, "r": 10, "t": 50, "b": 10})
     return fig
 

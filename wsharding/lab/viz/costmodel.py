@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
+from wsharding.core.layout import SUPPORTED_DTYPES
 from wsharding.costmodel import Deployment, GiB, ModelSpec, Plan, breakeven, estimate
-from wsharding.layout import SUPPORTED_DTYPES
 
 #: Colours kept constant across figures so a reader learns them once.
 COLORS = {"shards": "#4c78a8", "slots": "#f58518", "freed": "#54a24b", "gather": "#e45756", "compute": "#4c78a8"}

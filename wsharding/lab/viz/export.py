@@ -26,7 +26,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
 
 BUNDLE = "plotly.min.js"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")

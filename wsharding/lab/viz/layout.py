@@ -1,4 +1,4 @@
-"""Figures of a :class:`~wsharding.layout.FlatLayout`: where every byte of T lives and who owns it.
+"""Figures of a :class:`~wsharding.core.layout.FlatLayout`: where every byte of T lives and who owns it.
 
 * :func:`chunk_map_figure` -- one horizontal byte axis ``[0, |T|)``: a row of weights (each entry,
   each alignment hole, the tail padding) above a row of rank chunks, with the chunk borders drawn
@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.colors import qualitative
 
-from wsharding.layout import SUPPORTED_DTYPES, FlatLayout
+from wsharding.core.layout import SUPPORTED_DTYPES, FlatLayout
 
 #: Colours of the padding kinds and of the alternating rank bands.
 ALIGNMENT_COLOR = "#d62728"

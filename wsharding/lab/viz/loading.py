@@ -9,7 +9,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from wsharding.units import MiB
+from wsharding.core.units import MiB
 
 RANK_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6"]
 PART_COLORS = {"weights": "#9D755D", "chunks": "#4C78A8", "slots": "#BAB0AC"}

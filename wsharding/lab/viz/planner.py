@@ -15,7 +15,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from wsharding.errors import InvalidArgument, NotFound
+from wsharding.core.errors import InvalidArgument, NotFound
 
 #: Colours kept constant across the planner's figures.
 COLORS = {

@@ -16,10 +16,10 @@ import plotly.graph_objects as go
 import torch
 
 from wsharding.cluster import RankCluster
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.units import ceil_div
 from wsharding.lab.bench.allgather import SIZES, format_table, run_cpu, run_gpu
 from wsharding.lab.viz.comm import allgather_bandwidth_figure
-from wsharding.units import ceil_div
 
 
 def parse_sizes(text: str) -> list[float]:

@@ -25,11 +25,11 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from wsharding.cluster import RankCluster
-from wsharding.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.layout import FlatLayout, LayoutError, parse_dtype
 from wsharding.lab.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
 from wsharding.lab.tasks.layout import gather_layout
 from wsharding.lab.viz.layout import chunk_map_figure, human_bytes
-from wsharding.layout import FlatLayout, LayoutError, parse_dtype
 
 #: The choice that reads weights from the text box instead of a preset.
 CUSTOM = "custom"

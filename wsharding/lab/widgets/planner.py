@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from wsharding.cluster import RankCluster
-from wsharding.emulation import title_note
-from wsharding.errors import InvalidArgument
+from wsharding.core.emulation import title_note
+from wsharding.core.errors import InvalidArgument
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
 from wsharding.lab.viz.planner import exposed_us, slot_figure, timeline_figure

@@ -1,0 +1,607 @@
+"""The bad-input table: every kind of mistake a user can make, tried once, each answered by an
+error (or, for a weight left replicated, a warning) of one exact class whose message names the
+culprit -- the weight, the rank, the file, the option -- and says what to do. Never a hang, never a
+silent conversion.
+
+The README's "Errors you may see" section is rendered from this table and the command's rows
+(tests/lab/test_readme_errors.py, which also checks that the README matches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from wsharding.core.comm import Communicator
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: what the user did, the class that answers it, the words that must name the culprit,
+    what to do (README), and the code that does it (given a scratch folder and pytest's monkeypatch)."""
+
+    did: str
+    error: str  #: "module:Class" -- imported late, so that rendering the README needs no torch import
+    culprit: tuple[str, ...]
+    todo: str
+    trigger: Callable[[Path, pytest.MonkeyPatch], object]
+    warning: bool = False
+
+    def error_class(self) -> type[BaseException]:
+        module, _, name = self.error.partition(":")
+        return getattr(__import__(module, fromlist=[name]), name)
+
+
+# ---- the triggers (each does the mistake once) ----------------------------------------------------
+class _RankOfTwo(Communicator):
+    """Rank 0 of a group of 2 without processes: declaring, validating and loading do not communicate."""
+
+    rank, world_size, device, mode = 0, 2, torch.device("cpu"), "cpu-gloo"
+
+
+def _non_divisible_rows(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.sharding import WeightSharding
+
+    block = torch.nn.Module()
+    block.odd = torch.nn.Linear(4, 3, bias=False)  # 3 rows over 2 ranks
+    block.even = torch.nn.Linear(4, 4, bias=False)
+    return WeightSharding(_RankOfTwo(), [block], {0: ["odd", "even"]})
+
+
+def _tp_target(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.sharding import WeightSharding
+
+    # A module of the user's own that tensor parallelism already splits (the package's linears of tp > 1
+    # are left alone with a reason in ws.report(); an unknown module cannot be decided, so it is refused).
+    block = torch.nn.Module()
+    block.proj = torch.nn.Module()
+    block.proj.weight = torch.nn.Parameter(torch.zeros(8, 8))
+    block.proj.tp_size = 2
+    return WeightSharding(_RankOfTwo(), [block], {0: ["proj"]})
+
+
+def _shared_block(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.sharding import WeightSharding
+
+    # one block at two places of the list (ALBERT-style sharing): its weight would be shrunk, bound to a
+    # slot and gathered once per place
+    shared, other = torch.nn.Module(), torch.nn.Module()
+    shared.fc = torch.nn.Linear(4, 4, bias=False)
+    other.fc = torch.nn.Linear(4, 4, bias=False)
+    return WeightSharding(_RankOfTwo(), [shared, other, shared], {i: ["fc"] for i in range(3)})
+
+
+class _CommOfTwo(_RankOfTwo):
+    """A communicator as far as shard_blocks' argument check can tell; the refusals below come before
+    any gather or allocation."""
+
+    def all_gather_into(self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False) -> object:
+        raise AssertionError("gathered before the arguments were checked")
+
+
+def _blocks_model() -> torch.nn.Module:
+    """A model of two blocks in ``model.layers``, each with linears ``fc1`` and ``fc2``."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+    for block in model.layers:
+        block.fc1 = torch.nn.Linear(4, 4, bias=False)
+        block.fc2 = torch.nn.Linear(4, 4, bias=False)
+    return model
+
+
+def _shard_blocks(**changes: object) -> object:
+    """``shard_blocks(model, "layers", ["fc1"], comm)`` with one argument changed (``blocks`` may be a
+    function of the model)."""
+    from wsharding.core.runner import shard_blocks
+
+    model = _blocks_model()
+    args = {"blocks": "layers", "patterns": ["fc1"], "comm": _CommOfTwo(), "sharded_layers": None, **changes}
+    blocks = args["blocks"](model) if callable(args["blocks"]) else args["blocks"]
+    return shard_blocks(model, blocks, args["patterns"], args["comm"], sharded_layers=args["sharded_layers"])
+
+
+def _patterns_glob_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(patterns="fc*")  # read character by character, "*" matched every linear
+
+
+def _patterns_name_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(patterns="fc1")  # read as "f", "c", "1": "no layer has a shardable target"
+
+
+def _blocks_list(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(blocks=lambda model: list(model.layers))  # the message held every block's repr
+
+
+def _blocks_unknown(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(blocks="model.layers")  # this model keeps them in "layers": an AttributeError
+
+
+def _comm_none(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(comm=None)  # an AttributeError on None, deep inside
+
+
+def _comm_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(comm="gloo")
+
+
+def _comm_context(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from datetime import timedelta
+
+    from wsharding.core.context import RankContext
+
+    ctx = RankContext(0, 2, torch.device("cpu"), "gloo", "cpu-gloo", "", timedelta(seconds=1))
+    return _shard_blocks(comm=ctx)
+
+
+def _sharded_layers_float(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(sharded_layers=[1.5])  # matched no layer: nothing sharded, nothing said
+
+
+def _sharded_layers_int(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(sharded_layers=1)  # a TypeError from set(1)
+
+
+def _old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.accel.nccl import library
+    from wsharding.accel.nccl.communicator import NcclCommunicator
+
+    mp.delenv(library.ENV_VAR, raising=False)
+    old = dataclasses.replace(library.default_library(), version_code=22802)  # NCCL 2.28.2
+    return NcclCommunicator(library=old)
+
+
+def _mapped_old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.accel.nccl.library import default_library
+    from wsharding.core.sharding import WeightSharding
+
+    image_nccl = dataclasses.replace(default_library(), version_code=22809)
+
+    class Ours(_RankOfTwo):  # what map_own_chunk asks of our NCCL communicator, with the image's NCCL
+        pool = object()
+        library = image_nccl
+
+        def slot_policy(self, map_own_chunk="auto"):
+            from wsharding.accel.mapped_slots import MappedSlotPolicy
+
+            return MappedSlotPolicy(self, map_own_chunk)
+
+    return WeightSharding(Ours(), map_own_chunk=True)
+
+
+def _gather_launch(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.accel.nccl.communicator import NcclCommunicator
+
+    return NcclCommunicator(gather_launch="eager")
+
+
+def _cta_policy_env(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.accel.nccl import library
+    from wsharding.accel.nccl.communicator import NcclCommunicator
+
+    mp.delenv(library.ENV_VAR, raising=False)
+    mp.setenv("NCCL_CTA_POLICY", "0")  # SM kernels, while the copy engine needs policy 2
+    return NcclCommunicator(cta_policy=2)
+
+
+def _checkpoint(tmp: Path, edit: Callable[[dict, Path], None], quant: str | None = None) -> object:
+    from wsharding.checkpoint import load_checkpoint, save_checkpoint
+    from wsharding.core.sharding import WeightSharding
+    from wsharding.models import PRESETS, ToyDecoder
+
+    cfg = PRESETS["tiny"] if quant is None else PRESETS["tiny"].with_(quant=quant)
+    path = tmp / "tiny.safetensors"
+    save_checkpoint(ToyDecoder(cfg), path)
+    edit(load_file(path), path)
+    model = ToyDecoder(cfg, seed=1, weight_sharding=WeightSharding(_RankOfTwo(), sharded_layers=range(1, cfg.layers)))
+    return load_checkpoint(model, path)
+
+
+def _ckpt_missing(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    def edit(t: dict, path: Path) -> None:
+        del t["layers.2.moe.latent_up.weight"]
+        save_file(t, path)
+
+    return _checkpoint(tmp, edit)
+
+
+def _ckpt_extra(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    def edit(t: dict, path: Path) -> None:
+        t["layers.9.extra.weight"] = torch.zeros(2)
+        save_file(t, path)
+
+    return _checkpoint(tmp, edit)
+
+
+def _ckpt_misshapen(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    def edit(t: dict, path: Path) -> None:
+        t["layers.1.attn.k_proj.weight"] = t["layers.1.attn.k_proj.weight"][:, :-1].contiguous()
+        save_file(t, path)
+
+    return _checkpoint(tmp, edit)
+
+
+def _ckpt_dtype(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.models import PRESETS, ToyDecoder
+
+    def edit(t: dict, path: Path) -> None:  # a BF16 tensor where the FP8 model keeps e4m3 bytes
+        t["layers.1.attn.o_proj.weight"] = ToyDecoder(PRESETS["tiny"]).state_dict()["layers.1.attn.o_proj.weight"]
+        save_file(t, path)
+
+    return _checkpoint(tmp, edit, quant="fp8")
+
+
+def _ckpt_truncated(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    def edit(t: dict, path: Path) -> None:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])  # a copy that stopped half way
+
+    return _checkpoint(tmp, edit)
+
+
+def _ckpt_absent(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _checkpoint(tmp, lambda t, path: path.unlink())
+
+
+def _layout_group(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.layout import FlatLayout
+
+    return FlatLayout([("w", (4, 4), torch.float16)], 0)
+
+
+def _layout_group_bool(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.layout import FlatLayout
+
+    return FlatLayout([("w", (4, 4), torch.float16)], group_size=True)  # a bool is an int: a group of 1
+
+
+def _layout_rank(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.layout import FlatLayout
+
+    lay = FlatLayout([("w", (4, 4), torch.float16)], 2)
+    return lay.chunk(torch.zeros(lay.total_bytes, dtype=torch.uint8), 2)
+
+
+def _layout_buffer(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.layout import FlatLayout
+
+    lay = FlatLayout([("w", (4, 4), torch.float16)], 2)
+    return lay.views(torch.zeros(lay.total_bytes - 16, dtype=torch.uint8))
+
+
+def _outside_window(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.accel.nccl.communicator import NcclCommunicator
+    from wsharding.accel.nccl.symmetric import SymmetricBuffer
+
+    inside = torch.zeros(4096, dtype=torch.uint8)
+    stray = torch.zeros(256, dtype=torch.uint8)  # a plain allocation, never registered
+    window = SymmetricBuffer("slot.A", 0, 4096, 4096, inside.data_ptr(), inside, window=1)
+    comm = types.SimpleNamespace(pool=types.SimpleNamespace(window_of=lambda t: window if window.contains(t) else None))
+    NcclCommunicator.require_window(comm, inside[:128], "full", "layer 3: gather")  # inside: accepted
+    return NcclCommunicator.require_window(comm, stray, "chunk", "layer 3: gather")
+
+
+def _unknown_preset(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.models import decoder_config
+
+    return decoder_config("k4-like")
+
+
+def _unknown_cost_preset(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.presets import load_preset
+
+    return load_preset("kimi-k4")
+
+
+def _binary_model_file(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.costmodel import load_model_file
+
+    path = tmp / "model.bin"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))  # a UnicodeDecodeError before
+    return load_model_file(path)
+
+
+def _unknown_group(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.linear.groups import ParallelState
+
+    return ParallelState.logical(2, 0).group_named("dp_attn")
+
+
+def _ranks_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import RankCluster
+
+    return RankCluster(0)
+
+
+def _torchrun_env(mp: pytest.MonkeyPatch, **values: str) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        mp.delenv(name, raising=False)
+    for name, value in values.items():
+        mp.setenv(name, value)
+
+
+def _init_outside_torchrun(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.context import init_from_env
+
+    _torchrun_env(mp)
+    return init_from_env()
+
+
+def _init_rank_not_a_number(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.context import init_from_env
+
+    _torchrun_env(mp, RANK="abc", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    return init_from_env()
+
+
+def _init_rank_outside_world(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.context import init_from_env
+
+    _torchrun_env(mp, RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    return init_from_env()
+
+
+def _init_nccl_without_gpu(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.context import init_from_env
+
+    _torchrun_env(mp, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+    mp.setattr(torch.cuda, "device_count", lambda: 0)
+    return init_from_env(backend="nccl")
+
+
+def _threads_per_rank_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import RankCluster
+
+    return RankCluster(2, threads_per_rank=0)
+
+
+def _env_value_not_a_string(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import RankCluster
+
+    return RankCluster(2, env={"OMP_NUM_THREADS": 4})
+
+
+def _ranks_negative(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.cluster import RankCluster
+
+    return RankCluster(2, backend="nccl", ranks_per_gpu=-1)
+
+
+_EXAMPLE_COMM = "ctx.shard_comm(group_size)"
+
+CASES: dict[str, Case] = {
+    "non-divisible rows": Case(
+        "declared a weight whose rows the group size does not divide", "wsharding.core.declare:ShardingSkipWarning",
+        ("layer 0", "odd.weight", "3 rows", "group size 2"),
+        "a warning: the weight stays replicated; pick a group size that divides its rows to shard it",
+        _non_divisible_rows, warning=True),
+    "tp target": Case(
+        "declared a module of your own that tensor parallelism splits (tp_size > 1)", "wsharding.core.sharding:ShardingError",
+        ("layer 0", "'proj'", "tp_size 2"),
+        "shard only weights replicated on every rank (tp 1); remove it from the targets", _tp_target),
+    "shared block": Case(
+        "declared one block (or one tied weight) at two layers", "wsharding.core.sharding:ShardingError",
+        ("layer 2 fc.weight", "rank 0", "same weight as layer 0 fc.weight"),
+        "leave one of the layers out (sharded_layers=...) or untie the weights", _shared_block),
+    "shard_blocks patterns str": Case(
+        "gave shard_blocks (or load_sharded) one str as the patterns, \"fc*\"", "wsharding.core.sharding:ShardingError",
+        ("patterns", "'fc*'", "character by character", "['fc*']"),
+        "pass a list of patterns, [\"fc*\"]: a str would be read character by character", _patterns_glob_str),
+    "shard_blocks pattern name str": Case(
+        "gave shard_blocks one pattern name as a str, \"fc1\"", "wsharding.core.sharding:ShardingError",
+        ("patterns", "'fc1'", "['fc1']"), "pass a list, [\"fc1\"]", _patterns_name_str),
+    "shard_blocks blocks list": Case(
+        "gave shard_blocks the blocks as a Python list", "wsharding.core.sharding:ShardingError",
+        ("blocks", "list of 2 modules", "nn.ModuleList", "'layers'"),
+        "pass the nn.ModuleList itself (model.layers) or its attribute name (\"layers\")", _blocks_list),
+    "shard_blocks blocks unknown": Case(
+        "named blocks that the model does not have", "wsharding.core.sharding:ShardingError",
+        ("blocks", "'model.layers'", "its ModuleLists: 'layers'"),
+        "name the nn.ModuleList of blocks by its attribute path; the message lists the model's", _blocks_unknown),
+    "shard_blocks comm none": Case(
+        "gave shard_blocks comm=None", "wsharding.core.sharding:ShardingError",
+        ("comm", "None", "not a communicator", _EXAMPLE_COMM, "init_from_env()"),
+        f"pass the shard group's communicator: {_EXAMPLE_COMM}, with ctx from wsharding.init_from_env() "
+        "(torchrun) or the context a RankCluster task receives", _comm_none),
+    "shard_blocks comm str": Case(
+        "gave shard_blocks a backend name as comm", "wsharding.core.sharding:ShardingError",
+        ("comm", "'gloo'", "not a communicator", _EXAMPLE_COMM), f"pass a communicator, {_EXAMPLE_COMM}", _comm_str),
+    "shard_blocks comm context": Case(
+        "gave shard_blocks the rank's context as comm", "wsharding.core.sharding:ShardingError",
+        ("comm", "RankContext", _EXAMPLE_COMM, "ctx.comm"), f"pass its communicator, {_EXAMPLE_COMM}",
+        _comm_context),
+    "sharded_layers float": Case(
+        "gave sharded_layers an index that is not a whole number", "wsharding.core.sharding:ShardingError",
+        ("sharded_layers", "1.5", "not a layer index"), "pass whole numbers: [1, 2] or range(1, 8)",
+        _sharded_layers_float),
+    "sharded_layers int": Case(
+        "gave sharded_layers one int instead of a list", "wsharding.core.sharding:ShardingError",
+        ("sharded_layers", "int 1", "[1]"), "pass a list or range: [1], range(1, 8)", _sharded_layers_int),
+    "old nccl": Case(
+        "used our NCCL communicator with an NCCL older than 2.28.3", "wsharding.accel.nccl.library:NcclLibraryError",
+        ("NCCL >= 2.28.3", "NCCL 2.28.2", "WSHARDING_NCCL_LIBRARY"),
+        "install nvidia-nccl-cu12>=2.28.3 or point WSHARDING_NCCL_LIBRARY at a newer libnccl.so.2", _old_nccl),
+    "map_own_chunk old nccl": Case(
+        "asked for map_own_chunk=True with an NCCL older than 2.30", "wsharding.accel.nccl.library:NcclLibraryError",
+        ("map_own_chunk", "NCCL >= 2.30.0", "NCCL 2.28.9"),
+        "point WSHARDING_NCCL_LIBRARY at NCCL >= 2.30 (2.28 would share only the first allocation of a mapped "
+        "view with the peers), or leave map_own_chunk off", _mapped_old_nccl),
+    "gather launch": Case(
+        "asked our NCCL communicator for a gather launch it does not have", "wsharding.core.comm:CommError",
+        ("gather_launch", "'graph', 'direct'", "'eager'"),
+        "use gather_launch='graph' (the default: each gather captured once, launched as a CUDA graph) or "
+        "'direct' (ncclAllGather called per layer)", _gather_launch),
+    "cta policy": Case(
+        "set NCCL_CTA_POLICY to another policy than the communicator asks for", "wsharding.core.comm:CommError",
+        ("NCCL_CTA_POLICY=0", "policy 2"), "unset NCCL_CTA_POLICY or set it to the communicator's policy",
+        _cta_policy_env),
+    "checkpoint missing tensor": Case(
+        "loaded a checkpoint that lacks a tensor the model needs", "wsharding.checkpoint:CheckpointError",
+        ("layers.2.moe.latent_up.weight", "missing"), "load the checkpoint written for this model or preset",
+        _ckpt_missing),
+    "checkpoint extra tensor": Case(
+        "loaded a checkpoint with a tensor the model does not know", "wsharding.checkpoint:CheckpointError",
+        ("layers.9.extra.weight",), "check the model matches the checkpoint, or pass strict=False",
+        _ckpt_extra),
+    "checkpoint misshapen tensor": Case(
+        "loaded a tensor of the wrong shape", "wsharding.checkpoint:CheckpointError",
+        ("layers.1.attn.k_proj.weight", "[48, 95]"), "load the checkpoint written for this model or preset",
+        _ckpt_misshapen),
+    "checkpoint wrong dtype": Case(
+        "loaded a tensor whose dtype does not fit a quantized (FP8/int) weight", "wsharding.checkpoint:CheckpointError",
+        ("layers.1.attn.o_proj.weight", "torch.bfloat16", "torch.float8_e4m3fn"),
+        "load the checkpoint made for this quant method (float dtypes are converted, like any loader)", _ckpt_dtype),
+    "checkpoint truncated": Case(
+        "loaded a truncated (or non-safetensors) file", "wsharding.checkpoint:CheckpointError",
+        ("tiny.safetensors", "file ends at byte"), "write the checkpoint again (save_checkpoint)", _ckpt_truncated),
+    "checkpoint absent": Case(
+        "loaded a checkpoint path that does not exist", "wsharding.checkpoint:CheckpointError",
+        ("tiny.safetensors", "No such file or directory"), "check the path", _ckpt_absent),
+    "layout group size": Case(
+        "built a layout for a group of 0 ranks", "wsharding.core.layout:LayoutError",
+        ("group_size", "got 0"), "the group size is a whole number >= 1", _layout_group),
+    "layout group size bool": Case(
+        "built a layout with group_size=True", "wsharding.core.layout:LayoutError",
+        ("group_size", "got True", "bool"), "a bool is not a number of ranks: pass the group size, an int >= 1",
+        _layout_group_bool),
+    "layout rank": Case(
+        "asked for the chunk of a rank outside the group", "wsharding.core.layout:LayoutError",
+        ("rank 2", "[0, 2)"), "ranks of a group of N are 0 .. N-1", _layout_rank),
+    "layout buffer": Case(
+        "gave a layout a buffer of the wrong size", "wsharding.core.layout:LayoutError",
+        ("buffer", "bytes"), "allocate layout.total_bytes (comm.alloc or the slot pool)", _layout_buffer),
+    "outside window": Case(
+        "gathered from or into a buffer outside a registered window", "wsharding.core.comm:CommError",
+        ("layer 3: gather", "chunk", "256 bytes", "registered symmetric window"),
+        "allocate it with comm.alloc(...) and call comm.register_all() on every rank", _outside_window),
+    "unknown decoder preset": Case(
+        "named a decoder preset that does not exist", "wsharding.core.errors:InvalidArgument",
+        ("'k4-like'", "tiny", "k3-like"), "use one of the presets the message lists", _unknown_preset),
+    "unknown cost preset": Case(
+        "named a cost-model preset that does not exist", "wsharding.costmodel:CostModelError",
+        ("'kimi-k4'", "kimi-k3-b200-fp8"), "use one of the presets the message lists (wsharding plan --list)",
+        _unknown_cost_preset),
+    "binary model file": Case(
+        "gave wsharding plan --model (load_model_file) a binary file", "wsharding.costmodel:CostModelError",
+        ("model.bin", "not a JSON/YAML model description", "binary file"),
+        "pass a .json or .yaml file in the format of costmodel.model_from_dict", _binary_model_file),
+    "unknown group": Case(
+        "built a linear on a parallel group that does not exist", "wsharding.linear.groups:GroupError",
+        ("'dp_attn'", "attn_tp"), "use one of the group names the message lists", _unknown_group),
+    "ranks zero": Case(
+        "asked for 0 ranks", "wsharding.core.context:ClusterError",
+        ("world_size", "got 0"), "ask for 1 rank or more", _ranks_zero),
+    "init outside torchrun": Case(
+        "called init_from_env() outside torchrun (no RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)",
+        "wsharding.core.context:ClusterError", ("missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT", "torchrun"),
+        "run under torchrun, or set the four variables (or use RankCluster(N))", _init_outside_torchrun),
+    "init rank not a number": Case(
+        "set RANK=abc", "wsharding.core.context:ClusterError", ("RANK='abc'", "not an integer"),
+        "set a whole number, or run under torchrun", _init_rank_not_a_number),
+    "init rank outside world": Case(
+        "set RANK=3 with WORLD_SIZE=2", "wsharding.core.context:ClusterError", ("RANK=3", "WORLD_SIZE=2"),
+        "ranks are 0 .. WORLD_SIZE-1", _init_rank_outside_world),
+    "init nccl without gpu": Case(
+        "asked init_from_env for backend='nccl' on a machine without a GPU", "wsharding.core.context:ClusterError",
+        ("backend='nccl' needs a CUDA GPU",), "use backend='gloo' or 'auto'", _init_nccl_without_gpu),
+    "threads per rank zero": Case(
+        "asked RankCluster for 0 threads per rank", "wsharding.core.context:ClusterError",
+        ("threads_per_rank", "got 0"), "pass an integer >= 1", _threads_per_rank_zero),
+    "env value not a string": Case(
+        "gave RankCluster an environment value that is not a str", "wsharding.core.context:ClusterError",
+        ("env['OMP_NUM_THREADS']", "int"), "pass strings: {'OMP_NUM_THREADS': '4'}", _env_value_not_a_string),
+    "ranks per gpu negative": Case(
+        "asked for a negative number of ranks per GPU", "wsharding.core.context:ClusterError",
+        ("ranks_per_gpu", "got -1"), "ask for 1 rank per GPU or more", _ranks_negative),
+}
+
+
+# ---- the tests -------------------------------------------------------------------------------------
+def check_case(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Do the mistake once: exactly ``case.error`` (or its warning, once), naming every culprit."""
+    cls = case.error_class()
+    if case.warning:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            case.trigger(tmp_path, monkeypatch)
+        found = [w for w in caught if w.category is cls]
+        assert len(found) == 1, [str(w.message) for w in caught]
+        message = str(found[0].message)
+    else:
+        with pytest.raises(BaseException) as info:  # noqa: PT011 - the exact class is asserted below
+            case.trigger(tmp_path, monkeypatch)
+        assert type(info.value) is cls, f"{case.did}: {type(info.value).__name__}: {info.value}"
+        message = str(info.value)
+    missing = [c for c in case.culprit if c not in message]
+    assert not missing, f"{case.did}: the message does not name {missing}: {message}"
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_bad_input_gets_its_exact_error_naming_the_culprit(key, tmp_path, monkeypatch):
+    check_case(CASES[key], tmp_path, monkeypatch)
+
+
+def test_load_sharded_refuses_the_same_mistakes_before_reading(tmp_path):
+    """load_sharded hands its arguments to shard_blocks' check: each mistake of the table is refused
+    before the checkpoint is opened (it does not even exist here) and before any weight is shrunk."""
+    from wsharding.checkpoint import load_sharded
+    from wsharding.core.sharding import ShardingError
+
+    model = _blocks_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "absent.safetensors"
+    for args, kwargs, words in [
+        (("layers", "fc*", _CommOfTwo()), {}, "patterns: got the str 'fc*'"),
+        ((list(model.layers), ["fc1"], _CommOfTwo()), {}, "blocks: got a list of 2 modules"),
+        (("layers", ["fc1"], None), {}, "comm: got None, not a communicator"),
+        (("layers", ["fc1"], _CommOfTwo()), {"sharded_layers": [1.5]}, "sharded_layers: 1.5 (a float)"),
+    ]:
+        with pytest.raises(ShardingError) as info:
+            load_sharded(model, path, *args, **kwargs)
+        assert words in str(info.value)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_shard_blocks_refuses_what_is_not_a_model_or_a_pattern():
+    from wsharding.core.runner import shard_blocks
+    from wsharding.core.sharding import ShardingError
+
+    model = _blocks_model()
+    with pytest.raises(ShardingError, match=r"patterns: 1 \(of type int\) is not a str"):
+        shard_blocks(model, "layers", ["fc1", 1], _CommOfTwo())  # fnmatch's TypeError before
+    with pytest.raises(ShardingError, match="model: a OrderedDict is not an nn.Module; pass the model whose blocks"):
+        shard_blocks(model.state_dict(), "layers", ["fc1"], _CommOfTwo())  # an AttributeError before
+    with pytest.raises(ShardingError, match=r"sharded_layers: True \(a bool\) is not a layer index"):
+        shard_blocks(model, "layers", ["fc1"], _CommOfTwo(), sharded_layers=[True])
+
+
+def test_patterns_given_as_a_generator_reach_every_block():
+    """A generator of patterns is read once, into a list: every block is matched against all of them
+    (read per block, it was empty from the second block on, which was then left unsharded)."""
+    from tests.core.test_library_edges import Loopback
+    from wsharding.core.runner import shard_blocks
+
+    ws = shard_blocks(_blocks_model(), "layers", (p for p in ["fc1", "fc2"]), Loopback())
+    assert {i: [e.name for e in lay.entries] for i, lay in ws.layouts.items()} == {
+        0: ["fc1.weight", "fc2.weight"], 1: ["fc1.weight", "fc2.weight"]}
+
+
+@pytest.mark.parametrize("layers", [[1.5], 5, [True]])
+def test_weight_sharding_built_directly_refuses_what_is_not_a_layer_index(layers):
+    # A set of floats or bools matched no layer id: nothing was sharded, without a word.
+    from wsharding.core.sharding import ShardingError, WeightSharding
+
+    block = torch.nn.Module()
+    block.fc = torch.nn.Linear(4, 4, bias=False)
+    with pytest.raises(ShardingError, match="sharded_layers"):
+        WeightSharding(_RankOfTwo(), [block], {0: ["fc"]}, sharded_layers=layers)
+

@@ -1,0 +1,75 @@
+"""The cost model's figures and its widget panel: what they draw adds up to the bill."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.costmodel.test_costmodel import dep, toy_model
+from wsharding.costmodel import GiB, estimate, model_from_dict
+from wsharding.presets import load_preset
+
+
+def test_memory_figure_stacks_add_up():
+    from wsharding.lab.viz.costmodel import memory_figure
+
+    plan = estimate(load_preset("kimi-k3-b200-fp8"), dep(8))
+    fig = memory_figure(plan)
+    rep = sum(t.y[0] for t in fig.data if t.x[0] == "replicated")
+    sh = {t.name: t.y[0] for t in fig.data if t.x[0] == "sharded"}
+    assert rep == pytest.approx(plan.bill.replicated_bytes / GiB, rel=1e-12)
+    # resident shards + two slots + freed == what the replicated copy took.
+    assert sum(sh.values()) == pytest.approx(plan.bill.replicated_bytes / GiB, rel=1e-12)
+    assert sh["two slots 2·max|T|"] == plan.bill.slot_bytes / GiB
+
+
+def test_memory_figure_with_a_loss_says_so():
+    from wsharding.lab.viz.costmodel import memory_figure
+
+    fig = memory_figure(estimate(model_from_dict(toy_model([1000, 3000])), dep(1)))
+    assert any("costs" in a.text for a in fig.layout.annotations)
+
+
+def test_overlap_figure_marks_breakeven():
+    from wsharding.lab.viz.costmodel import layer_bytes_figure, overlap_figure
+
+    plan = estimate(model_from_dict(toy_model([10_000, 30_000])), dep(4, tokens=1000))
+    fig = overlap_figure(plan)
+    assert fig.layout.shapes[0].x0 == 2252
+    gather, compute, here = fig.data
+    assert set(gather.y) == {plan.layers[1].gather_seconds * 1e6}
+    assert here.x == (1000,)
+    assert max(layer_bytes_figure(plan).data[0].y) == 30_016 / 2**20
+
+
+def test_dtype_vs_sharding_figure():
+    from wsharding.lab.viz.costmodel import dtype_vs_sharding_figure
+
+    m = load_preset("kimi-k3-b200-moe-bf16")
+    fig = dtype_vs_sharding_figure(m, dep(8))
+    rep, sh = fig.data
+    assert rep.y[0] == pytest.approx(2 * rep.y[1]) and rep.y[0] == m.replicated_bytes / GiB
+    assert sh.y[0] == estimate(m, dep(8)).bill.sharded_resident_bytes / GiB
+
+
+def test_costmodel_panel_follows_its_controls():
+    from wsharding.lab.widgets.costmodel import build_costmodel_panel, costmodel_view
+
+    m = load_preset("kimi-k3-b200-moe-bf16")
+    panel = build_costmodel_panel(m)
+    assert panel.plan.bill.ranks == 8 and panel.renders == 1
+    panel.controls["ranks"].value = 4
+    panel.controls["dtype"].value = "fp8_e4m3"
+    panel.controls["bandwidth"].value = 450
+    panel.controls["tokens"].value = 1024
+    plan = panel.plan
+    assert (plan.bill.ranks, plan.deployment.tokens, plan.deployment.bandwidth) == (4, 1024, 450e9)
+    assert plan.bill.replicated_bytes == m.replicated_bytes // 2
+    assert panel.renders == 5
+    same, _, _ = costmodel_view(m, 4, "fp8_e4m3", 450, 1024, "b200")
+    assert same.to_dict() == plan.to_dict()
+    panel.controls["map_own_chunk"].value = True
+    assert panel.plan.bill.map_own_chunk and panel.renders == 6
+    mapped, memory, _ = costmodel_view(m, 4, "fp8_e4m3", 450, 1024, "b200", map_own_chunk=True)
+    assert mapped.to_dict() == panel.plan.to_dict()
+    slots = next(t for t in memory.data if t.name == "mapped slots 2(N-1)/N·max|T|")
+    assert slots.y[0] == mapped.bill.slot_bytes / GiB

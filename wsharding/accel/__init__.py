@@ -1,0 +1,1 @@
+"""Accelerations, passed in as objects."""

@@ -1,0 +1,224 @@
+"""The declare stage: which of a layer's candidate weights are sharded, and why.
+
+Every decision that needs a weight's full shape is taken here, before anything shrinks. The
+package's own linears are decided by their group (the parallel contract of SGLang's Linear layers):
+tp size 1 (byte-identical on every rank) -> a target, tp size > 1 -> left alone, as the weight-sharding
+design shards attention only when attn_tp_size == 1 and MoE peripherals only when replicated. Any
+other module with ``tp_size`` > 1 is an error naming it; a weight whose rows the group size does not
+divide is left replicated with a warning. A layer's targets form one
+:class:`~wsharding.core.layout.FlatLayout`: one gather per layer.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsharding.core.errors import ShardingError
+from wsharding.core.layout import FlatLayout
+from wsharding.core.rowloaders import RowBlock, ShardTarget
+from wsharding.core.ties import by_storage, refuse_ties, tensor_places
+from wsharding.linear.base import LinearBase
+
+SHARD_MODES = ("rows", "requant_then_shard")
+
+
+class ShardingSkipWarning(UserWarning):
+    """A declared target left replicated (its rows are not divisible by the group size)."""
+
+
+@dataclass(frozen=True)
+class ShardDecision:
+    """What the declare stage decided for one declared weight, and the one-line reason."""
+
+    layer: int
+    name: str
+    sharded: bool
+    reason: str
+
+    def line(self) -> str:
+        return f"layer {self.layer}: {self.name}: {'sharded' if self.sharded else 'left alone'} -- {self.reason}"
+
+
+def group_words(module: nn.Module) -> str:
+    """``"group 'attn_tp', tp size 1"``: the parallel group a package linear was built on, in words."""
+    spec = getattr(module, "parallel_group", None)
+    name = spec if isinstance(spec, str) else ("tp" if spec is None else type(spec).__name__)
+    return f"group {name!r}, tp size {tp_size(module)}"
+
+
+def target_name(layer_id: int, layer: nn.Module, target: str | nn.Module) -> str:
+    """A declared target as an attribute path: a module given itself is looked up in ``layer``."""
+    if isinstance(target, str):
+        return target
+    for name, mod in layer.named_modules():
+        if mod is target and name:
+            return name
+    raise ShardingError(f"layer {layer_id}: a declared {type(target).__name__} is not a submodule of the layer: "
+                        "pass the layer's own linears (or their attribute paths)")
+
+
+def tp_size(module: nn.Module) -> int:
+    if isinstance(module, nn.Linear):
+        return 1
+    return int(getattr(module, "tp_size", 1))
+
+
+def row_blocks(module: nn.Module, rows: int) -> list[RowBlock]:
+    fn = getattr(module, "row_sub_blocks", None)
+    return list(fn()) if fn is not None else [(None, 0, rows, 0)]
+
+
+def layer_indices(sharded_layers: Iterable[int] | None) -> list[int] | None:
+    """``sharded_layers`` as a list of layer indices, or None for every layer. A float, a bool or a
+    single int would otherwise be read as no layer at all (a set of floats matches no layer id)."""
+    if sharded_layers is None:
+        return None
+    example = "e.g. [1, 2] or range(1, 8)"
+    if isinstance(sharded_layers, (str, bytes)) or not isinstance(sharded_layers, Iterable):
+        raise ShardingError(f"sharded_layers: got the {type(sharded_layers).__name__} {sharded_layers!r}; pass the "
+                            f"layer indices as a list or range, {example}"
+                            + (f" ([{sharded_layers}] for that one layer)" if isinstance(sharded_layers, int) else ""))
+    layer_ids = []
+    for i in sharded_layers:
+        try:
+            layer_ids.append(operator.index(i) if not isinstance(i, bool) else None)
+        except TypeError:
+            layer_ids.append(None)
+        if layer_ids[-1] is None:
+            raise ShardingError(f"sharded_layers: {i!r} (a {type(i).__name__}) is not a layer index; pass whole "
+                                f"numbers, {example}")
+    return layer_ids
+
+
+def validate_target(layer_id: int, layer: nn.Module, name: str, world_size: int,
+                    decisions: list[ShardDecision]) -> ShardTarget | int | None:
+    """The target; or the row count of a weight left replicated because N does not divide its
+    rows (declare warns once for the layer); or None for a weight the Linear contract leaves alone."""
+    try:
+        module = layer.get_submodule(name)
+    except AttributeError:
+        raise ShardingError(f"layer {layer_id}: declared target {name!r} does not exist") from None
+    tp = tp_size(module)
+    if isinstance(module, LinearBase):
+        group = group_words(module)
+        if tp != 1:
+            decisions.append(ShardDecision(layer_id, name, False, f"{group}: tensor parallelism already splits "
+                                           "it, its bytes differ between ranks"))
+            return None
+        why = f"{group}: the same bytes on every rank"
+    elif tp != 1:
+        raise ShardingError(
+            f"layer {layer_id}: target {name!r} has tp_size {tp}; weight sharding only applies to weights "
+            "replicated byte for byte on every rank (tp_size 1: ReplicatedLinear, or merged/QKV linears "
+            "built with the 'replicated' group). Remove it from the targets or build it with tp 1."
+        )
+    else:
+        why = f"{type(module).__name__} (not split): the same bytes on every rank"
+    method = getattr(module, "quant_method", None)
+    mode = getattr(method, "weight_shard_mode", "rows") if method is not None else "rows"
+    if mode is None:
+        raise ShardingError(
+            f"layer {layer_id}: target {name!r} uses {type(method).__name__}, which weight sharding cannot "
+            f"shard: {getattr(method, 'weight_shard_refusal', '') or 'it declares no weight_shard_mode'}. "
+            "Leave it out of the targets, or quantize it with a method that can be sharded "
+            "(unquantized, int8, fp8, fp8_block)."
+        )
+    if mode not in SHARD_MODES:
+        raise ShardingError(f"layer {layer_id}: target {name!r}: {type(method).__name__}.weight_shard_mode is "
+                            f"{mode!r}; expected one of {SHARD_MODES}")
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ShardingError(f"layer {layer_id}: target {name!r} has no 2-D weight to shard")
+    rows = weight.shape[0]
+    if rows % world_size:
+        decisions.append(ShardDecision(layer_id, name, False,
+                                       f"{rows} rows, not divisible by the group size {world_size}"))
+        return rows
+    decisions.append(ShardDecision(layer_id, name, True, why))
+    return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, row_blocks(module, rows), mode)
+
+
+def declare_layer(ws: Any, layer_id: int, layer: nn.Module,
+                  names: Sequence[str | nn.Module] | None = None) -> list[ShardTarget]:
+    """Decide layer ``layer_id``'s targets for ``ws``, the :class:`~wsharding.core.sharding.WeightSharding`
+    being declared (``names`` -- attribute paths, or the package's own linears
+    themselves -- or the layer's own ``weight_shard_targets``) and fix its flat layout, while every
+    weight still has its full shape. Layers outside the sharded range are left alone.
+
+    A package linear (:class:`~wsharding.linear.LinearBase`) is decided by its group (the Linear
+    contract): tp size 1 -> a target; tp size > 1 -> left alone, tensor parallelism already splits
+    it. Each decision is kept, with its one-line reason, in :attr:`decisions` (:meth:`report`)."""
+    if ws.stage != "declared":
+        raise ShardingError(f"declare() after {ws.stage}: declare every layer before finalize")
+    if layer_id in ws.shrunk:
+        raise ShardingError(f"layer {layer_id}: declare() after setup_layer(): its targets already hold 1/N "
+                            "rows, and a layout needs the full shapes. Declare a layer before it shrinks")
+    # Every block is indexed, sharded or not: a target whose storage a block left replicated also
+    # holds is as wrong as one tied between sharded blocks (refuse_ties).
+    places = by_storage(tensor_places(layer))
+    ws.declared_blocks[layer_id] = (layer, places)
+    earlier = [t for i, ts in ws.targets.items() if i != layer_id for t in ts]
+    if ws.sharded_range is not None and layer_id not in ws.sharded_range:
+        refuse_ties(earlier, places, f"layer {layer_id} ", ws.comm.rank)
+        return []
+    if getattr(layer, "_weight_shard", None) is not None:
+        # Its weights are views of another sharding's slot: sharded again, the two planners would
+        # gather into each other's slots and the outputs would be silently wrong.
+        raise ShardingError(
+            f"layer {layer_id} on rank {ws.comm.rank}: this module is already sharded by a WeightSharding that is "
+            "still open (its weights are views of that sharding's slots). Use that sharding, or close it "
+            "(ws.close()) and shard a freshly built model")
+    if getattr(layer, "_weight_shard_closed", False):
+        raise ShardingError(
+            f"layer {layer_id} on rank {ws.comm.rank}: this module's weight sharding was closed and its sharded "
+            "weights freed; nothing is left to shard. Shard a freshly built model (or load its checkpoint into one)")
+    names = getattr(layer, "weight_shard_targets", []) if names is None else names
+    chosen, left = [], []
+    for n in names:
+        name = target_name(layer_id, layer, n)
+        t = validate_target(layer_id, layer, name, ws.comm.world_size, ws.decisions)
+        if isinstance(t, ShardTarget):
+            chosen.append(t)
+        elif t is not None:
+            ws.skipped.append(f"{layer_id}:{name}")
+            left.append(f"{name}.weight ({t} rows)")
+    # One warning per layer, on rank 0 only: every rank skips the same weights, and a model of
+    # 60 layers x 4 weights x 8 ranks would otherwise print 1920 lines for one decision.
+    if left and ws.comm.rank == 0:
+        warnings.warn(f"layer {layer_id}: {len(left)} weight{'s' * (len(left) > 1)} left replicated, rows not "
+                      f"divisible by the group size {ws.comm.world_size}: {', '.join(left)}",
+                      ShardingSkipWarning, stacklevel=4)
+    for t in chosen:
+        # A weight tied between two layers (or one block at two places of the list) would be shrunk,
+        # bound to a slot and gathered once per place: each sharded layer needs weights of its own.
+        for other, ts in [*ws.targets.items(), (layer_id, chosen[:chosen.index(t)])]:
+            same = next((o for o in ts if o.module.weight is t.module.weight), None)
+            if same is not None:
+                raise ShardingError(
+                    f"layer {layer_id} {t.name}.weight on rank {ws.comm.rank} is the same weight as layer {other} "
+                    f"{same.name}.weight (a block or weight shared between layers): each sharded layer needs "
+                    "weights of its own. Leave one of the layers out (sharded_layers=...), or untie the weights")
+    # Then every other holder of a target's storage: of this layer's targets in this block and in
+    # the blocks declared before, of earlier layers' targets in this block.
+    refuse_ties(chosen, places, f"layer {layer_id} ", ws.comm.rank, own_layer=True)
+    for other, (_, elsewhere) in ws.declared_blocks.items():
+        if other != layer_id:
+            refuse_ties(chosen, elsewhere, f"layer {other} ", ws.comm.rank, recheck=True)
+    refuse_ties(earlier, places, f"layer {layer_id} ", ws.comm.rank)
+    if chosen:
+        ws.layers[layer_id] = layer
+        ws.targets[layer_id] = chosen
+        for t in chosen:
+            # Loading reads this: the linear's own after-loading step runs at finalize instead.
+            t.module.weight_shard_target = t
+        # Attention and MoE targets of a layer share one layout: one gather per layer.
+        ws.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], ws.comm.world_size,
+                                            chunk_alignment=ws.slot_policy.chunk_alignment)
+    return chosen
