@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from wsharding.accel.next_step import NextStepPrefetch
 from wsharding.core.comm import is_slice_of
 from wsharding.core.errors import Unsupported
 from wsharding.core.runner import aligned_forward
@@ -65,7 +66,7 @@ def sharded_vs_replicated(ctx, preset: str | DecoderConfig, counts: list[list[in
     pool_before = pool.allocated_bytes if pool is not None else None
     replicated, sharded = build_pair(cfg, comm, seed=0, lookahead=lookahead, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding
-    ws.planner.prefetch_next_step = prefetch_next_step
+    next_step = NextStepPrefetch.switch(ws.planner, prefetch_next_step)
     equal, max_diff, gathers, waits = [], 0.0, [], []
     with torch.no_grad():
         for step in range(len(counts)):
@@ -87,7 +88,7 @@ def sharded_vs_replicated(ctx, preset: str | DecoderConfig, counts: list[list[in
         group = list(dist.get_process_group_ranks(comm.group)) if comm.group is not None else list(range(ctx.world_size))
     result = {
         "rank": ctx.rank, "mode": comm.mode, "group": group, "equal": equal, "max_abs_diff": max_diff,
-        "gathers": gathers, "waits": waits, "next_step_prefetches": getattr(ws.planner, "next_step_prefetches", None),
+        "gathers": gathers, "waits": waits, "next_step_prefetches": next_step.prefetches if next_step is not None else 0,
         "sharded_layers": ws.sharded_layer_ids,
         "in_place_gathers": sum(is_slice_of(ws.slots.gather_chunk(i, ws.chunks[i]), ws.slots.full_buffer(i), comm.rank)
                                 for i in ws.sharded_layer_ids),

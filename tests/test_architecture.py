@@ -198,7 +198,8 @@ def test_the_rules_see_a_violation():
     broken["wsharding.accel.nccl.symmetric"].add("wsharding.accel.nccl.communicator")
     broken["wsharding.core.slots"].add("wsharding.lab.viz.comm")
     assert sorted(map(tuple, circles_of(broken))) == [
-        ("wsharding.accel.nccl.communicator", "wsharding.accel.nccl.symmetric"),
+        # the communicator's slot policy (mapped_slots) reads symmetric windows: one circle of three
+        ("wsharding.accel.mapped_slots", "wsharding.accel.nccl.communicator", "wsharding.accel.nccl.symmetric"),
         ("wsharding.lab.bench.step", "wsharding.lab.viz.bench"),
     ]
     assert ("wsharding.core.slots", "wsharding.lab.viz.comm") in upward_imports(broken)
