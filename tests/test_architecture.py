@@ -48,6 +48,7 @@ FLOORS: dict[str, int] = {
     "wsharding.core.declare": 6,
     "wsharding.core.accounting": 6,
     "wsharding.linear": 5,
+    "wsharding.comm_by_name": 5,
     "wsharding.core.rowloaders": 6,
     "wsharding.core.bound": 6,
     "wsharding.core.guards": 6,

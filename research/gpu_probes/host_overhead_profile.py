@@ -19,7 +19,7 @@ import time
 import torch
 
 from wsharding.cluster import RankCluster
-from wsharding.lab.tasks.model import shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 from wsharding.core.runner import shard_blocks
 

@@ -43,9 +43,9 @@ case $part in
     mv "$out/contention_probe.json" "$out/contention_probe_h200x2_${day}_8192_mapped-next-clocks.json" ;;
   tests)  # on one H200 these files took 5.5 min with NCCL 2.32.3: the rest is part tests2
     timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs tests/models/test_gpu_sharding.py \
-      tests/test_gpu_hotpath.py tests/test_gpu_nccl.py | tee "$out/gpu_tests_h200x2_${day}.log" ;;
+      tests/accel/test_gpu_hotpath.py tests/accel/test_gpu_nccl.py | tee "$out/gpu_tests_h200x2_${day}.log" ;;
   tests2)
-    timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs tests/lab/test_soak.py tests/test_gpu_draft.py \
+    timeout 580 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs tests/lab/test_soak.py tests/lab/test_gpu_draft.py \
       tests/loading/test_gpu_loading.py tests/models/test_gpu_kv.py tests/core/test_gpu_groups.py | tee "$out/gpu_tests2_h200x2_${day}.log" ;;
   *)
     echo "unknown part $part: decode, prefill, fsdp, demo, contention, tests or tests2" >&2

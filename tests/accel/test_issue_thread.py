@@ -3,7 +3,7 @@
 The thread only calls the three function pointers it is given, so on a machine without a GPU a
 small C file stands in for cuStreamWaitEvent / cuGraphLaunch / cuEventRecord: it logs each call (and
 can fail at a chosen one, or take a while), and the tests read the log back. The GPU tests
-(``tests/test_gpu_sharding.py``) run the same thread against the real driver.
+(``tests/models/test_gpu_sharding.py``) run the same thread against the real driver.
 """
 
 from __future__ import annotations

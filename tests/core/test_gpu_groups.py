@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from tests.ranktasks import sharded_vs_replicated
 from wsharding.cluster import RankCluster
 from wsharding.models import PRESETS
+from wsharding.models.equality import model_equality
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def test_gpu_nccl_two_groups_of_two():
     cfg = PRESETS["small"]
     n_layers = cfg.layers - 1
     with _cluster4() as c:
-        results = c.run(sharded_vs_replicated, "small", COUNTS, group_size=2, comm="nccl")
+        results = c.run(model_equality, "small", COUNTS, group_size=2, comm="nccl")
     for r in results:
         assert r["group"] == ([0, 1] if r["rank"] < 2 else [2, 3]), r["group"]
         assert r["mode"] in ("gpu-nccl", "gpu-nccl-shared")

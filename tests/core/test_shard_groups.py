@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ranktasks import sharded_vs_replicated
 from wsharding.cluster import RemoteError
 from wsharding.models import PRESETS
+from wsharding.models.equality import model_equality
 
 COUNTS = [[3, 5, 1, 7], [6, 2, 0, 1], [1, 4, 8, 2]]
 
@@ -29,7 +29,7 @@ def group_unique_ids(ctx, group_size: int) -> dict:
 
 def test_torch_comm_in_two_groups_of_two(cluster_of):
     cfg = PRESETS["tiny"]
-    results = cluster_of(4).run(sharded_vs_replicated, "tiny", COUNTS, group_size=2)
+    results = cluster_of(4).run(model_equality, "tiny", COUNTS, group_size=2)
     n_layers = cfg.layers - 1
     per_layer = cfg.sharded_bytes_per_layer()
     total = -(-per_layer // (16 * 2)) * 16 * 2  # the layout of a group of 2, not of the world of 4

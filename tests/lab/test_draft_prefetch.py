@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.comm import CommError
 from wsharding.lab.bench.draft import format_table, summarize
 from wsharding.lab.tasks.draft import draft_equality, draft_exposed
-from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import decoder_config
 from wsharding.models.draft import build_draft_pair, draft_config
 

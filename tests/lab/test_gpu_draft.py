@@ -1,6 +1,6 @@
 """The draft model's first-layer prefetch on GPUs (marker ``gpu``; skipped without CUDA).
 
-Run: ``PYTHONPATH=. python3 -m pytest -m gpu -q tests/test_gpu_draft.py -s`` (``-s`` prints the measured
+Run: ``PYTHONPATH=. python3 -m pytest -m gpu -q tests/lab/test_gpu_draft.py -s`` (``-s`` prints the measured
 exposed times). With one GPU, the 2-rank cases need NCCL >= 2.30 (``WSHARDING_NCCL_LIBRARY``) and
 ``NCCL_MULTI_RANK_GPU_ENABLE=1``, or they skip: ranks then time-slice one GPU (mode ``gpu-nccl-shared``).
 """
@@ -101,8 +101,8 @@ class HeavyBlock(torch.nn.Module):
 
 
 def cuda_prefetch_race(ctx, fork: bool) -> bool:
+    from wsharding.comm_by_name import shard_comm_for
     from wsharding.core.sharding import WeightSharding
-    from wsharding.lab.tasks.model import shard_comm_for
 
     comm = shard_comm_for(ctx, "torch")
     dev = comm.device

@@ -33,7 +33,7 @@ def one_gpu():
 @pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_block"])
 def test_gpu_quant_variant_bitwise_and_peak(one_gpu, tmp_path, variant, comm):
     if comm == "nccl":
-        from wsharding.lab.tasks.model import ours_supported
+        from wsharding.comm_by_name import ours_supported
 
         if not ours_supported():
             pytest.skip("libnccl without symmetric windows / copy engine")

@@ -191,8 +191,8 @@ def test_decoder_with_idle_ranks(cluster_of):
 
 
 def test_the_model_task_counts_prefetches(cluster_of):
-    """The task the GPU test runs (tests/test_gpu_sharding.py), here on CPU ranks."""
-    from wsharding.lab.tasks.model import model_equality
+    """The task the GPU test runs (tests/models/test_gpu_sharding.py), here on CPU ranks."""
+    from wsharding.models.equality import model_equality
 
     counts = [[3, 5], [6, 2], [0, 3], [1, 8]]
     for r in cluster_of(2).run(model_equality, "tiny", counts, prefetch_next_step=True):

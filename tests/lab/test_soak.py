@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from wsharding.comm_by_name import multi_rank_per_gpu_supported
 from wsharding.lab.soak import (
     FAULTS,
     PY_BLOCKS_SLACK,
@@ -18,7 +19,6 @@ from wsharding.lab.soak import (
     soak_ok,
     tokens_at,
 )
-from wsharding.lab.tasks.model import multi_rank_per_gpu_supported
 
 STEPS, WARMUP = 300, 50
 

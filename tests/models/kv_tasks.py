@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.ranktasks import shard_comm
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.errors import Unsupported
 from wsharding.core.sharding import WeightSharding
 from wsharding.models import ToyDecoder, decoder_config
@@ -87,7 +87,7 @@ def kv_fill(ctx, preset: str, *, context: int = 4096, kv_gib_replicated: float =
     tokens per forward to stay inside it). Every rank does the same steps.
     """
     cfg = decoder_config(preset)
-    comm_ = shard_comm(ctx, comm)
+    comm_ = shard_comm_for(ctx, comm)
     dev = comm_.device
     if dev.type != "cuda":
         raise Unsupported("kv_fill needs CUDA ranks: on CPU use kv_capacity_now (no allocator cap to enforce)")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ranktasks import graph_replay, memory_over_steps, shard_comm, sharded_vs_replicated, shared_gpu_ready
+from tests.ranktasks import graph_replay, memory_over_steps
 from wsharding.cluster import RankCluster
+from wsharding.comm_by_name import multi_rank_per_gpu_supported, shard_comm_for
 from wsharding.core.units import align_up
+from wsharding.models.equality import model_equality
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +37,7 @@ COMMS = ["torch", "nccl"]  # torch.distributed NCCL, and our binding (symmetric 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_gpu_sharded_equals_replicated(gpu_cluster, preset, lookahead, comm):
     counts = [row[: gpu_cluster.world_size] for row in COUNTS]
-    for r in gpu_cluster.run(sharded_vs_replicated, preset, counts, lookahead=lookahead, comm=comm):
+    for r in gpu_cluster.run(model_equality, preset, counts, lookahead=lookahead, comm=comm):
         assert r["mode"].startswith("gpu-nccl")
         assert r["max_abs_diff"] == 0.0
         assert all(e in (True, None) for e in r["equal"]) and any(r["equal"])
@@ -48,7 +50,7 @@ def test_gpu_next_step_prefetch_equals_replicated(gpu_cluster, comm):
     """[Note: the next step's first gather] on GPUs: the first gather issued during the previous
     step's last layers (gated on the first slot's last reader) changes no bit."""
     counts = [row[: gpu_cluster.world_size] for row in COUNTS]
-    for r in gpu_cluster.run(sharded_vs_replicated, "small", counts, comm=comm, prefetch_next_step=True):
+    for r in gpu_cluster.run(model_equality, "small", counts, comm=comm, prefetch_next_step=True):
         assert r["max_abs_diff"] == 0.0
         assert all(e in (True, None) for e in r["equal"]) and any(r["equal"])
         assert r["gathers"] == [len(r["sharded_layers"])] * len(counts)
@@ -103,7 +105,7 @@ class HeavyBlock(torch.nn.Module):
 def cuda_gate_race(ctx, gate: bool):
     from wsharding.core.sharding import WeightSharding
 
-    comm = shard_comm(ctx, "torch")
+    comm = shard_comm_for(ctx, "torch")
     dev = comm.device
     blocks = [HeavyBlock(1024, 10 + i, dev) for i in range(6)]
     x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
@@ -139,13 +141,13 @@ def test_gpu_gate_orders_side_stream_after_compute():
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_gpu_shared_ranks_with_our_nccl(ranks):
-    if not shared_gpu_ready():
+    if not multi_rank_per_gpu_supported():
         pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1")
     counts = [[3, 5, 1, 7], [6, 2, 4, 1], [0, 3, 2, 5]]
     # gloo between the rank processes (CPU side); the gathers go through our NCCL communicator, all
     # ranks time-slicing one GPU: the code path of N GPUs, not their bandwidth
     with RankCluster(ranks, backend="gloo", task_timeout=600) as c:
-        for r in c.run(sharded_vs_replicated, "small", counts, lookahead=True, comm="nccl"):
+        for r in c.run(model_equality, "small", counts, lookahead=True, comm="nccl"):
             assert r["mode"] == "gpu-nccl-shared"
             assert r["max_abs_diff"] == 0.0 and all(e in (True, None) for e in r["equal"])
             assert r["resident_bytes"] == r["formula_bytes"]
@@ -169,12 +171,12 @@ def _mapped_supported() -> bool:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_gpu_mapped_views_equal_replicated_and_copy_nothing_of_their_own(ranks):
-    if not shared_gpu_ready():
+    if not multi_rank_per_gpu_supported():
         pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1")
     counts = [[3, 5, 1, 7], [6, 2, 4, 1], [0, 3, 2, 5]]
     counts = [row[:ranks] for row in counts]
     with RankCluster(ranks, backend="gloo", task_timeout=600) as c:
-        for r in c.run(sharded_vs_replicated, "small", counts, comm="nccl", map_own_chunk=True, close=True):
+        for r in c.run(model_equality, "small", counts, comm="nccl", map_own_chunk=True, close=True):
             assert r["max_abs_diff"] == 0.0 and all(e in (True, None) for e in r["equal"]) and any(r["equal"])
             assert r["resident_bytes"] == r["formula_bytes"] == r["pool_bytes_sharded"]
             # what the KV-cache comparison counts: the layer views are address ranges over the chunks
@@ -189,7 +191,7 @@ def test_gpu_mapped_views_equal_replicated_and_copy_nothing_of_their_own(ranks):
             before, after = r["pool_bytes"]
             assert after == before  # close gave back every page, chunk and mapped range
             mapped_slots = r["pool_bytes_sharded"] - sum(r["chunk_bytes"])
-        for r in c.run(sharded_vs_replicated, "small", counts, comm="nccl"):
+        for r in c.run(model_equality, "small", counts, comm="nccl"):
             assert r["in_place_gathers"] == 0 and r["max_abs_diff"] == 0.0  # the plain slots copy the own chunk
             assert r["resident_bytes"] == r["formula_bytes"] == r["pool_bytes_sharded"]
             # the slots of the mapped sharding hold less, though its pieces are padded to 2 MiB pages
@@ -203,7 +205,7 @@ def test_gpu_mapped_views_one_rank():
     if not _mapped_supported():
         pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY)")
     with RankCluster(1, backend="nccl", task_timeout=600) as c:
-        (r,) = c.run(sharded_vs_replicated, "small", [[3], [6], [1]], comm="nccl", map_own_chunk=True, close=True)
+        (r,) = c.run(model_equality, "small", [[3], [6], [1]], comm="nccl", map_own_chunk=True, close=True)
         assert r["max_abs_diff"] == 0.0 and all(r["equal"]) and r["resident_bytes"] == r["formula_bytes"]
         mb = r["model_bytes"]
         assert mb["sharded"] == mb["replicated"] - r["replicated_bytes"] + r["resident_bytes"]
@@ -239,7 +241,7 @@ def mapped_mixed_sizes(ctx) -> dict:
     and 4 MiB over 2 ranks, in 2 MiB pages) end at different bytes of the peer's page."""
     from wsharding.core.runner import shard_blocks
 
-    comm = shard_comm(ctx, "nccl")
+    comm = shard_comm_for(ctx, "nccl")
     model = WideStack([1024, 1024, 4096, 4096], comm.device)
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3)).to(comm.device, torch.bfloat16)
     with torch.no_grad():
@@ -255,7 +257,7 @@ def mapped_mixed_sizes(ctx) -> dict:
 def test_gpu_mapped_views_of_layers_of_different_sizes():
     """A peer's slice of a smaller layer's view must be whole allocations: before the pages were cut
     at every chunk size (MappedSlotPool.segment_bytes), its cuMemMap failed with CUresult 801."""
-    if not shared_gpu_ready():
+    if not multi_rank_per_gpu_supported():
         pytest.skip("needs NCCL >= 2.30 (WSHARDING_NCCL_LIBRARY) and NCCL_MULTI_RANK_GPU_ENABLE=1")
     mib = 1 << 20
     with RankCluster(2, backend="gloo", task_timeout=300) as c:
@@ -272,8 +274,8 @@ def test_gpu_map_own_chunk_auto_maps_where_it_can_and_holds_no_more():
     if not _gpus():
         pytest.skip("needs a GPU")
     with RankCluster(1, backend="nccl", task_timeout=600) as c:
-        (small,) = c.run(sharded_vs_replicated, "small", [[3], [6]], comm="nccl", map_own_chunk="auto", close=True)
-        (tiny,) = c.run(sharded_vs_replicated, "tiny", [[3], [6]], comm="nccl", map_own_chunk="auto", close=True)
+        (small,) = c.run(model_equality, "small", [[3], [6]], comm="nccl", map_own_chunk="auto", close=True)
+        (tiny,) = c.run(model_equality, "tiny", [[3], [6]], comm="nccl", map_own_chunk="auto", close=True)
     for r in (small, tiny):
         assert r["max_abs_diff"] == 0.0 and all(r["equal"])
         assert r["resident_bytes"] == r["formula_bytes"] == r["pool_bytes_sharded"]
@@ -302,5 +304,5 @@ def test_gpu_mapped_views_refused_by_an_older_nccl():
 
     with RankCluster(1, backend="nccl", task_timeout=600) as c:
         with pytest.raises(Exception, match="map_own_chunk .* needs NCCL >= 2.30.0") as info:
-            c.run(sharded_vs_replicated, "small", [[3]], comm="nccl", map_own_chunk=True)
+            c.run(model_equality, "small", [[3]], comm="nccl", map_own_chunk=True)
         assert "NcclLibraryError" in str(info.value) or isinstance(info.value, NcclLibraryError)

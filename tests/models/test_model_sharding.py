@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ranktasks import sharded_vs_replicated
 from wsharding.models import PRESETS
+from wsharding.models.equality import model_equality
 
 # steps x ranks: different token counts per rank and per step, one idle rank in step 2
 COUNTS = [[3, 5, 1, 7], [6, 2, 4, 1], [0, 3, 2, 5], [1, 1, 8, 2]]
@@ -15,7 +15,7 @@ COUNTS = [[3, 5, 1, 7], [6, 2, 4, 1], [0, 3, 2, 5], [1, 1, 8, 2]]
 @pytest.mark.parametrize("lookahead", [True, False])
 def test_sharded_decoder_equals_replicated(cluster_of, n, lookahead):
     cfg = PRESETS["tiny"]
-    results = cluster_of(n).run(sharded_vs_replicated, "tiny", COUNTS, lookahead=lookahead)
+    results = cluster_of(n).run(model_equality, "tiny", COUNTS, lookahead=lookahead)
     sharded_layers = list(range(1, cfg.layers))
     per_layer = cfg.sharded_bytes_per_layer()
     for r in results:

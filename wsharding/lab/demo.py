@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from wsharding.cluster import RankCluster, choose_backend
+from wsharding.comm_by_name import graph_unsupported, is_ours, ours_supported, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE
 from wsharding.core.runner import aligned_forward
@@ -53,8 +54,8 @@ from wsharding.lab.cliargs import (
 )
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.tasks.loading import build_pair_measured
-from wsharding.lab.tasks.model import graph_unsupported, is_ours, ours_supported, shard_comm_for, tokens_for
 from wsharding.models import PRESETS, decoder_config
+from wsharding.models.equality import tokens_for
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
 from wsharding.runtime import gpu_count, in_ci
 

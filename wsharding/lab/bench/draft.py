@@ -18,11 +18,11 @@ import argparse
 from typing import Any
 
 from wsharding.cluster import RankCluster
+from wsharding.comm_by_name import ours_supported
 from wsharding.core.units import ceil_div
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least
 from wsharding.lab.tasks.draft import draft_exposed
-from wsharding.lab.tasks.model import ours_supported
 from wsharding.models import PRESETS
 from wsharding.runtime import gpu_count, in_ci
 

@@ -36,6 +36,7 @@ import torch
 
 from wsharding.accel.next_step import NextStepPrefetch
 from wsharding.cluster import RankCluster
+from wsharding.comm_by_name import graph_unsupported, is_ours, shard_comm_for
 from wsharding.core.comm import Communicator
 from wsharding.core.context import RankContext
 from wsharding.core.errors import NotFound
@@ -48,7 +49,6 @@ from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
-from wsharding.lab.tasks.model import graph_unsupported, is_ours, shard_comm_for
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
 from wsharding.runtime import gpu_count, in_ci

@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
+from wsharding.comm_by_name import is_ours, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, Unsupported
 from wsharding.core.sharding import WeightSharding
-from wsharding.lab.tasks.model import is_ours, shard_comm_for, tokens_for
 from wsharding.models import ToyDecoder, decoder_config
 from wsharding.models.draft import DraftDecoder, build_draft_pair, draft_config
+from wsharding.models.equality import tokens_for
 
 MODES = ("dedicated", "shared", "inline")
 #: What the CPU-rank version runs: gloo has no streams to share.

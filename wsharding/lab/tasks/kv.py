@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
-from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.kv_cache import (
     KVCachePool,

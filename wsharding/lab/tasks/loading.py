@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 from wsharding.checkpoint import load_checkpoint, load_sharded, save_checkpoint
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.runner import aligned_forward
 from wsharding.core.sharding import WeightSharding
-from wsharding.lab.tasks.model import shard_comm_for, tokens_for
 from wsharding.linear.fp8 import fp8_gemm_path
 from wsharding.memory import PeakMeter, map_large_allocations, peak_rss_bytes, rss_bytes
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
+from wsharding.models.equality import tokens_for
 
 #: variant name -> quant method name of the toy decoder's targets
 VARIANTS: dict[str, str] = {"bf16": "none", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}

@@ -1,6 +1,8 @@
-"""Rank tasks that exercise the NCCL backend on GPUs (used by the GPU tests and the notebook).
+"""Rank tasks that exercise the NCCL backend, used by the notebooks (``02_communication``,
+``06_end_to_end``) and by ``tests/lab/test_gpu_nccl_roundtrip.py``.
 
-They live in the package because spawned rank processes import tasks by name.
+They live in the package because spawned rank processes import tasks by name. The library's own GPU
+tests of the backend keep their tasks next to them, in ``tests/accel/nccl_tasks.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from typing import Any
 import torch
 
 from wsharding.core.context import RankContext
-from wsharding.core.units import MiB
 
 
 def _pattern(rank: int, n: int, salt: int, device: torch.device) -> torch.Tensor:
@@ -85,115 +86,6 @@ def gather_roundtrip(ctx: RankContext | None, sizes: list[int], cta_policy: int 
     return out
 
 
-def missing_rank(ctx: RankContext, timeout_s: float = 5.0, cta_policy: int = 2, how: str = "leave") -> dict[str, Any]:
-    """The last rank misses the gather; the others gather and must fail with an error within
-    ``timeout_s``, not hang. ``how="leave"``: it aborts its communicator and returns (a crashed or
-    exited rank); ``how="skip"``: it stays alive but never joins (an idle rank skipping a step),
-    so only our timeout can end the wait."""
-    from wsharding.accel.nccl.communicator import from_context
-    from wsharding.core.comm import CommError
-
-    comm = from_context(ctx, cta_policy=cta_policy, timeout_s=timeout_s)
-    full = comm.alloc(4 * MiB, tag="layer.0.full")
-    comm.register_all()
-    n = full.numel() // comm.world_size
-    if comm.rank == comm.world_size - 1:
-        if how == "skip":
-            time.sleep(timeout_s + 3.0)  # alive, but in no collective
-        comm.abort()  # what a crashed or early-exiting rank looks like to its peers
-        comm.close()
-        return {"rank": comm.rank, "left": True}
-    t0 = time.monotonic()
-    err = None
-    try:
-        comm.all_gather_into(full, full[comm.rank * n:(comm.rank + 1) * n], async_op=True).synchronize()
-    except CommError as e:  # CommTimeout, or NCCL's own ncclRemoteError when it sees the peer leave
-        err = f"{type(e).__name__}: {e}"
-    elapsed = time.monotonic() - t0
-    comm.close()
-    return {"rank": comm.rank, "left": False, "error": err, "elapsed_s": elapsed, "aborted": comm.aborted}
-
-
-def graph_replay(ctx: RankContext | None, size: int = 8 * MiB, replays: int = 3, cta_policy: int = 2) -> dict[str, Any]:
-    """Capture fork -> gather -> compute -> join in a CUDA graph and replay it; before each replay
-    every rank writes new bytes into its chunk, so a correct replay must gather the new bytes.
-    The compute (``full`` as int32, times 3 plus 1) is exact, so graph and eager compare bitwise.
-
-    ``ctx=None``: world size 1 in this process.
-    """
-    from wsharding.accel.nccl.communicator import NcclCommunicator, from_context
-
-    comm = (from_context(ctx, cta_policy=cta_policy, timeout_s=60) if ctx is not None
-            else NcclCommunicator(device=0, cta_policy=cta_policy, timeout_s=60))
-    with comm:
-        dev, world, rank = comm.device, comm.world_size, comm.rank
-        full = comm.alloc(size, tag="layer.0.full")
-        comm.register_all()
-        n = size // world
-        chunk = full[rank * n:(rank + 1) * n]
-        chunk.copy_(_pattern(rank, n, 0, dev))
-        # Warm up outside the capture: NCCL sets up its connections (and the compute its kernels)
-        # on first use, which must not happen while a graph is being captured.
-        comm.all_gather_into(full, chunk)
-        full.view(torch.int32) * 3 + 1
-        comm.synchronize()
-        torch.cuda.synchronize(dev)
-        comm.barrier()
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        # thread_local: NCCL's own threads may make CUDA calls while this thread captures.
-        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-            comm.all_gather_into(full, chunk).wait()
-            out = full.view(torch.int32) * 3 + 1
-        torch.cuda.current_stream(dev).wait_stream(s)
-        results = []
-        for i in range(1, replays + 1):
-            chunk.copy_(_pattern(rank, n, i, dev))
-            torch.cuda.synchronize(dev)
-            comm.barrier()  # every rank has written its new chunk before anyone gathers
-            g.replay()
-            torch.cuda.synchronize(dev)
-            want = torch.cat([_pattern(r, n, i, dev) for r in range(world)])
-            results.append(bool(torch.equal(full, want)) and bool(torch.equal(out, want.view(torch.int32) * 3 + 1)))
-        comm.barrier()
-        del g
-        return {"rank": rank, "replays_equal": results, "mode": comm.mode}
-
-
-def default_stream_refused() -> str:
-    """The error text when a gather is asked to run on the legacy default stream."""
-    from wsharding.accel.nccl.communicator import NcclCommunicator
-    from wsharding.core.comm import CommError
-
-    with NcclCommunicator(device=0) as comm:
-        full = comm.alloc(4096, tag="x")
-        comm.register_all()
-        try:
-            comm.all_gather_into(full, full, stream=torch.cuda.default_stream(comm.device))
-        except CommError as e:
-            return str(e)
-    return ""
-
-
-def unregistered_refused() -> str:
-    """The error when a gather uses memory outside any registered window."""
-    from wsharding.accel.nccl.communicator import NcclCommunicator
-    from wsharding.core.comm import CommError
-
-    with NcclCommunicator(device=0) as comm:
-        plain = torch.empty(4096, dtype=torch.uint8, device=comm.device)
-        try:
-            comm.all_gather_into(plain, plain)
-        except CommError as e:
-            return str(e)
-    return ""
-
-
-__all__ = ["default_stream_refused", "gather_roundtrip", "graph_replay", "missing_rank",
-           "unregistered_refused"]
-
-
 def group_unique_ids(ctx: RankContext, group_size: int) -> dict[str, Any]:
     """The unique-id exchange of :class:`~wsharding.accel.nccl.NcclCommunicator`, run on its own over this
     rank's shard group: the gloo group from ``from_context``'s helper, rank 0 of each group making a
@@ -214,3 +106,6 @@ def group_unique_ids(ctx: RankContext, group_size: int) -> dict[str, Any]:
     raw = share_unique_id(NcclBinding(default_library()), rank, lambda obj: exchange_over(group, size, obj))
     return {"rank": ctx.rank, "rank_in_group": rank, "group_size": size,
             "group": list(group_members(group, size)), "unique_id": raw.hex()}
+
+
+__all__ = ["gather_roundtrip", "group_unique_ids"]

@@ -1,6 +1,6 @@
 """Figures of shard groups and of what the saving buys (notebook 06 sections 6 and 7).
 
-Drawn only from what rank tasks returned (:func:`wsharding.lab.tasks.model.model_equality`,
+Drawn only from what rank tasks returned (:func:`wsharding.models.equality.model_equality`,
 :func:`wsharding.lab.tasks.kv.kv_capacity_now`) or from the cost model's
 :meth:`~wsharding.costmodel.Plan.kv_capacity`: nothing here measures or computes a new number.
 """

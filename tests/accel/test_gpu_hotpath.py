@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.accel.hotpath_tasks import host_not_held, missing_rank
 from wsharding.cluster import RankCluster
-from wsharding.lab.tasks.hotpath import host_not_held, missing_rank
-from wsharding.lab.tasks.model import multi_rank_per_gpu_supported
+from wsharding.comm_by_name import multi_rank_per_gpu_supported
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +17,7 @@ def _gpus() -> int:
 
 
 def _ours() -> bool:
-    from wsharding.lab.tasks.model import ours_supported
+    from wsharding.comm_by_name import ours_supported
 
     return ours_supported()
 
@@ -67,7 +67,7 @@ def test_gpu_missing_rank_mid_forward_is_an_error_within_the_timeout(blocking):
 
 def test_gpu_gathers_launched_as_graphs_equal_direct_calls_and_go_with_the_sharding():
     cluster = _two_ranks_of_ours(300)
-    from wsharding.lab.tasks.hotpath import launch_modes_equal
+    from tests.accel.hotpath_tasks import launch_modes_equal
 
     with cluster as c:
         for r in c.run(launch_modes_equal, "small"):
@@ -90,7 +90,7 @@ def _issue_thread_cluster(task_timeout: float) -> RankCluster:
 
 @pytest.mark.parametrize("lookahead", [True, False])
 def test_gpu_issue_thread_equals_replicated_and_holds_no_host(lookahead):
-    from wsharding.lab.tasks.model import model_equality
+    from wsharding.models.equality import model_equality
 
     counts = [[3, 5], [6, 2], [0, 3], [1, 8]]
     with _issue_thread_cluster(300) as c:
@@ -107,7 +107,7 @@ def test_gpu_issue_thread_equals_replicated_and_holds_no_host(lookahead):
 
 
 def test_gpu_issue_thread_error_names_the_layer_and_aborts():
-    from wsharding.lab.tasks.hotpath import issue_thread_error
+    from tests.accel.hotpath_tasks import issue_thread_error
 
     if _gpus() < 1 or not _ours():
         pytest.skip("needs a GPU and NCCL >= 2.28.3 with symmetric windows")
@@ -146,7 +146,7 @@ def slow_issue_thread_equality(ctx, guard: bool, delay_us: float = 20000.0) -> d
     from wsharding.accel.cuda_driver import driver
     from wsharding.accel.issue_thread import driver_issue_thread, fn_address
     from wsharding.accel.nccl.gather import NcclPreparedGather
-    from wsharding.lab.tasks.model import shard_comm_for
+    from wsharding.comm_by_name import shard_comm_for
     from wsharding.models import build_pair, decoder_config
 
     d = Path(tempfile.mkdtemp())

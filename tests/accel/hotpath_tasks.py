@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.comm import CommError
 from wsharding.core.context import RankContext
 from wsharding.core.runner import shard_blocks
-from wsharding.lab.tasks.model import shard_comm_for
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 
