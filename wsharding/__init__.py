@@ -16,6 +16,11 @@ Where to start:
   layers call the planner themselves; ``FlatLayout`` -- one layer's weights as one flat byte buffer.
 
 Every error the package raises derives from ``WshardingError``.
+
+How it is built: ``wsharding.core`` holds the whole mechanism and reads alone (``help(wsharding.core)``
+gives the reading order); ``wsharding.accel`` holds the accelerations, passed in as objects -- our NCCL
+communicator (``wsharding.accel.nccl.from_context``), the slot layout it offers (``map_own_chunk``),
+planner plug-ins (``shard_blocks(..., plugins=[NextStepPrefetch()])``).
 """
 
 from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint

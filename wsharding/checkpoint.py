@@ -27,10 +27,10 @@ from torch import nn
 from wsharding.core.comm import Communicator
 from wsharding.core.errors import WshardingError
 from wsharding.core.guards import bound_weights
+from wsharding.core.rowloaders import CheckpointShapeError
 from wsharding.core.runner import check_shard_blocks_args, shard_blocks
 from wsharding.core.sharding import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
 from wsharding.linear.base import process_weights
-from wsharding.linear.loading import CheckpointShapeError
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
 

@@ -10,9 +10,9 @@ from wsharding.accel.mapped_slots import MappedSlotPolicy, mapping_page_bytes
 from wsharding.accel.nccl.library import NcclLibrary, NcclLibraryError
 from wsharding.accel.nccl.symmetric import WINDOW_ALIGN, SymmetricBuffer, SymmetricPool
 from wsharding.core.comm import CommError, Communicator
+from wsharding.core.resident import resident_formula
 from wsharding.core.rowloaders import ShardingError
 from wsharding.core.sharding import WeightSharding
-from wsharding.core.slots import resident_formula
 
 
 class _PlainComm(Communicator):

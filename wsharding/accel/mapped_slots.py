@@ -41,7 +41,7 @@ sharding was faster than the plain one at every token count (1 to 8192 per rank)
 finalize; where it cannot run (another communicator, an NCCL older than 2.30) nothing changes. The
 one case where it costs: page padding. Every chunk is rounded up to a 2 MiB page, so a model of many
 small layers could hold more mapped than plain. ``setup()``, once every layer is declared, prices
-both with :func:`~wsharding.core.sharding.resident_formula` and keeps the layouts of the smaller; a tie goes to
+both with :func:`~wsharding.core.resident.resident_formula` and keeps the layouts of the smaller; a tie goes to
 mapping (no own-chunk copy). ``map_own_chunk=True`` forces it (and raises where it cannot run),
 ``False`` keeps plain slots.
 
@@ -61,7 +61,8 @@ from wsharding.accel.nccl.symmetric import wrap_device_memory
 from wsharding.core.comm import Communicator
 from wsharding.core.errors import ShardingError
 from wsharding.core.layout import FlatLayout
-from wsharding.core.slots import SLOT_NAMES, SlotPolicy, SlotPool, resident_formula
+from wsharding.core.resident import resident_formula
+from wsharding.core.slots import SLOT_NAMES, SlotPolicy, SlotPool
 
 
 def mapping_unavailable(comm: Communicator, *, required: bool = False) -> str | None:

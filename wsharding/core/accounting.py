@@ -1,7 +1,7 @@
 """What a weight sharding holds, in bytes: the formula it promises and the storages it measures.
 
 Every number here is either arithmetic on the layouts (the formula, one with the cost model's,
-:func:`~wsharding.core.slots.resident_formula`) or read from the storages themselves, so the two can
+:func:`~wsharding.core.resident.resident_formula`) or read from the storages themselves, so the two can
 be checked against each other.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from wsharding.core.errors import ShardingError
-from wsharding.core.slots import resident_formula
+from wsharding.core.resident import resident_formula
 from wsharding.core.units import align_up
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ planner gathers into before the layer runs. Two ordinary operations would silent
 
 So each bound Parameter's class is swapped for a subclass whose ``.data`` setter refuses any tensor
 other than the one it has, and each target module refuses a state dict that names its weight. The
-library rebinds through :func:`wsharding.linear.base.rebind_tensor`, which goes under the guard.
+library rebinds through :func:`wsharding.core.contract.rebind_tensor`, which goes under the guard.
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsharding.core.contract import ParallelLinear
 from wsharding.core.errors import ShardingError
 from wsharding.core.layout import FlatLayout
 from wsharding.core.rowloaders import RowBlock, ShardTarget
 from wsharding.core.ties import by_storage, refuse_ties, tensor_places
-from wsharding.linear.base import LinearBase
 
 SHARD_MODES = ("rows", "requant_then_shard")
 
@@ -106,7 +106,7 @@ def validate_target(layer_id: int, layer: nn.Module, name: str, world_size: int,
     except AttributeError:
         raise ShardingError(f"layer {layer_id}: declared target {name!r} does not exist") from None
     tp = tp_size(module)
-    if isinstance(module, LinearBase):
+    if isinstance(module, ParallelLinear):
         group = group_words(module)
         if tp != 1:
             decisions.append(ShardDecision(layer_id, name, False, f"{group}: tensor parallelism already splits "
@@ -152,7 +152,7 @@ def declare_layer(ws: Any, layer_id: int, layer: nn.Module,
     themselves -- or the layer's own ``weight_shard_targets``) and fix its flat layout, while every
     weight still has its full shape. Layers outside the sharded range are left alone.
 
-    A package linear (:class:`~wsharding.linear.LinearBase`) is decided by its group (the Linear
+    A package linear (:class:`~wsharding.core.contract.ParallelLinear`) is decided by its group (the Linear
     contract): tp size 1 -> a target; tp size > 1 -> left alone, tensor parallelism already splits
     it. Each decision is kept, with its one-line reason, in :attr:`decisions` (:meth:`report`)."""
     if ws.stage != "declared":

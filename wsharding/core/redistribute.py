@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from wsharding.core.comm import Communicator
+from wsharding.core.contract import ParallelLinear, rebind_tensor
 from wsharding.core.layout import SUPPORTED_DTYPES, FlatLayout
 from wsharding.core.rowloaders import ShardingError, ShardTarget
 from wsharding.core.slots import SlotPool
-from wsharding.linear.base import LinearBase, rebind_tensor
 
 
 def set_weight_data(module: nn.Module, data: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ def set_weight_data(module: nn.Module, data: torch.Tensor) -> torch.Tensor:
 def process_full_weight(t: ShardTarget, weight: torch.Tensor) -> torch.Tensor:
     """Run the target linear's after-loading step on its full weight ``weight`` (in place)."""
     m = t.module
-    if not isinstance(m, LinearBase):
+    if not isinstance(m, ParallelLinear):
         return weight
     rebind_tensor(m, "weight", weight)
     m.process_weights_after_loading()

@@ -24,11 +24,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsharding.core.errors import ShardingError
-from wsharding.linear.loading import check_dtype
+from wsharding.core.errors import ShardingError, WshardingError
 
 #: (shard_id, param_row_offset, rows_in_param, checkpoint_row_offset)
 RowBlock = tuple[Any, int, int, int]
+
+
+class CheckpointShapeError(WshardingError, ValueError):
+    """A checkpoint tensor does not have the shape a parameter expects."""
+
+
+def param_name(param: torch.Tensor) -> str:
+    """The name a linear gave its parameter (``<prefix>.<attr>``), for error messages."""
+    return getattr(param, "param_name", None) or "<unnamed parameter>"
+
+
+def is_quantized_dtype(dtype: torch.dtype) -> bool:
+    """FP8 and integer dtypes: their bytes mean something only together with their scales."""
+    return not dtype.is_floating_point or dtype.itemsize == 1
+
+
+def check_dtype(param: torch.Tensor, loaded_dtype: torch.dtype, what: str = "") -> None:
+    """Refuse a checkpoint tensor whose dtype does not match a quantized parameter (or a quantized
+    tensor loaded into a float parameter): ``copy_`` would silently convert the numbers, not the format.
+    Float to float (an FP32 checkpoint into BF16 weights) stays allowed."""
+    if loaded_dtype == param.dtype:
+        return
+    if is_quantized_dtype(param.dtype) or is_quantized_dtype(loaded_dtype):
+        where = f" ({what})" if what else ""
+        raise CheckpointShapeError(
+            f"checkpoint tensor for {param_name(param)}{where} is {loaded_dtype}, the parameter is {param.dtype}: "
+            "the checkpoint was made for another quant method -- build the model with the quant method the "
+            "checkpoint was quantized with"
+        )
 
 
 @dataclass

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from wsharding.core.comm import Communicator
+from wsharding.core.contract import ParallelLinear
 from wsharding.core.declare import layer_indices
 from wsharding.core.planner import WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.sharding import ShardingError, WeightSharding, abandon_sharding
-from wsharding.linear.base import LinearBase
 
 
 def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
@@ -66,7 +66,7 @@ def run_layers(
 
 # ---- the generic path: any nn.Module whose blocks sit in a ModuleList ------------------------------
 def _is_linear(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.Linear, LinearBase))
+    return isinstance(mod, (nn.Linear, ParallelLinear))
 
 
 def find_targets(block: nn.Module, patterns: Sequence[str]) -> list[str]:

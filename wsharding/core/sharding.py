@@ -28,6 +28,7 @@ from torch import nn
 from wsharding.core.accounting import ShardingBytes
 from wsharding.core.bound import guard_bound_weight
 from wsharding.core.comm import CommError, Communicator
+from wsharding.core.contract import rebind_tensor
 from wsharding.core.declare import ShardDecision, declare_layer, layer_indices
 from wsharding.core.edits import refuse_edits
 from wsharding.core.guards import BoundWeightGuards
@@ -45,7 +46,6 @@ from wsharding.core.rowloaders import (
 )
 from wsharding.core.slots import SlotPolicy, SlotPool, plain_slot_policy
 from wsharding.core.ties import Place, by_storage, refuse_ties, tensor_places
-from wsharding.linear.base import rebind_tensor
 
 #: How many shardings were finalized on each communicator: numbers the window tags of the next one.
 _SHARDINGS_ON: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()

@@ -11,14 +11,11 @@ binding of a layer's weights to slot views never changes: nothing is decided ins
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from wsharding.core.comm import Communicator
 from wsharding.core.errors import InvalidArgument, NotFound, ShardingError
 from wsharding.core.layout import FlatLayout
-from wsharding.costmodel.bill import bill_for_layouts
 
 SLOT_NAMES = ("A", "B")
 
@@ -155,14 +152,3 @@ def plain_slot_policy(comm: Communicator, map_own_chunk: bool | str) -> SlotPoli
         return SlotPolicy("own chunk copied: asked for (map_own_chunk=False)")
     return SlotPolicy(f"own chunk copied: {type(comm).__name__} gathers into plain buffers (mapping needs "
                       "comm='nccl', our NCCL communicator)")
-
-
-def resident_formula(layouts: Iterable[FlatLayout], world_size: int, granularity: int = 1, *, mapped: bool) -> int:
-    """What a rank holds after finalize for these layer layouts: the chunks, plus two slots of
-    ``max |T|`` -- or, ``mapped``, the peers' ``N-1`` pages of the largest chunk per slot. Each
-    allocation is rounded up to ``granularity`` (a backend's allocation unit).
-
-    The arithmetic is the cost model's (:func:`~wsharding.costmodel.bill.bill_for_layouts`), so the
-    bytes the sharding checks itself against and the bytes ``wsharding plan`` promises are one formula."""
-    bill = bill_for_layouts(list(layouts), ranks=world_size, map_own_chunk=mapped, granularity=granularity)
-    return bill.sharded_resident_bytes

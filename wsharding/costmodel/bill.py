@@ -2,10 +2,9 @@
 
 What a rank holds after finalize is its chunk of every sharded layer plus two ping-pong slots:
 ``sum_l |T_l|/N + 2 * max_l |T_l|``, or with ``map_own_chunk`` (the slots are views mapped over the
-chunks) ``sum_l |T_l|/N + 2 * (N-1)/N * max_l |T_l|``. :func:`bill_for_layouts` is the only place
-that arithmetic is written: the cost model prices a model with it, and the sharding
-(:func:`wsharding.core.sharding.resident_formula`) checks what a rank really allocated against it, rounding
-each allocation up to its backend's unit.
+chunks) ``sum_l |T_l|/N + 2 * (N-1)/N * max_l |T_l|``. That arithmetic is written once, in
+:func:`wsharding.core.resident.resident_parts`: the sharding checks what a rank really allocated
+against it, and :func:`bill_for_layouts` prices a model with it.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from wsharding.core.layout import FlatLayout
+from wsharding.core.resident import resident_parts
 from wsharding.core.units import align_up
 from wsharding.costmodel.checks import CostModelError, require_int
 
@@ -93,16 +93,14 @@ def bill_for_layouts(
         raise CostModelError(f"n_layers_total: {total} is fewer than the {len(layer_layouts)} layouts given")
     layouts = [layer_layouts[i % len(layer_layouts)] for i in range(total)]
     largest = max(lay.total_bytes for lay in layouts)
+    resident_shard_bytes, slot_bytes = resident_parts(layouts, n, g, mapped=map_own_chunk)
     return Bill(
         ranks=n,
         layers=total,
         replicated_bytes=sum(lay.payload_bytes for lay in layouts),
-        resident_shard_bytes=sum(align_up(lay.chunk_bytes, g) for lay in layouts),
+        resident_shard_bytes=resident_shard_bytes,
         largest_layer_bytes=largest,
-        # Two ping-pong slots, each holding one full layer: sized by the largest layer. Mapped, each
-        # keeps the peers' N-1 pieces of the largest chunk (its own piece is every layer's chunk).
-        slot_bytes=(2 * (n - 1) * align_up(max(lay.chunk_bytes for lay in layouts), g) if map_own_chunk
-                    else 2 * align_up(largest, g)),
+        slot_bytes=slot_bytes,
         padding_bytes=sum(lay.total_bytes - lay.payload_bytes for lay in layouts),
         map_own_chunk=map_own_chunk,
         granularity=g,

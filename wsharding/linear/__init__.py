@@ -11,7 +11,8 @@
 :func:`~wsharding.linear.contract.check_contract` runs the contract's five alignment checks on a model.
 """
 
-from wsharding.linear.base import LinearBase, ReplicatedLinear, process_weights, rebind_tensor
+from wsharding.core.contract import rebind_tensor
+from wsharding.linear.base import LinearBase, ReplicatedLinear, process_weights
 from wsharding.linear.column import ColumnParallelLinear, MergedColumnParallelLinear
 from wsharding.linear.groups import (
     DistGroup,

@@ -19,25 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wsharding.core.contract import ParallelLinear
 from wsharding.linear.groups import ParallelState, ResolvedGroup, get_parallel, group_rank_size
 from wsharding.linear.loading import check_shape, copy_with_check, pad_or_narrow
 from wsharding.linear.parameters import BaseParameter, v1_rows
 from wsharding.linear.quant import LinearMethodBase, UnquantizedLinearMethod
-
-
-def rebind_tensor(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Make ``layer.<name>`` read ``tensor`` (e.g. a zero-copy view of a gathered slot).
-
-    A registered Parameter stays the same object -- its ``.data`` becomes ``tensor`` -- so
-    ``model.parameters()``, ``state_dict()`` and attributes such as ``weight_loader`` keep seeing
-    it; any other attribute is simply set. Quant methods read ``layer.<name>`` at call time.
-    """
-    param = layer._parameters.get(name)
-    if param is not None:
-        # Under a subclass's own ``data`` property (weight sharding guards bound weights with one).
-        torch._C.TensorBase.data.__set__(param, tensor)
-    else:
-        setattr(layer, name, tensor)
 
 
 def process_weights(model: nn.Module) -> int:
@@ -54,7 +40,7 @@ def process_weights(model: nn.Module) -> int:
     return n
 
 
-class LinearBase(nn.Module):
+class LinearBase(ParallelLinear):
     """Common state of every linear; subclasses decide the partition and the loaders."""
 
     #: Class default: an unbound layer is "not split" (rank 0 of 1) rather than an AttributeError.

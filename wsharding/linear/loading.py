@@ -1,39 +1,12 @@
-"""Small loading helpers shared by the v1 loaders (in the linears) and the v2 parameter classes."""
+"""Small loading helpers shared by the v1 loaders (in the linears) and the v2 parameter classes (the
+dtype rule and its error live with the row loaders, :mod:`wsharding.core.rowloaders`, which use them too)."""
 
 from __future__ import annotations
 
 import torch
 
-from wsharding.core.errors import InvalidArgument, WshardingError
-
-
-class CheckpointShapeError(WshardingError, ValueError):
-    """A checkpoint tensor does not have the shape a parameter expects."""
-
-
-def param_name(param: torch.Tensor) -> str:
-    """The name a linear gave its parameter (``<prefix>.<attr>``), for error messages."""
-    return getattr(param, "param_name", None) or "<unnamed parameter>"
-
-
-def is_quantized_dtype(dtype: torch.dtype) -> bool:
-    """FP8 and integer dtypes: their bytes mean something only together with their scales."""
-    return not dtype.is_floating_point or dtype.itemsize == 1
-
-
-def check_dtype(param: torch.Tensor, loaded_dtype: torch.dtype, what: str = "") -> None:
-    """Refuse a checkpoint tensor whose dtype does not match a quantized parameter (or a quantized
-    tensor loaded into a float parameter): ``copy_`` would silently convert the numbers, not the format.
-    Float to float (an FP32 checkpoint into BF16 weights) stays allowed."""
-    if loaded_dtype == param.dtype:
-        return
-    if is_quantized_dtype(param.dtype) or is_quantized_dtype(loaded_dtype):
-        where = f" ({what})" if what else ""
-        raise CheckpointShapeError(
-            f"checkpoint tensor for {param_name(param)}{where} is {loaded_dtype}, the parameter is {param.dtype}: "
-            "the checkpoint was made for another quant method -- build the model with the quant method the "
-            "checkpoint was quantized with"
-        )
+from wsharding.core.errors import InvalidArgument
+from wsharding.core.rowloaders import CheckpointShapeError, check_dtype, is_quantized_dtype, param_name
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size, what: str = "") -> None:
@@ -78,3 +51,7 @@ def pad_or_narrow(loaded: torch.Tensor, dim: int, start: int, size: int) -> torc
     shape = list(loaded.shape)
     shape[dim] = size - have
     return torch.cat([piece, loaded.new_zeros(shape)], dim=dim)
+
+
+__all__ = ["CheckpointShapeError", "check_dtype", "check_shape", "copy_with_check", "is_quantized_dtype", "pad_or_narrow",
+           "param_name"]
