@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from wsharding.core.context import init_from_env
-from wsharding.models import PRESETS, ToyDecoder
 from wsharding.core.runner import shard_blocks
+from wsharding.models import PRESETS, ToyDecoder
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ torch's profiler: per step, the time of the kernels on the compute stream (the s
 models), the time from the step's start to its first kernel, and the copies of the gathers. Writes
 ``$OUT/contention_probe.json`` when ``OUT`` is set. ``mapped``: the sharding maps each layer's own
 chunk (``map_own_chunk``, NCCL >= 2.30: no own-chunk copy); ``next``: the planner issues the next
-step's first gather during the last layer (``prefetch_next_step``). With both, what is left of the
+step's first gather during the last layer (the ``NextStepPrefetch`` plug-in). With both, what is left of the
 sharded step's extra time is compute slowed beside the peer copies. ``clocks``: also time each model
 for 2 s without the profiler while ``nvidia-smi`` samples this GPU's SM clock and power every 50 ms --
 whether that slowdown comes with lower clocks.
@@ -29,8 +29,9 @@ from probe_report import report
 from torch.profiler import ProfilerActivity, profile
 
 from wsharding.accel.nccl.communicator import NcclCommunicator
-from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
+from wsharding.accel.next_step import NextStepPrefetch
 from wsharding.core.runner import shard_blocks
+from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 
 STEPS = 10
 
@@ -130,7 +131,7 @@ def main() -> None:
     replicated = build_blocks("llama8b-blocks", dev)
     sharded = build_blocks("llama8b-blocks", dev)
     ws = shard_blocks(sharded, "layers", BLOCK_TARGETS, comm, map_own_chunk="mapped" in flags,
-                      prefetch_next_step="next" in flags)
+                      plugins=[NextStepPrefetch()] if "next" in flags else ())
     x = replicated.inputs(tokens, 1000 + rank, dev)
     result = {"tokens_per_rank": tokens, "map_own_chunk": "mapped" in flags, "prefetch_next_step": "next" in flags}
     with torch.no_grad():

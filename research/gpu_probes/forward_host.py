@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from probe_report import finish, nccl_rank
 
+from wsharding.core.runner import shard_blocks
 from wsharding.lab.bench.step import paired_host_us, planner_host_us
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
-from wsharding.core.runner import shard_blocks
 
 PAIRS = 400
 

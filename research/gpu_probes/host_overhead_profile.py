@@ -20,8 +20,8 @@ import torch
 
 from wsharding.cluster import RankCluster
 from wsharding.comm_by_name import shard_comm_for
-from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 from wsharding.core.runner import shard_blocks
+from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 
 
 def own_times(prof: cProfile.Profile) -> dict[str, float]:

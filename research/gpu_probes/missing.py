@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from wsharding.core.comm import CommError
 from wsharding.accel.nccl.communicator import NcclCommunicator
+from wsharding.core.comm import CommError
 
 
 def main() -> None:
