@@ -17,3 +17,10 @@ extras=all
 torch_pin=()
 .venv/bin/python -c "import torch" 2>/dev/null || torch_pin=("torch==2.13.0")
 .venv/bin/python -m pip install -q --disable-pip-version-check "${torch_pin[@]}" -e ".[${extras}]"
+# The NCCL wheel our communicator loads must match torch's CUDA major version (the nccl extra declares
+# the cu12 one); a CUDA 13 torch gets the cu13 wheel, which wsharding then tries first.
+cuda_major=$(.venv/bin/python -c "import torch; print((torch.version.cuda or '').split('.')[0])")
+if [ "$cuda_major" = "13" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check "nvidia-nccl-cu13>=2.30"
+fi
+

@@ -85,3 +85,11 @@ def test_multi_rank_gate():
     lib = L.default_library()
     assert dataclasses.replace(lib, version_code=22809).supports(L.MIN_MULTI_RANK_GPU) is False
     assert dataclasses.replace(lib, version_code=23000).supports(L.MIN_MULTI_RANK_GPU) is True
+
+
+def test_the_wheel_of_torchs_cuda_major_is_tried_first():
+    from wsharding.accel.nccl.library import wheels_for
+
+    assert wheels_for("13.0") == ("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+    assert wheels_for("12.8") == ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
+    assert wheels_for(None) == ("nvidia-nccl-cu12", "nvidia-nccl-cu13")  # a CPU torch: the declared cu12 first

@@ -1,5 +1,5 @@
 """Shard groups: 4 ranks cut into 2 groups of 2 ((rank // 2) * 2), each group sharding one copy of the
-weights between its members -- the first seed's intra-node groups of 8, at CPU scale."""
+weights between its members -- the design's intra-node groups of 8, at CPU scale."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The cost model: hand-computed bills, the seed's numbers, timing, bad input (its figures and panel:
+"""The cost model: hand-computed bills, the design's numbers, timing, bad input (its figures and panel:
 tests/lab/test_viz_costmodel.py)."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_net_saving_formula_for_equal_layers():
     assert b.net_saving_bytes == R - R // N - 2 * S
 
 
-# ---- the seed's numbers ------------------------------------------------------------------
+# ---- the design's numbers ------------------------------------------------------------------
 def test_kimi_k3_fp8_replicated_48_79_gib():
     plan = estimate(load_preset("kimi-k3-b200-fp8"), dep(8))
     kda, mla, moe = 30_601_641_984, 4_907_000_136, 92 * 183_500_000

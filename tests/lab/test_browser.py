@@ -149,7 +149,13 @@ PAGE_FACTS = """() => {
                       'Loading widget...'].filter(s => text.includes(s));
   const plots = [...nb.querySelectorAll('.js-plotly-plot')];
   const undrawn = plots.filter(p => !p.querySelector('.main-svg') || p.getBoundingClientRect().width < 50).length;
-  return {prompts, stderr, bad_widget, plots: plots.length, undrawn};
+  // a slider a reader cannot drag: its track narrower than 100 px
+  const narrow_sliders = [...nb.querySelectorAll('.widget-slider .slider-container, .widget-hslider .slider-container')]
+      .filter(e => e.getBoundingClientRect().width < 100).length;
+  // an exception shown inside a widget panel (no stderr, but red text all the same)
+  const panel_errors = [...nb.querySelectorAll('.jupyter-widgets')].map(e => e.innerText)
+      .filter(t => /\b[A-Z][A-Za-z]*Error\b:/.test(t)).map(t => t.slice(0, 200));
+  return {prompts, stderr, bad_widget, plots: plots.length, undrawn, narrow_sliders, panel_errors};
 }"""
 
 #: Labels of every figure that fall outside it (plotly cuts or hides them), and tables that show
@@ -224,9 +230,28 @@ def wait_idle(page, server: dict, timeout: float = RUN_TIMEOUT) -> None:
 
 
 def panels(page):
-    """The top-level widget views in the notebook's outputs (one per panel)."""
-    return page.locator(".jp-OutputArea-output > .jupyter-widgets.widget-container, "
-                        ".jp-OutputArea-output > .jupyter-widgets.lm-Widget.widget-box").all()
+    """The top-level widget views in the notebook's outputs (one per panel), the questions' panels
+    (``quiz_panel``) apart."""
+    return [p for p in page.locator(".jp-OutputArea-output > .jupyter-widgets.widget-container, "
+                                    ".jp-OutputArea-output > .jupyter-widgets.lm-Widget.widget-box").all()
+            if "wsharding-quiz" not in (p.get_attribute("class") or "")]
+
+
+def check_quiz_panels(page, server) -> int:
+    """Every question panel: "Check" with no prediction asks for one, "Show answer" shows it (and
+    nothing raises). Returns how many questions were tried."""
+    n = 0
+    for quiz in page.locator(".jupyter-widgets.wsharding-quiz").all():
+        for check, show in zip(quiz.locator("button.jupyter-button", has_text="Check").all(),
+                               quiz.locator("button.jupyter-button", has_text="Show answer").all(), strict=True):
+            check.click()
+            wait_idle(page, server, 60)
+            assert "write your prediction first" in quiz.inner_text(), quiz.inner_text()[:300]
+            show.click()
+            wait_idle(page, server, 60)
+            assert "answer:" in quiz.inner_text(), quiz.inner_text()[:300]
+            n += 1
+    return n
 
 
 def _control(panel, kind: str, label: str):
@@ -362,6 +387,8 @@ def test_notebook_in_the_browser(nb, browser, lab):
         assert len(facts["prompts"]) == len(code_cells)
         assert facts["bad_widget"] == [], f"{nb.name}: a widget did not render: {facts['bad_widget']}"
         assert facts["undrawn"] == 0, f"{nb.name}: {facts['undrawn']} of {facts['plots']} plotly figures not drawn"
+        assert facts["narrow_sliders"] == 0, f"{nb.name}: {facts['narrow_sliders']} slider(s) too narrow to drag"
+        assert facts["panel_errors"] == [], f"{nb.name}: a panel shows an error after Run All: {facts['panel_errors']}"
         problems = page.evaluate(LABEL_PROBLEMS)
         assert problems == [], f"{nb.name}: labels a reader cannot see:\n" + "\n".join(problems)
 
@@ -384,6 +411,7 @@ def test_notebook_in_the_browser(nb, browser, lab):
             assert _fingerprint(panel) != before, f"{nb.name}: panel {i} did not change after {what}"
             log(f"{nb.name}: panel {i} changed after {what}")
             panel_screenshot(page, panel, f"{nb.stem}_panel{i}")
+        log(f"{nb.name}: {check_quiz_panels(page, lab)} question(s) checked and revealed in their panels")
         facts = page.evaluate(PAGE_FACTS)
         assert facts["stderr"] == [], f"{nb.name}: error output after driving the panels:\n" + "\n".join(facts["stderr"])
         assert run["console"] == [], f"{nb.name}: browser console errors:\n" + "\n".join(run["console"])

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from wsharding.lab.viz.linear import qkv_row_map, rank_coords_figure, shapes_table
+import numpy as np
+
+from wsharding.lab.viz.linear import qkv_row_map, quant_error_heatmap, rank_coords_figure, row_map_height, shapes_table
 from wsharding.lab.widgets.linear import build_linear_panel
 from wsharding.linear.plan import layer_plan
 
 
-def test_layer_plan_matches_the_seed_dp_attention_table():
+def test_layer_plan_matches_the_designs_dp_attention_table():
     plan = layer_plan(8, 2, 32, 8)
     r5 = {r["linear"]: r for r in plan["shapes"] if r["rank"] == 5}
     assert r5["qkv_proj"]["weight"] == (1536, 4096) and r5["o_proj"]["weight"] == (4096, 1024)
@@ -34,3 +36,23 @@ def test_panel_driven_programmatically():
     panel.controls["heads"].value = 12  # 12 heads on 8 ranks: refused with the rule named
     assert panel.plan is None and "not divisible by 8" in panel.error
     assert compute(4, 2, 32, 8)["config"]["attn_tp_size"] == 2
+
+
+def test_row_map_grows_with_the_ranks_and_labels_every_one():
+    heights = [qkv_row_map(layer_plan(tp, 1, 32, 8)).layout.height for tp in (1, 2, 4, 8)]
+    assert heights == sorted(heights) and len(set(heights[1:])) == 3  # (1 rank gets the 2-rank minimum)
+    fig = qkv_row_map(layer_plan(4, 1, 32, 8))
+    assert list(fig.layout.yaxis.tickvals) == [f"rank {r}" for r in range(4)]
+    assert fig.layout.height == row_map_height(4) and fig.layout.legend.orientation == "h"
+
+
+def test_quant_error_heatmap_names_its_axes():
+    fig = quant_error_heatmap(np.zeros((4, 3)), "err")
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+
+
+def test_panel_puts_the_figure_before_the_folded_table():
+    panel, _ = build_linear_panel(tp_size=4)
+    kinds = [type(c).__name__ for c in panel.children]
+    assert kinds.index("Output") < kinds.index("Accordion") and panel.shapes.selected_index is None
+    assert "16 rows" in panel.shapes.get_title(0)  # 4 ranks x 4 linears

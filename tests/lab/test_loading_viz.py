@@ -3,7 +3,11 @@ finalize stage), labelled as emulated on CPU ranks."""
 
 from __future__ import annotations
 
-from wsharding.lab.tasks.loading import load_variant
+import pytest
+
+from wsharding.core.errors import InvalidArgument
+from wsharding.lab.memory import resident_share
+from wsharding.lab.tasks.loading import held_peak_bytes, load_variant
 from wsharding.lab.viz.loading import finalize_figure, row_reads_figure, variants_figure
 
 
@@ -20,5 +24,21 @@ def test_loading_figures(cluster_of, tmp_path):
     assert len(f.data[0].x) == len(stages) == 2 + 3 * 2  # loaded, slots, then 3 stages per sharded layer
     blk = finalize_figure(res["fp8_block"][0])
     assert "requant_then_shard" in blk.layout.title.text
+    names = [t.name for t in f.data]
+    assert any(n.startswith("bound:") for n in names) and any(n.startswith("R:") for n in names)  # in the legend
+    bound = next(t for t in f.data if t.name.startswith("bound:"))
+    r0 = res["bf16"][0]
+    assert bound.y[0] * 2**20 == r0["formula_bytes"] + r0["largest_weight_bytes"]  # the label is on its own line
     v = variants_figure(res)
-    assert list(v.data[0].x) == ["bf16", "fp8_block"] and len(v.data) == 5
+    assert list(v.data[0].x) == ["bf16", "fp8_block"] and len(v.data) == 6
+    assert v.layout.yaxis.type == "log" and all(t != "" for t in v.layout.yaxis.ticktext)  # scales visible
+    peak, resident = v.data[2], v.data[3]  # like with like: both held (allocated) bytes
+    assert peak.y[0] * 2**20 == held_peak_bytes(r0) >= resident.y[0] * 2**20 == r0["resident_bytes"]
+    assert peak.y[1] * 2**20 >= res["fp8_block"][0]["replicated_bytes"]  # requant-then-shard: not reduced
+
+
+def test_resident_share_is_one_over_n_plus_two_slots():
+    assert resident_share("small", 2) == 0.9  # 5 sharded layers: the losing example
+    assert abs(resident_share("small", 4, layers=12) - (1 / 4 + 2 / 11)) < 1e-3
+    with pytest.raises(InvalidArgument):
+        resident_share("small", 4, layers=1)

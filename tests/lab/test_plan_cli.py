@@ -58,7 +58,7 @@ def test_options_change_the_plan(capsys):
 def test_table_names_gross_and_net_and_units(capsys):
     rc, out, _ = run_plan(["--preset", "kimi-k3-b200-moe-bf16"], capsys)
     assert rc == 0
-    assert "gross saving R (the seed's 'reclaimed'): 31.45 GiB" in out
+    assert "gross saving R (the design's 'reclaimed'): 31.45 GiB" in out
     assert "net saving, after the two slots:" in out and "GB)" in out
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from wsharding.lab.viz.capacity import groups_figure, kv_capacity_figure, kv_rows_from_plans, kv_rows_from_ranks
+from wsharding.lab.viz.capacity import (
+    groups_figure,
+    kv_capacity_figure,
+    kv_rows_from_plans,
+    kv_rows_from_ranks,
+    relative,
+)
 from wsharding.lab.viz.draft import draft_exposed_figure
 
 
@@ -20,7 +26,9 @@ def test_kv_capacity_rows_and_figure():
     rows = kv_rows_from_ranks(ranks)
     assert rows == [{"label": "rank 0", "replicated": 4, "sharded": 3}, {"label": "rank 1", "replicated": 5, "sharded": 9}]
     fig = kv_capacity_figure(rows, note="emulated")
-    assert list(fig.data[1].text) == ["-1", "+4"] and "emulated" in fig.layout.title.text
+    assert [t.name for t in fig.data] == ["replicated", "sharded", "change"]
+    assert list(fig.data[2].y) == [-1, 4]  # the difference has its own bar, labelled in relative terms too
+    assert list(fig.data[2].text) == ["-1<br>(-25.0%)", "+4<br>(+80.0%)"] and "emulated" in fig.layout.title.text
     plans = {"a": {"tokens_replicated": 1, "tokens_sharded": 2}, "b": None}
     assert kv_rows_from_plans(plans) == [{"label": "a", "replicated": 1, "sharded": 2}]
 
@@ -33,3 +41,9 @@ def test_draft_figure_labels_the_mode():
     fig = draft_exposed_figure(report)
     assert list(fig.data[0].y) == [40.0, 900.0] and list(fig.data[1].y) == [40.0, 30.0, 900.0, 800.0]
     assert "emulated, not GPU timings" in fig.layout.title.text and "commit step" in fig.layout.title.text
+
+
+def test_relative_change_keeps_small_gains_visible():
+    assert relative(0.671) == "+67.1%" and relative(-0.25) == "-25.0%"
+    assert relative(275 / 2_349_102) == "+0.012%"  # a KV gain on CPU ranks: never "+0.0%"
+    assert relative(0.0) == "+0.0%"

@@ -73,3 +73,29 @@ def test_costmodel_panel_follows_its_controls():
     assert mapped.to_dict() == panel.plan.to_dict()
     slots = next(t for t in memory.data if t.name == "mapped slots 2(N-1)/N·max|T|")
     assert slots.y[0] == mapped.bill.slot_bytes / GiB
+
+
+def test_figures_label_their_axes_plainly():
+    from wsharding.lab.viz.costmodel import dtype_vs_sharding_figure, memory_figure, overlap_figure
+
+    plan = estimate(load_preset("kimi-k3-b200-fp8"), dep(8))
+    assert memory_figure(plan).layout.yaxis.title.text == "GiB per GPU"
+    assert dtype_vs_sharding_figure(load_preset("kimi-k3-b200-fp8"), dep(8)).layout.yaxis.title.text == "GiB per GPU"
+    fig = overlap_figure(plan)
+    assert list(fig.layout.xaxis.ticktext) == ["1", "10", "100", "1,000", "10,000"]
+    for axis in (fig.layout.xaxis, fig.layout.yaxis):  # every label reads as the value it marks
+        assert [float(t.replace(",", "")) for t in axis.ticktext] == pytest.approx(list(axis.tickvals))
+
+
+def test_costmodel_panel_controls_have_room_and_the_text_skips_the_assumptions():
+    from wsharding.lab.widgets.costmodel import CONTROL_WIDTH, build_costmodel_panel, panel_text
+
+    m = load_preset("kimi-k3-b200-fp8")
+    panel = build_costmodel_panel(m)
+    for name in ("ranks", "bandwidth", "tokens"):
+        c = panel.controls[name]
+        assert c.layout.width == CONTROL_WIDTH and c.style.description_width
+    assert panel.widget.children[0].layout.flex_flow == "row wrap"  # narrow windows wrap, never squeeze
+    text = panel_text(panel.plan)
+    assert m.assumptions and not any(a in text for a in m.assumptions)
+    assert "net saving" in text

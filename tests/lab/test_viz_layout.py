@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from wsharding.core.layout import FlatLayout, LayoutEntry
 from wsharding.lab.layout_presets import preset_specs
+from wsharding.lab.tasks.layout import reference_tensors
 from wsharding.lab.viz import layout as vl
 
 # Hand-computed, N = 2:
@@ -187,3 +188,12 @@ def test_gather_check_figure_names_emulation(lay):
 
 def test_human_bytes():
     assert [vl.human_bytes(n) for n in (0, 1023, 1024, 436207616)] == ["0 B", "1023 B", "1.0 KiB", "416.0 MiB"]
+
+
+def test_bar_labels_are_readable(lay):
+    """Labels that fit are drawn at 11 px or more; plotly hides the ones that would need smaller."""
+    buf = lay.pack(reference_tensors(lay, seed=0))
+    figs = [vl.chunk_map_figure(lay), vl.rank_pieces_figure(lay), vl.view_addresses_figure(lay, buf, lay.views(buf))]
+    for fig in figs:
+        assert fig.layout.uniformtext.minsize >= 11 and fig.layout.uniformtext.mode == "hide"
+        assert all((a.font.size or 12) >= 11 for a in fig.layout.annotations)

@@ -89,7 +89,7 @@ def test_build_layout_rejects_bad_choices():
 def test_presets_match_their_sources():
     # Llama-3.1-8B: 4096 hidden, 14336 intermediate, 8 kv heads x 128 -> 436,207,616 B in bf16.
     assert FlatLayout(llama31_8b_layer(), 1).payload_bytes == 436_207_616
-    # K3-like: the fp8 weights are 183.5 M parameters = the seed's 367 MB per layer in BF16.
+    # K3-like: the fp8 weights are 183.5 M parameters = the design's 367 MB per layer in BF16.
     fp8 = [FlatLayout([s], 1).entries[0] for s in k3_like_moe_peripherals() if s[2] == torch.float8_e4m3fn]
     assert sum(2 * e.numel for e in fp8) == 367_001_600
     # one fp32 scale per 128 x 128 tile, rounded up
@@ -182,10 +182,27 @@ def test_panel_driven_like_a_user(cluster_of):
     assert "bf17" in panel.error and "bf17" in panel.status.value
 
     panel.preset.value = "llama31_8b"
+    # 416 MiB on CPU ranks: drawn, the button off, a plain sentence -- not an error in red
+    assert panel.layout is not None and panel.figure is not None and panel.gather_button.disabled
+    assert "live-gather limit" in panel.error and "live-gather limit" in panel.status.value
+    assert "red" not in panel.status.value and "Error" not in panel.status.value
     panel.gather_button.click()
     assert panel.result is None and "live-gather limit" in panel.error
+    assert "red" not in panel.result_html.value and "Error" not in panel.result_html.value
+    panel.preset.value = "demo"  # a layer that fits: the button is back
+    assert not panel.gather_button.disabled and panel.error == ""
     panel.close()
     assert cluster.running  # the cluster passed in belongs to the caller
+
+
+def test_over_limit_message():
+    from wsharding.lab.widgets.layout import over_limit_message
+
+    big, small = build_layout("llama31_8b", 4), build_layout("demo", 4)
+    assert over_limit_message(small, "gloo") is None
+    note = over_limit_message(big, "gloo")
+    assert note is not None and "416" in note and "64.0 MiB live-gather limit on CPU-emulated ranks" in note
+    assert over_limit_message(big, "nccl") is None  # GPU ranks take up to 2 GiB
 
 
 def test_panel_without_a_cluster_of_size_n(cluster_of):

@@ -1,4 +1,4 @@
-"""Parallel groups and the seed's shape arithmetic (no process group needed: LogicalGroup)."""
+"""Parallel groups and the design's shape arithmetic (no process group needed: LogicalGroup)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_rank_coordinates_dp_cp_tp():
     assert coords == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
     assert all(tp_rank_of(*c, attn_cp_size=2, attn_tp_size=2) == r for r, c in enumerate(coords))
     assert attn_tp_groups(8, 1, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert attn_cp_groups(8, 2, 1) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the seed's [g0, g4] ...
+    assert attn_cp_groups(8, 2, 1) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the design's [g0, g4] ...
 
 
 def test_replicated_parallel_group_logical_ranks():

@@ -52,7 +52,7 @@ def test_dp_attention_plus_tp_moe_shards_what_the_seed_shards():
 
 
 def test_tp_attention_is_left_alone_replicated_moe_sharded():
-    ws = decide(4, 1, None, "attn_tp", "replicated")  # attention TP 4: the seed adds attention only when attn_tp == 1
+    ws = decide(4, 1, None, "attn_tp", "replicated")  # attention TP 4: the design adds attention only when attn_tp == 1
     assert sharded_names(ws) == LATENT + SHARED
     assert [d.name for d in ws.decisions if not d.sharded] == ATTN
     assert "group 'attn_tp', tp size 4: tensor parallelism already splits it" in ws.report()

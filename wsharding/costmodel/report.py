@@ -46,7 +46,7 @@ def plan_table(plan: Plan) -> str:
         f"{0:>10.2f} GiB {b.slot_bytes / GiB:>14.2f} GiB",
         f"  total                         {b.replicated_bytes / GiB:>10.2f} GiB {b.sharded_resident_bytes / GiB:>14.2f} GiB",
         "",
-        f"  gross saving R (the seed's 'reclaimed'): {fmt_bytes(b.gross_saving_bytes)}",
+        f"  gross saving R (the design's 'reclaimed'): {fmt_bytes(b.gross_saving_bytes)}",
         f"  shard saving R - sum|T|/N (~(1-1/N)R):   {fmt_bytes(b.shard_saving_bytes)}",
         f"  net saving, after the two slots:         {fmt_bytes(b.net_saving_bytes)}  ({b.net_saving_bytes} B)",
         f"  (layout padding over all layers: {b.padding_bytes} B)",

@@ -470,6 +470,31 @@ def load_report(path: str) -> dict[str, Any]:
     return report
 
 
+def default_ranks(backend: str, gpus: int) -> tuple[int, str]:
+    """How many ranks the demo runs when ``--ranks`` is not given, and a line to print about it.
+
+    Every GPU, or 4 CPU ranks. On a machine with ONE GPU a single rank would show no saving (nothing
+    is shared), so where the NCCL found lets several ranks share a GPU (>= 2.30) two ranks run on
+    it, their times time-sliced (the report says so); with an older NCCL one rank runs and the line
+    says what to install."""
+    if backend != "nccl":
+        return 4, ""
+    if gpus != 1:
+        return gpus, ""
+    from wsharding.accel.nccl.library import MIN_MULTI_RANK_GPU, NcclLibraryError, default_library
+
+    try:
+        library = default_library()
+    except NcclLibraryError:
+        library = None
+    if library is not None and ours_supported() and library.supports(MIN_MULTI_RANK_GPU):
+        return 2, (f"one GPU: running 2 ranks on it (NCCL {library.version_str} shares a GPU between ranks), so "
+                   "the saving shows; their step times are time-sliced, not two GPUs' (--ranks 1 for one rank)")
+    found = f"NCCL {library.version_str}" if library is not None else "no usable libnccl"
+    return 1, (f"one GPU and {found}: one rank, which shows no saving; two ranks can share the GPU with NCCL >= "
+               "2.30: pip install 'nvidia-nccl-cu12>=2.30' (cu13 for a CUDA 13 torch), then run again")
+
+
 def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
     """Refuse what cannot run, before any rank starts; return (backend, ranks)."""
     backend = args.backend if args.backend != "auto" else ("nccl" if gpus else "gloo")
@@ -489,7 +514,7 @@ def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
     if args.issue_thread and not gpus:
         raise InputError("--issue-thread starts a thread that issues the gathers of our NCCL binding on GPUs "
                          "(--comm nccl); this machine has no CUDA GPU; leave --issue-thread out")
-    n = args.ranks or (gpus if backend == "nccl" else 4)
+    n = args.ranks or default_ranks(backend, gpus)[0]
     if backend == "gloo" and n > MAX_CPU_RANKS:
         raise InputError(f"--ranks {n}: at most {MAX_CPU_RANKS} CPU rank processes (each is a Python process "
                          "with torch); the code path is the same from 2 ranks on")
@@ -514,6 +539,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     gpus = gpu_count()
     backend, n = check_arguments(args, gpus)
+    note = default_ranks(backend, gpus)[1] if args.ranks is None else ""
+    if note:
+        print(f"wsharding demo: {note}")
     preset = args.preset or ("k3-like" if backend == "nccl" and not in_ci() else "tiny-deep")
     counts = default_counts(n, args.steps)
     ranks_per_gpu = ceil_div(n, gpus) if backend == "nccl" and gpus else 1

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from wsharding.core.errors import WshardingError
+from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.units import GiB, MiB, ceil_div
 from wsharding.models import PRESETS, DecoderConfig, decoder_config
 from wsharding.models.decoder import DecoderLayer
@@ -86,6 +86,19 @@ def sharded_need_per_rank(preset: str | DecoderConfig, group: int, *, layers: in
     no base (the rank already runs)."""
     mb = model_bytes(decoder_config(preset, layers), sharded_layers)
     return mb.sharded_resident(group) + mb.max_layer_targets + 4 * mb.max_param_numel
+
+
+def resident_share(preset: str | DecoderConfig, group: int, *, layers: int | None = None) -> float:
+    """What a rank still holds of the sharded targets after finalize, as a share of R: its chunk of
+    every sharded layer plus the two slots, ``(L * ceil(T/N) + 2 T) / (L T)`` -- about ``1/N + 2/L``
+    for ``L`` equal sharded layers of ``T`` bytes (layer 0 stays replicated; padding left out).
+    Sharding wins clearly only where both terms are small: a large group and many layers."""
+    cfg = decoder_config(preset, layers)
+    per_layer, sharded = cfg.sharded_bytes_per_layer(), cfg.layers - 1
+    if sharded < 1 or group < 1:
+        raise InvalidArgument(f"resident_share needs at least one sharded layer and a group >= 1 "
+                             f"(layers {cfg.layers}, group {group})")
+    return (sharded * ceil_div(per_layer, group) + 2 * per_layer) / (sharded * per_layer)
 
 
 def _cgroup_free() -> int | None:

@@ -73,9 +73,22 @@ class LibraryChoice:
     source: str
 
 
+def wheels_for(cuda: str | None) -> tuple[str, ...]:
+    """The NCCL wheels in the order to try them: the one built for torch's CUDA major version first
+    (``cuda``: ``torch.version.cuda``; None on a CPU build), as a CUDA 13 torch wants the cu13 library."""
+    major = (cuda or "").split(".")[0]
+    return tuple(sorted(WHEELS, key=lambda w: not w.endswith(f"-cu{major}")))
+
+
 def _wheel_libraries() -> list[LibraryChoice]:
     found = []
-    for wheel in WHEELS:
+    try:
+        import torch
+
+        cuda = torch.version.cuda
+    except ImportError:
+        cuda = None
+    for wheel in wheels_for(cuda):
         try:
             dist = importlib.metadata.distribution(wheel)
         except importlib.metadata.PackageNotFoundError:

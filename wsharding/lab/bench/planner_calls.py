@@ -38,10 +38,19 @@ GPU_WAITS = ("_backpressure",)
 
 
 class PlannerCallTimer:
-    """``with PlannerCallTimer(planner) as t: model(x)`` -> ``t.seconds`` spent inside the planner's
-    calls (timer cost taken off), ``t.calls`` counted, ``t.by_call`` the seconds of each of
-    :data:`CALLS`, ``t.waiting_s`` the seconds they spent waiting for the GPU (:data:`GPU_WAITS`,
-    not in ``seconds``). The calls go back to the class's own methods on exit."""
+    """Times the planner's own calls inside real forwards, on the model's thread.
+
+    Why: neither the bare planner loop nor the difference of two whole forwards is what the planner
+    costs a real step (see the module's docstring); timing each call in place is. Use::
+
+        with PlannerCallTimer(planner) as t:
+            model(x)
+        t.seconds      # spent inside the planner's calls, the timer's own cost taken off
+        t.calls        # how many calls were timed
+        t.by_call      # seconds per call name, one entry per name in CALLS
+        t.waiting_s    # seconds the calls waited for the GPU (GPU_WAITS), not counted in ``seconds``
+
+    The calls go back to the planner class's own methods on exit."""
 
     def __init__(self, planner: Any) -> None:
         self.planner = planner
@@ -52,6 +61,12 @@ class PlannerCallTimer:
         self._depth = 0  # a timed call made from inside another (pre_dispatch from the draft's variant)
         self._waited_inside = 0.0  # GPU waits inside the timed call now running
         self._overhead_s = _timer_overhead_s()
+
+    def __repr__(self) -> str:
+        """What was timed so far, in microseconds, without the planner's internals."""
+        calls = ", ".join(f"{name} {sec * 1e6:.1f} us" for name, sec in self.by_call.items() if sec)
+        return (f"PlannerCallTimer({self.calls} calls, {self.seconds * 1e6:.1f} us inside them"
+                + (f": {calls}" if calls else "") + f"; {self.waiting_s * 1e6:.1f} us waiting for the GPU)")
 
     def _timed(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.perf_counter

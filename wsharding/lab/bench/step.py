@@ -534,6 +534,20 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def short_table(report: dict[str, Any], variants: tuple[str, ...] = ("replicated", "sharded", "fsdp2")) -> str:
+    """A narrow table for reading in a notebook: ms per step of ``variants`` (those the report holds)
+    and the link floor, one row per tokens per rank; :func:`format_table` has every column."""
+    cols = [v for v in variants if v in report["variants"]]
+    emulated = "  (emulated: not GPU timings)" if report.get("emulation") else ""
+    lines = [f"ms per step -- {report['mode']}, {report['world_size']} ranks, {report['model']}{emulated}",
+             f"{'tokens/rank':>11}" + "".join(f"{c:>14}" for c in cols) + f"{'link floor':>12}"]
+    for row in report["rows"]:
+        cells = "".join(f"{row[c]:>14.2f}" if c in row else f"{'-':>14}" for c in cols)
+        floor = f"{row['floor_ms']:>12.2f}" if row.get("floor_ms") else f"{'(N = 1)':>12}"
+        lines.append(f"{row['tokens_per_rank']:>11,}{cells}{floor}")
+    return "\n".join(lines)
+
+
 def _calls_cell(row: dict[str, Any], key: str) -> str:
     drained = row.get(f"{key}_drained")
     return f"{row[key]:.1f}" + (f" ({drained:.1f})" if drained is not None else "")
@@ -554,6 +568,17 @@ def saved_reports(folder: str | Path = MEASUREMENTS, pattern: str = "bench_step_
     each file is named after its machine and date -- by file stem."""
     paths = sorted(Path(folder).rglob(pattern), key=lambda p: p.name)
     return {p.stem: json.loads(p.read_text()) for p in paths}
+
+
+def pick_report(reports: dict[str, dict[str, Any]], *, holding: tuple[str, ...] = (),
+                **fields: Any) -> dict[str, Any]:
+    """The newest of ``reports`` (by date, then name) whose ``fields`` equal the given values and whose
+    variants include every name in ``holding``: a notebook names what it wants, not a file."""
+    found = [(r.get("date", ""), name, r) for name, r in reports.items()
+             if all(r.get(k) == v for k, v in fields.items()) and set(holding) <= set(r.get("variants", ()))]
+    if not found:
+        raise NotFound(f"no saved report with {fields} holding {list(holding)}")
+    return max(found, key=lambda f: (f[0], f[1]))[2]
 
 
 def saved_path(name: str, folder: str | Path = MEASUREMENTS) -> Path:

@@ -46,6 +46,12 @@ def variant_config(preset: str | DecoderConfig, variant: str, layers: int | None
     return cfg
 
 
+def held_peak_bytes(result: dict[str, Any]) -> int:
+    """The most bytes of sharded weights a :func:`load_variant` rank held (allocated, read from the
+    storages) at any step of load + finalize: exact, unlike a measured peak."""
+    return max(s["weights"] + s["chunks"] + s["slots"] for s in result["finalize_steps"])
+
+
 def _bytes_of(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 

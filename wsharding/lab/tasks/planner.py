@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from wsharding.core.context import RankContext
@@ -57,15 +58,50 @@ def _sharded_model(ctx: RankContext, cfg: DecoderConfig, sharded_layers: Iterabl
     return model
 
 
+def align_ranks(ctx: RankContext) -> None:
+    """A barrier over every rank, so that the ranks start a traced step together: each rank's trace
+    counts from its own step start, and a rank that started late would show the others' waiting
+    for it as exposed gather time."""
+    if not dist.is_initialized() or ctx.world_size == 1:
+        return
+    if ctx.device.type == "cuda":
+        dist.barrier(device_ids=[ctx.device.index])
+    else:
+        dist.barrier()
+
+
+def add_synthetic_compute(layers: Iterable[nn.Module], compute_ms: float) -> list[Any]:
+    """Make every layer compute for at least ``compute_ms`` more: a forward hook that sleeps. Returns
+    the hook handles (call ``.remove()`` on each).
+
+    Why: on CPU ranks the toy decoder's layers compute for about as long as their gathers take,
+    and two ranks share two cores with the notebook, so whether lookahead hides a gather is decided
+    by noise. A fixed compute per layer, longer than a gather, stands in for a GPU layer and makes
+    the effect lookahead has the same in every run. A sleep releases the GIL, so gloo's thread
+    runs the gather meanwhile, as a GPU's side stream would."""
+    if compute_ms < 0:
+        raise InvalidArgument(f"compute_ms: must be >= 0, got {compute_ms}")
+    if compute_ms == 0:
+        return []
+    seconds = compute_ms / 1e3
+
+    def pause(_module: nn.Module, _args: Any, _out: Any) -> None:
+        time.sleep(seconds)
+
+    return [layer.register_forward_hook(pause) for layer in layers]
+
+
 def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequence[int], lookahead: bool = True,
                steps: int = 2, *, layers: int | None = None, sharded_layers: Iterable[int] | None = None,
-               seed: int = 0, group_size: int | None = None) -> dict[str, Any]:
+               seed: int = 0, group_size: int | None = None, compute_ms: float = 0.0) -> dict[str, Any]:
     """Run ``steps`` traced steps of the sharded decoder on this rank and report what happened.
 
     ``tokens``: tokens of this rank per step (one int for all ranks, or one per rank; 0 makes the
     rank idle: it runs the one-token dummy step so every rank issues the same gathers).
     ``layers`` overrides the preset's layer count; ``sharded_layers`` the sharded range (default:
-    every layer but the dense layer 0). Returns the per-layer trace records of every step, the
+    every layer but the dense layer 0). ``compute_ms`` adds a fixed compute to every layer
+    (:func:`add_synthetic_compute`; 0: the decoder's own compute only). The ranks are aligned
+    before each step (:func:`align_ranks`). Returns the per-layer trace records of every step, the
     gathers and waits counted by the planner per step, and the step wall times.
     """
     cfg = decoder_config(preset, layers)
@@ -75,19 +111,23 @@ def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequ
     g = torch.Generator().manual_seed(1000 + ctx.rank)
     records: list[dict[str, Any]] = []
     gathers, waits, step_ms = [], [], []
+    hooks = add_synthetic_compute(model.layers, compute_ms)
     with torch.no_grad():
         planner.trace_enabled = True
         try:
             for _ in range(steps):
                 x = torch.randint(0, cfg.vocab, (n,), generator=g).to(planner.device)
+                align_ranks(ctx)
                 t0 = time.perf_counter()
                 aligned_forward(model, x, model.dummy_tokens)
                 trace = planner.finish_step()
                 step_ms.append((time.perf_counter() - t0) * 1e3)
                 gathers.append(planner.gathers_this_step)
                 waits.append(planner.waits_this_step)
-                records += trace.records()
+                records += [dict(rec, lookahead=lookahead) for rec in trace.records()]
         finally:
+            for h in hooks:
+                h.remove()
             planner.trace_enabled = False
             planner.traces.clear()  # the records were copied out; keep nothing per step
     return {
@@ -100,6 +140,7 @@ def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequ
         "gathers": gathers,
         "waits": waits,
         "step_ms": step_ms,
+        "compute_ms": compute_ms,
         "records": records,
     }
 
@@ -246,16 +287,69 @@ def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layer
 def run_schedule(ctx: RankContext, n_layers: int = 6, d: int = 32, pause: float = 0.0,
                  lookahead: bool = True, steps: int = 1) -> list[dict[str, Any]]:
     """The design's layer loop (``run_layers``) over ``ReadTwiceBlock`` s, traced: a small model whose
-    compute time is set by ``pause``, for a readable timeline."""
+    compute time is set by ``pause``, for a readable timeline. Each record says ``lookahead``
+    (see :func:`wsharding.lab.viz.planner.exposed_span`)."""
     blocks = [ReadTwiceBlock(d, seed=10 + i, pause=pause) for i in range(n_layers)]
     ws = WeightSharding(ctx.comm, blocks, {i: ["fc"] for i in range(1, n_layers)}, lookahead=lookahead,
                         trace=True).setup().finalize()
     records = []
     with torch.no_grad():
         for s in range(steps):
+            align_ranks(ctx)
             run_layers(blocks, torch.randn(2, d, generator=torch.Generator().manual_seed(s)), ws.planner)
-            records += ws.planner.finish_step().records()
+            records += [dict(rec, lookahead=lookahead) for rec in ws.planner.finish_step().records()]
     return records
+
+
+def model_schedule(n_layers: int = 6, gather_ms: float = 6.0, compute_ms: float = 10.0,
+                   lookahead: bool = True, first_sharded: int = 1) -> list[dict[str, Any]]:
+    """One step of the planner's order with fixed durations, as trace records (times in µs): no
+    ranks, no clock, the same picture every time -- the opening figure of the series.
+
+    The order is the planner's (notebook 03 §2): layer ``first_sharded``'s gather is issued before
+    layer 0 runs (``pre_dispatch``); with lookahead the gather of layer ``l+1`` is issued as layer
+    ``l`` starts, into slot A or B by parity, and not before the previous reader of that slot,
+    layer ``l-1``, has finished (the gate) nor before the previous gather (one side stream); each layer waits for its own gather, then computes for
+    ``compute_ms``. Without lookahead each gather is issued at its layer's start. A live run
+    (:func:`run_schedule`) has the same order with measured times."""
+    if n_layers < first_sharded + 1 or first_sharded < 0:
+        raise InvalidArgument(f"model_schedule: need 0 <= first_sharded < n_layers, got {first_sharded}, {n_layers}")
+    if gather_ms <= 0 or compute_ms <= 0:
+        raise InvalidArgument(f"model_schedule: durations must be > 0, got gather {gather_ms}, compute {compute_ms}")
+    g, c = gather_ms * 1e3, compute_ms * 1e3
+    records: dict[int, dict[str, Any]] = {}
+    gather_end: dict[int, float] = {}
+    compute_end: dict[int, float] = {}
+
+    def issue(layer: int, at: float) -> None:
+        slot = SLOT_NAMES[(layer - first_sharded) % 2]
+        reader = layer - 2  # the previous occupant of the slot
+        gate = compute_end.get(reader, 0.0) if reader >= first_sharded else 0.0
+        start = max(at, gate, max(gather_end.values(), default=0.0))  # one side stream: gathers run in order
+        rec = records.setdefault(layer, {"step": 0, "rank": 0, "layer": layer, "slot": slot, "lookahead": lookahead})
+        rec.update(issue=at, gather_start=start, gather_end=start + g)
+        if gate > at:
+            rec["held"] = at  # held by the gate, as the planner marks it
+        gather_end[layer] = start + g
+
+    t = 0.0
+    if lookahead:
+        issue(first_sharded, 0.0)
+    for layer in range(n_layers):
+        if lookahead and layer + 1 < n_layers and layer + 1 > first_sharded:
+            issue(layer + 1, t)
+        if layer >= first_sharded:
+            if layer not in gather_end:
+                issue(layer, t)
+            rec = records[layer]
+            rec["wait_start"] = t
+            t = max(t, gather_end[layer])
+            rec["wait_end"] = rec["compute_start"] = t
+        t += c
+        compute_end[layer] = t
+        if layer >= first_sharded:
+            records[layer]["compute_end"] = t
+    return [records[k] for k in sorted(records)]
 
 
 def describe_sharding(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | None = None,

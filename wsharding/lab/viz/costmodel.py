@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 
 from wsharding.core.layout import SUPPORTED_DTYPES
 from wsharding.costmodel import Deployment, GiB, ModelSpec, Plan, breakeven, estimate
+from wsharding.lab.viz.comm import plain_log_axis
 
 #: Colours kept constant across figures so a reader learns them once.
 COLORS = {"shards": "#4c78a8", "slots": "#f58518", "freed": "#54a24b", "gather": "#e45756", "compute": "#4c78a8"}
@@ -32,13 +33,13 @@ def memory_figure(plan: Plan) -> go.Figure:
     for label, nbytes, color in parts:
         fig.add_bar(x=["sharded"], y=[nbytes / GiB], name=label, marker_color=color,
                     hovertemplate="%{y:.2f} GiB<extra>" + label + "</extra>")
-    title = (f"{plan.model.name}, N = {b.ranks}: weights per GPU {b.replicated_bytes / GiB:.2f} GiB -> "
-             f"{b.sharded_resident_bytes / GiB:.2f} GiB; net saving {b.net_saving_bytes / GiB:.2f} GiB "
-             f"(gross R {b.gross_saving_bytes / GiB:.2f} GiB)")
+    title = (f"{plan.model.name}, N = {b.ranks}: weights per GPU {b.replicated_bytes / GiB:.2f} -> "
+             f"{b.sharded_resident_bytes / GiB:.2f} GiB<br><sup>net saving {b.net_saving_bytes / GiB:.2f} GiB "
+             f"(gross R {b.gross_saving_bytes / GiB:.2f} GiB)</sup>")
     if b.net_saving_bytes < 0:
         fig.add_annotation(x="sharded", y=b.sharded_resident_bytes / GiB, yshift=12, showarrow=False,
                            text=f"costs {-b.net_saving_bytes / GiB:.2f} GiB more than replicated")
-    fig.update_layout(barmode="stack", title=title, yaxis_title="GiB per GPU (2**30 B)", legend_title="bytes",
+    fig.update_layout(barmode="stack", title=title, yaxis_title="GiB per GPU", legend_title="bytes",
                       height=420)
     return fig
 
@@ -54,7 +55,7 @@ def layer_bytes_figure(plan: Plan) -> go.Figure:
     fig.add_hline(y=largest, line_dash="dash", line_color=COLORS["slots"],
                   annotation_text=f"slot size = max|T| = {largest:.1f} MiB")
     fig.update_layout(title=f"{plan.model.name}: flat buffer per sharded layer (N = {plan.bill.ranks})",
-                      xaxis_title="layer", yaxis_title="MiB (2**20 B)", height=360, showlegend=False)
+                      xaxis_title="layer", yaxis_title="MiB per layer", height=360, showlegend=False)
     return fig
 
 
@@ -96,6 +97,8 @@ def overlap_figure(plan: Plan, tokens: Sequence[int] | None = None) -> go.Figure
         title=f"{plan.model.name}, N = {plan.bill.ranks}, {d.bandwidth / 1e9:.0f} GB/s: gather hides from {be} tokens per step",
         xaxis_title="tokens per step", yaxis_title="microseconds", xaxis_type="log", yaxis_type="log", height=420,
     )
+    plain_log_axis(fig, "x", grid)
+    plain_log_axis(fig, "y", [y for t in fig.data for y in t.y])
     return fig
 
 
@@ -110,5 +113,5 @@ def dtype_vs_sharding_figure(model: ModelSpec, deployment: Deployment, dtypes: S
             ys.append((b.sharded_resident_bytes if sharded else b.replicated_bytes) / GiB)
         fig.add_bar(x=list(dtypes), y=ys, name=label, text=[f"{y:.1f}" for y in ys], textposition="outside")
     fig.update_layout(barmode="group", title=f"{model.name}: quantisation halves, sharding divides by N",
-                      xaxis_title="weight dtype", yaxis_title="GiB per GPU (2**30 B)", height=380)
+                      xaxis_title="weight dtype", yaxis_title="GiB per GPU", height=380)
     return fig

@@ -13,10 +13,16 @@ import plotly.graph_objects as go
 #: One colour per way of gathering the draft's first layer.
 COLORS = {"dedicated": "#2ca02c", "shared": "#ff7f0e", "inline": "#d62728"}
 
+#: Said beside the figure of an emulated (CPU) run: its exposed times are a few hundred µs that a
+#: descheduled rank process can change by milliseconds.
+NOISE_NOTE = ("emulated, not GPU timings: noise-bound -- a rank descheduled for a moment moves a bar by milliseconds; "
+              "compare runs, not single values")
+
 
 def draft_exposed_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
     """Exposed time of the draft's first-layer gather per mode (bars: slowest rank's median; dots: each
-    rank), the step time in the bar's label, the mode and region in the subtitle."""
+    rank), the step time in the bar's label, the mode and region in the subtitle; an emulated run
+    says beside it that its times are noise-bound (:data:`NOISE_NOTE`)."""
     rows = report["rows"]
     modes = [r["mode"] for r in rows]
     fig = go.Figure()
@@ -33,9 +39,9 @@ def draft_exposed_figure(report: dict[str, Any], title: str | None = None) -> go
                                  marker={"color": "#333", "size": 7, "symbol": "diamond"}))
     label = f"{report['mode']}, {report['world_size']} ranks, first layer {report['first_layer_bytes'] / 2**20:.2f} MiB"
     if report.get("emulation"):
-        label += " -- emulated, not GPU timings"
+        label += "<br>" + NOISE_NOTE
     fig.update_layout(
         title=(title or "Draft model, layer 0: exposed gather time") + f"<br><sub>{label}<br>{report['region']}</sub>",
         xaxis_title="how the draft's first layer is gathered", yaxis_title="exposed us (compute waits)",
-        height=480, margin={"t": 110}, legend={"orientation": "h", "y": -0.2})
+        height=500, margin={"t": 130}, legend={"orientation": "h", "y": -0.2})
     return fig

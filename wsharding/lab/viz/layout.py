@@ -259,7 +259,7 @@ def chunk_map_figure(layout: FlatLayout, *, title: str | None = None, height: in
     cuts = border_cuts(layout)
     for k, c in enumerate(cuts[:MAX_BORDER_LABELS]):
         fig.add_annotation(
-            x=c.border, y=1.0, yref="paper", yanchor="bottom", showarrow=False, font_size=10,
+            x=c.border, y=1.0, yref="paper", yanchor="bottom", showarrow=False, font_size=11,
             yshift=16 * (k % 2),  # neighbouring labels on two levels so long names do not overlap
             text=f"cuts {c.name}", hovertext=f"{c.name}: head on rank {c.left_rank}, tail on rank {c.right_rank}",
         )
@@ -276,7 +276,7 @@ def chunk_map_figure(layout: FlatLayout, *, title: str | None = None, height: in
         margin=dict(t=120, l=10, r=10, b=40),
         xaxis=dict(title="byte offset in T", range=[0, layout.total_bytes], zeroline=False),
         yaxis=dict(categoryorder="array", categoryarray=[ROW_RANKS, ROW_WEIGHTS]),
-        uniformtext=dict(minsize=8, mode="hide"),
+        uniformtext=dict(minsize=11, mode="hide"),
     )
     return fig
 
@@ -340,7 +340,7 @@ def rank_pieces_figure(layout: FlatLayout, *, title: str | None = None) -> go.Fi
         margin=dict(t=60, l=10, r=10, b=40),
         xaxis=dict(title="byte offset in the rank's chunk", range=[0, layout.chunk_bytes]),
         yaxis=dict(categoryorder="array", categoryarray=[f"rank {r}" for r in reversed(range(n))]),
-        uniformtext=dict(minsize=8, mode="hide"),
+        uniformtext=dict(minsize=11, mode="hide"),
     )
     return fig
 
@@ -432,7 +432,7 @@ def view_addresses_figure(layout: FlatLayout, buffer: torch.Tensor, views: Mappi
         f"(all share its storage: {shared})",
         barmode="overlay", height=260, showlegend=False, margin=dict(t=50, l=10, r=10, b=40),
         xaxis=dict(title="byte offset in the buffer", range=[0, layout.total_bytes]),
-        uniformtext=dict(minsize=8, mode="hide"),
+        uniformtext=dict(minsize=11, mode="hide"),
     )
     return fig
 

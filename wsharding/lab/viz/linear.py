@@ -30,12 +30,36 @@ def qkv_row_map(plan: dict[str, Any]) -> go.Figure:
             customdata=[[*r["checkpoint_rows"], r["replicas"]] for r in rows],
             hovertemplate=f"{shard} rows [%{{customdata[0]}}, %{{customdata[1]}}) x%{{customdata[2]}} replicas<extra></extra>",
         )
+    ranks = [f"rank {r}" for r in range(cfg["tp_size"])]
     fig.update_layout(
-        barmode="overlay", height=120 + 28 * cfg["tp_size"],
-        title=(f"QKV checkpoint rows per rank: H={cfg['heads']}, K={cfg['kv_heads']}, head {hs}, "
-               f"TP={cfg['tp_size']}, attn DP={cfg['attn_dp_size']} (attn TP={cfg['attn_tp_size']})"),
-        xaxis_title="row of the fused [q; k; v] checkpoint", yaxis={"autorange": "reversed"},
+        barmode="overlay", height=row_map_height(cfg["tp_size"]), font={"size": 13},
+        margin={"t": 90, "b": 60, "l": 80, "r": 20},
+        title=(f"QKV checkpoint rows per rank<br><sup>H={cfg['heads']} query heads, K={cfg['kv_heads']} KV heads, "
+               f"head {hs}, TP={cfg['tp_size']}, attn DP={cfg['attn_dp_size']} (attn TP={cfg['attn_tp_size']})</sup>"),
+        xaxis_title="row of the fused [q; k; v] checkpoint weight",
+        # every rank labelled (plotly would skip labels of a short axis), the legend above the plot
+        yaxis={"autorange": "reversed", "tickmode": "array", "tickvals": ranks, "ticktext": ranks,
+               "categoryorder": "array", "categoryarray": ranks},
+        legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0, "yanchor": "bottom", "title": "shard"},
     )
+    return fig
+
+
+#: Pixels of the row map's frame (title, legend, x axis) and of one rank's row.
+ROW_MAP_FRAME_PX, ROW_MAP_RANK_PX = 170, 34
+
+
+def row_map_height(tp_size: int) -> int:
+    """Height of :func:`qkv_row_map` for ``tp_size`` ranks: one readable row per rank."""
+    return ROW_MAP_FRAME_PX + ROW_MAP_RANK_PX * max(tp_size, 2)
+
+
+def quant_error_heatmap(error: Any, title: str) -> go.Figure:
+    """``|dequantised - reference|`` of a weight as a heatmap: rows of the rank's parameter down,
+    input columns across (notebook 05 §3)."""
+    fig = go.Figure(go.Heatmap(z=error, colorscale="Viridis", colorbar={"title": "abs error"}))
+    fig.update_layout(title=title, height=340, font={"size": 13}, xaxis_title="input column",
+                      yaxis={"title": "row of the rank's parameter", "autorange": "reversed"})
     return fig
 
 

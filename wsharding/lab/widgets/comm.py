@@ -48,14 +48,16 @@ def run_allgather_panel(ranks: int, sizes_mib: list[float], cluster: RankCluster
 def build_allgather_panel(cluster: RankCluster | None = None) -> W.VBox:
     """The panel widget. ``panel.run_button.click()`` runs; ``panel.result`` / ``panel.figure``
     hold the last run, ``panel.text`` its table as plain text (``panel.status`` shows it as HTML)."""
-    ranks = W.IntSlider(value=cluster.world_size if cluster else 2, min=2, max=8, description="ranks")
+    style = {"description_width": "80px"}
+    ranks = W.IntSlider(value=cluster.world_size if cluster else 2, min=2, max=8, description="ranks",
+                        style=style, layout=W.Layout(width="320px"))
     sizes = W.Text(value="0.25, 1, 4" if not torch.cuda.is_available() else "1, 16, 64, 256",
-                   description="sizes MiB")
+                   description="sizes MiB", style=style, layout=W.Layout(width="320px"))
     button = W.Button(description="run AllGather benchmark", button_style="primary",
                       layout=W.Layout(width="auto"))  # the default width cuts the label
     status = W.HTML()
     out = W.Output()
-    panel = W.VBox([W.HBox([ranks, sizes, button]), status, out])
+    panel = W.VBox([W.HBox([ranks, sizes, button], layout=W.Layout(flex_flow="row wrap")), status, out])
     panel.ranks, panel.sizes, panel.run_button, panel.status = ranks, sizes, button, status
     panel.result, panel.figure, panel.text = None, None, ""
 

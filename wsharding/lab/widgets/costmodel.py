@@ -1,6 +1,6 @@
 """The cost-model panel of notebook 00: sliders for N, dtype, bandwidth and tokens per step, and a
-``map_own_chunk`` box, driving the memory and overlap figures. The panel is a thin wrapper over :func:`costmodel_view`, which
-tests call directly."""
+``map_own_chunk`` box, driving the memory and overlap figures. The panel is a thin wrapper over
+:func:`costmodel_view`, which tests call directly."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ from wsharding.lab.viz.costmodel import memory_figure, overlap_figure, token_gri
 
 #: The dtype menu: "as given" keeps the model's own dtypes.
 DTYPE_CHOICES = ("as given", "bf16", "fp8_e4m3", "fp32")
+
+#: Width of each slider and of its description: with ipywidgets' defaults, five controls in one row
+#: leave a slider's track a few pixels wide in a 1400 px window (nothing to drag). Rows that wrap
+#: keep every track a few hundred pixels long at any window width.
+CONTROL_WIDTH = "420px"
+DESCRIPTION_WIDTH = "110px"
+
+
+def panel_text(plan: Plan) -> str:
+    """The plan's text report without the model's source and assumptions: the notebook states them
+    once above the panel, and every move of a slider would print them again."""
+    return "\n".join(line for line in plan_table(plan).splitlines()
+                     if not line.startswith(("  source: ", "  assumption: ")))
 
 
 def costmodel_view(
@@ -59,21 +72,27 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
     Changing any control recomputes through :func:`costmodel_view`; ``panel.state`` holds the result.
     """
     dev = get_device(device or model.defaults.get("device", "b200"))
+    style = {"description_width": DESCRIPTION_WIDTH}
+
+    def sized() -> widgets.Layout:
+        return widgets.Layout(width=CONTROL_WIDTH)
+
     controls: dict[str, widgets.Widget] = {
         "ranks": widgets.IntSlider(value=ranks or int(model.defaults.get("ranks", 8)), min=1, max=16,
-                                   description="N ranks"),
-        "dtype": widgets.Dropdown(options=DTYPE_CHOICES, value="as given", description="dtype"),
+                                   description="N ranks", style=style, layout=sized()),
+        "dtype": widgets.Dropdown(options=DTYPE_CHOICES, value="as given", description="weight dtype",
+                                  style=style, layout=sized()),
         "bandwidth": widgets.FloatSlider(value=dev.link_bandwidth / GB, min=25, max=1800, step=25,
-                                         description="GB/s"),
+                                         description="link GB/s", style=style, layout=sized()),
         "tokens": widgets.SelectionSlider(options=token_grid(16384),
                                           value=tokens or int(model.defaults.get("tokens", 256)),
-                                          description="tokens/step"),
-        "map_own_chunk": widgets.Checkbox(value=False, description="map_own_chunk"),
+                                          description="tokens/step", style=style, layout=sized()),
+        "map_own_chunk": widgets.Checkbox(value=False, description="map_own_chunk", style=style, layout=sized()),
     }
     text = widgets.Output()
     figs = widgets.Output()
-    panel = CostModelPanel(widget=widgets.VBox([widgets.HBox(list(controls.values())), text, figs]),
-                           controls=controls)
+    rows = widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap"))
+    panel = CostModelPanel(widget=widgets.VBox([rows, text, figs]), controls=controls)
 
     def refresh(_change: Any = None) -> None:
         panel.state = costmodel_view(model, controls["ranks"].value, controls["dtype"].value,
@@ -83,7 +102,7 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
         text.clear_output(wait=True)
         figs.clear_output(wait=True)
         with text:
-            print(plan_table(panel.state[0]))
+            print(panel_text(panel.state[0]))
         with figs:
             display(panel.state[1])
             display(panel.state[2])

@@ -24,7 +24,7 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from wsharding.cluster import RankCluster
+from wsharding.cluster import RankCluster, choose_backend
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.layout import FlatLayout, LayoutError, parse_dtype
 from wsharding.lab.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
@@ -99,7 +99,24 @@ def build_layout(choice: str, group_size: int, custom_text: str = "") -> FlatLay
 
 def live_gather_limit(cluster: RankCluster) -> int:
     """Largest ``|T|`` :func:`run_gather` accepts on ``cluster`` (CPU-emulated ranks get less)."""
-    return MAX_CPU_GATHER_BYTES if cluster.backend == "gloo" else MAX_GPU_GATHER_BYTES
+    return backend_gather_limit(cluster.backend)
+
+
+def backend_gather_limit(backend: str) -> int:
+    """Largest ``|T|`` gathered live on ranks of ``backend`` (``"gloo"``: CPU-emulated ranks)."""
+    return MAX_CPU_GATHER_BYTES if backend == "gloo" else MAX_GPU_GATHER_BYTES
+
+
+def over_limit_message(layout: FlatLayout, backend: str) -> str | None:
+    """A short plain sentence when ``layout`` is too large to gather live on ranks of ``backend``
+    (``None`` when it fits). The panel shows it instead of an error: a layer too large to gather
+    is still a valid layer, drawn exactly."""
+    limit = backend_gather_limit(backend)
+    if layout.total_bytes <= limit:
+        return None
+    where = "CPU-emulated ranks" if backend == "gloo" else "GPU ranks"
+    return (f"{human_bytes(layout.total_bytes)} is drawn above, but it is over the {human_bytes(limit)} "
+            f"live-gather limit on {where}: pick a smaller layer (e.g. the 1/32-scale K3-like one) to gather it.")
 
 
 @dataclass
@@ -248,8 +265,12 @@ class LayoutPanel:
         n = group_size or (cluster.world_size if cluster is not None else 4)
 
         options = [(p.title, key) for key, p in LAYOUT_PRESETS.items()] + [("custom: type weights below", CUSTOM)]
-        self.preset = W.Dropdown(options=options, value=preset, description="weights", layout=W.Layout(width="560px"))
-        self.n = W.IntSlider(value=n, min=1, max=MAX_GROUP_SIZE, description="N ranks")
+        # Wide enough for the presets' titles and for a slider track that can be dragged; the row wraps.
+        style = {"description_width": "70px"}
+        self.preset = W.Dropdown(options=options, value=preset, description="weights", style=style,
+                                 layout=W.Layout(width="760px", max_width="100%"))
+        self.n = W.IntSlider(value=n, min=1, max=MAX_GROUP_SIZE, description="N ranks", style=style,
+                             layout=W.Layout(width="420px"))
         self.custom = W.Textarea(
             value=DEFAULT_CUSTOM_TEXT, continuous_update=False, layout=W.Layout(width="760px", height="130px")
         )
@@ -268,7 +289,7 @@ class LayoutPanel:
             w.observe(lambda _change: self.refresh(), names="value")
         self.gather_button.on_click(lambda _b: self.gather())
         self.widget = W.VBox(
-            [W.HBox([self.preset, self.n]), self.custom, self.status, self.table, self.map_out,
+            [W.HBox([self.preset, self.n], layout=W.Layout(flex_flow="row wrap")), self.custom, self.status, self.table, self.map_out,
              self.gather_button, self.result_html]
         )
         self.refresh()
@@ -288,15 +309,22 @@ class LayoutPanel:
             _show(self.map_out, None)
             self.gather_button.disabled = True
             return
-        self.error = ""
-        self.gather_button.disabled = False
         source = LAYOUT_PRESETS[self.preset.value].source if self.preset.value != CUSTOM else "typed above"
-        self.status.value = f"<i>shapes: {html.escape(source)}</i>"
+        note = over_limit_message(self.layout, self.backend_for(self.layout.group_size))
+        self.error = note or ""
+        self.gather_button.disabled = note is not None
+        self.status.value = f"<i>shapes: {html.escape(source)}</i>" + (f"<br>{html.escape(note)}" if note else "")
         self.table.value = f"<pre style='font-size:11px'>{html.escape(self.layout.table())}</pre>"
         self.figure = chunk_map_figure(self.layout)
         _show(self.map_out, self.figure)
 
     # ---- clusters and the live gather --------------------------------------------------------
+    def backend_for(self, n: int) -> str:
+        """The backend a gather over ``n`` ranks runs on (its size limit is shown before any click)."""
+        if n in self._clusters:
+            return self._clusters[n].backend
+        return choose_backend(n, self.backend)[0] if self.backend == "auto" else self.backend
+
     def cluster_for(self, n: int) -> RankCluster:
         """The cluster of ``n`` ranks: the one passed in, one started earlier, or a new one."""
         if n in self._clusters:
@@ -317,8 +345,13 @@ class LayoutPanel:
         """What the button does: gather the current layout on a cluster of N ranks and show the check."""
         if self.layout is None:
             return None
-        n = self.layout.group_size
         self.result = None
+        note = over_limit_message(self.layout, self.backend_for(self.layout.group_size))
+        if note is not None:  # a plain sentence, not an error: the layer is valid, only too large here
+            self.error = note
+            self.result_html.value = f"<p>{html.escape(note)}</p>"
+            return None
+        n = self.layout.group_size
         self.result_html.value = (
             f"<i>gathering {human_bytes(self.layout.total_bytes)} on {n} rank(s)"
             + ("" if n in self._clusters else f" (starting {n} rank processes first)") + " ...</i>"
@@ -359,9 +392,11 @@ __all__ = [
     "CUSTOM",
     "GatherSummary",
     "LayoutPanel",
+    "backend_gather_limit",
     "build_layout",
     "build_layout_panel",
     "live_gather_limit",
+    "over_limit_message",
     "parse_custom_specs",
     "run_gather",
 ]

@@ -1,6 +1,13 @@
 """The planner panel of notebook 03: run the lookahead planner on the notebook's ranks for chosen
-layers, tokens per rank and lookahead on/off, and show the timeline (compute and gather lanes,
-exposed waits), slot reuse and gate waits.
+layers, tokens per rank, a fixed compute per layer and lookahead on/off, and show the timeline
+(compute and gather lanes, exposed waits), slot reuse and gate waits.
+
+[Note: noise on CPU ranks] Two CPU ranks share two cores with the notebook: a toy layer computes
+for about as long as its gather takes, and a rank descheduled for a few milliseconds decides the
+waits. So the panel adds a fixed compute per layer (``compute_ms``, a sleep that stands in for a
+GPU layer and is longer than a gather here) and reports the median exposed wait over the steps:
+then lookahead hides the gathers in every run. With ``compute_ms=0`` the figure says that noise
+dominates.
 
 The panel is a thin wrapper over :func:`planner_view`, which tests call directly; the work on the
 ranks is :func:`wsharding.lab.tasks.planner.traced_run`.
@@ -20,11 +27,23 @@ from wsharding.core.emulation import title_note
 from wsharding.core.errors import InvalidArgument
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
-from wsharding.lab.viz.planner import exposed_us, slot_figure, timeline_figure
+from wsharding.lab.viz.planner import median_exposed_us, slot_figure, timeline_figure
 from wsharding.models import PRESETS
 
 #: Presets a CPU-emulated rank can run in a few seconds (k3-like is for GPUs: 370 MB per layer).
 CPU_PRESETS = ("tiny", "small")
+#: The panel's default fixed compute per layer, ms: longer than a gather of ``tiny`` on CPU ranks.
+DEFAULT_COMPUTE_MS = 10.0
+
+
+def run_note(compute_ms: float, steps: int) -> str:
+    """The line beside the planner's figures: what the compute was, and whether noise dominates
+    (see [Note: noise on CPU ranks])."""
+    if compute_ms > 0:
+        return (f"each layer also computes a fixed {compute_ms:g} ms (a sleep standing in for a GPU layer); "
+                f"exposed wait: median over {steps} step{'s' if steps > 1 else ''}")
+    return ("no added compute: on CPU ranks a layer computes about as long as its gather, so noise decides "
+            "the waits -- compare several runs, not one")
 
 
 @dataclass
@@ -41,14 +60,15 @@ class PlannerView:
 
     @property
     def exposed_ms(self) -> dict[int, float]:
-        """Exposed wait per rank in the last step, ms."""
-        return {k: v / 1e3 for k, v in exposed_us(self.records).items()}
+        """Exposed wait per rank, ms: the median over the run's steps of each step's total."""
+        return {k: v / 1e3 for k, v in median_exposed_us(self.records).items()}
 
     def text(self) -> str:
         r0 = self.results[0]
         lines = [
             f"{len(self.results)} ranks, {r0['mode']}, lookahead {'on' if r0['lookahead'] else 'off'}; "
             f"sharded layers {r0['sharded_layers']}",
+            run_note(r0.get("compute_ms", 0.0), len(r0["step_ms"])),
         ]
         if r0["emulation"]:
             lines.append(f"NOTE: {r0['emulation']}")
@@ -61,9 +81,10 @@ class PlannerView:
 
 def planner_view(cluster: RankCluster, preset: str = "tiny", *, layers: int | None = None,
                  sharded: tuple[int, int] | None = None, tokens: int | list[int] = 8, lookahead: bool = True,
-                 steps: int = 2) -> PlannerView:
+                 steps: int = 4, compute_ms: float = DEFAULT_COMPUTE_MS) -> PlannerView:
     """The pure function behind the panel: ``steps`` traced steps on every rank of ``cluster``,
-    with layers ``sharded = (first, last)`` (inclusive) sharded, and the figures of the last step."""
+    with layers ``sharded = (first, last)`` (inclusive) sharded and a fixed ``compute_ms`` added to
+    every layer ([Note: noise on CPU ranks]), and the figures of the last step."""
     if preset not in PRESETS:
         raise InvalidArgument(f"preset: unknown decoder preset {preset!r}; known: {sorted(PRESETS)}")
     n_layers = layers or PRESETS[preset].layers
@@ -76,13 +97,17 @@ def planner_view(cluster: RankCluster, preset: str = "tiny", *, layers: int | No
     need = sharded_need_per_rank(preset, cluster.world_size, layers=n_layers, sharded_layers=sharded_layers)
     check_fits(need, cluster.world_size, what=f"the sharded {preset} ({n_layers} layers) on {cluster.world_size} ranks",
                instead="Pick a smaller preset or fewer layers.", device_indices=cluster.device_indices)
-    results = cluster.run(traced_run, preset, tokens, lookahead, steps, layers=n_layers, sharded_layers=sharded_layers)
+    results = cluster.run(traced_run, preset, tokens, lookahead, steps, layers=n_layers, sharded_layers=sharded_layers,
+                          compute_ms=compute_ms)
     records = [rec for r in results for rec in r["records"]]
     note = title_note(results[0]["emulation"])
     mode = f"lookahead {'on' if lookahead else 'off'}"
+    median = median_exposed_us(records)
+    line = run_note(compute_ms, steps) + "<br>exposed wait per rank (median): " + ", ".join(
+        f"rank {k} {v / 1e3:.2f} ms" for k, v in sorted(median.items()))
     return PlannerView(
         results=results,
-        timeline=timeline_figure(records, title=f"{preset}, {mode}: compute and gathers per rank{note}"),
+        timeline=timeline_figure(records, title=f"{preset}, {mode}: compute and gathers, last step{note}", note=line),
         slots=slot_figure(records, title=f"{preset}, {mode}: slot A/B occupancy and gate waits{note}"),
     )
 
@@ -98,6 +123,7 @@ class PlannerPanel:
     tokens: widgets.IntSlider
     lookahead: widgets.Checkbox
     steps: widgets.IntSlider
+    compute_ms: widgets.FloatSlider
     run_button: widgets.Button
     view: PlannerView | None = None
     error: str = ""
@@ -105,22 +131,30 @@ class PlannerPanel:
 
 
 def build_planner_panel(cluster: RankCluster) -> PlannerPanel:
-    """Controls (preset, layers, sharded range, tokens per rank, lookahead, steps) and a **run on
-    ranks** button; a run shows a summary, the timeline and the slot figure of the last step."""
-    preset = widgets.Dropdown(options=CPU_PRESETS, value="tiny", description="preset")
-    layers = widgets.IntSlider(value=PRESETS["tiny"].layers, min=2, max=8, description="layers")
+    """Controls (preset, layers, sharded range, tokens per rank, compute per layer, steps,
+    lookahead) and a **run on ranks** button; a run shows a summary, the timeline and the slot
+    figure of the last step."""
+    # Each control gets a fixed width and its label room, so that a slider's track stays draggable
+    # in a narrow window (the row wraps instead of squeezing the tracks).
+    size = {"layout": widgets.Layout(width="360px"), "style": {"description_width": "130px"}}
+    preset = widgets.Dropdown(options=CPU_PRESETS, value="tiny", description="preset", **size)
+    layers = widgets.IntSlider(value=PRESETS["tiny"].layers, min=2, max=8, description="layers", **size)
     sharded = widgets.IntRangeSlider(value=(1, layers.value - 1), min=0, max=layers.value - 1,
-                                     description="sharded")
-    tokens = widgets.IntSlider(value=8, min=0, max=256, description="tokens/rank")
-    lookahead = widgets.Checkbox(value=True, description="lookahead")
-    steps = widgets.IntSlider(value=2, min=1, max=5, description="steps")
+                                     description="sharded layers", **size)
+    tokens = widgets.IntSlider(value=8, min=0, max=256, description="tokens/rank", **size)
+    compute_ms = widgets.FloatSlider(value=DEFAULT_COMPUTE_MS, min=0.0, max=20.0, step=1.0,
+                                     description="compute ms/layer", readout_format=".0f", **size)
+    steps = widgets.IntSlider(value=4, min=1, max=8, description="steps", **size)
+    lookahead = widgets.Checkbox(value=True, description="lookahead", indent=False)
     button = widgets.Button(description="run on ranks", button_style="primary")
     out = widgets.Output()
+    wrap = widgets.Layout(flex_flow="row wrap")
     panel = PlannerPanel(
-        widget=widgets.VBox([widgets.HBox([preset, layers, sharded]), widgets.HBox([tokens, lookahead, steps]),
-                             button, out]),
+        widget=widgets.VBox([widgets.HBox([preset, layers, sharded], layout=wrap),
+                             widgets.HBox([tokens, compute_ms, steps], layout=wrap),
+                             widgets.HBox([lookahead, button]), out]),
         preset=preset, layers=layers, sharded=sharded, tokens=tokens, lookahead=lookahead, steps=steps,
-        run_button=button,
+        compute_ms=compute_ms, run_button=button,
     )
 
     def on_layers(change: Any) -> None:
@@ -134,7 +168,8 @@ def build_planner_panel(cluster: RankCluster) -> PlannerPanel:
         panel.error = ""
         try:
             panel.view = planner_view(cluster, preset.value, layers=layers.value, sharded=sharded.value,
-                                      tokens=tokens.value, lookahead=lookahead.value, steps=steps.value)
+                                      tokens=tokens.value, lookahead=lookahead.value, steps=steps.value,
+                                      compute_ms=compute_ms.value)
         except Exception as e:  # noqa: BLE001 -- shown in the panel, kept in panel.error for callers
             panel.view = None
             panel.error = f"{type(e).__name__}: {e}"

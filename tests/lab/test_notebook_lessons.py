@@ -1,0 +1,54 @@
+"""What every notebook of the series holds as a lesson, read from the committed sources: no lab-log
+material in the text, a link to the glossary, and a closing "Check yourself" whose predictions start
+empty (the answers come from the package, not from the learner's cell)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("0*.ipynb"))
+#: Lab-log material that belongs in docs/measurements/, not in a lesson.
+LAB_LOG = [r"issue #\d", r"\b20\d\d-\d\d-\d\d\b", r"REFERENCES\.md", r"GPU\.md", r"\bthe seed\b", r"inspect\.getsource",
+           r"\bhelp\(", r"bench_step_h200", r"LD_PRELOAD"]
+
+
+def sources(nb: Path) -> list[tuple[str, str]]:
+    return [(c["cell_type"], "".join(c["source"])) for c in json.loads(nb.read_text())["cells"]]
+
+
+def lab_log_in(cells: list[tuple[str, str]]) -> list[str]:
+    """Every lab-log pattern found, with the start of its cell. A date is allowed in a figure caption
+    that says when a measurement was taken (code that reads a saved report), not in prose."""
+    found = []
+    for kind, text in cells:
+        for pat in LAB_LOG:
+            if pat.startswith(r"\b20") and kind == "code":
+                continue
+            if re.search(pat, text):
+                found.append(f"{pat}: {text[:60]!r}")
+    return found
+
+
+def empty_predictions(cells: list[tuple[str, str]]) -> int:
+    """How many predictions (``my_x = None``) the notebook's questions start with."""
+    return sum(len(re.findall(r"^my_\w+\s*=\s*None\b", text, re.M)) for kind, text in cells if kind == "code")
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_notebook_is_a_lesson(nb):
+    cells = sources(nb)
+    assert lab_log_in(cells) == [], f"{nb.name}: lab-log material in the lesson"
+    assert "glossary.md" in cells[0][1] or "glossary.md" in cells[1][1], f"{nb.name}: no glossary link at the top"
+    assert "Question(" in "".join(t for _, t in cells), f"{nb.name}: no Check-yourself questions"
+    assert empty_predictions(cells) >= 2, f"{nb.name}: fewer than two predictions that start empty"
+
+
+def test_the_rules_see_a_lab_log_and_a_filled_prediction():
+    cells = [("markdown", "As issue #5 showed on 2026-11-30"), ("code", "my_x = 7\nq.check(my_x)")]
+    assert len(lab_log_in(cells)) == 2
+    assert empty_predictions(cells) == 0
+    assert empty_predictions([("code", "my_x = None  # <- your prediction\nmy_y = None")]) == 2
