@@ -289,7 +289,7 @@ def drive(page, server, panel, kind: str, label: str, value=None) -> None:
 #: panel must show afterwards. Notebooks not listed (new ones) get the first slider, checkbox or
 #: button of each panel that changes it.
 DRIVES: dict[str, list[tuple[list[tuple], str]]] = {
-    "00": [([("slider", "N ranks")], "N = 5")],
+    "00": [([("slider", "N ranks")], "N = 9")],  # the preset's 8 ranks, one step right
     "01": [([("dropdown", "weights", "Kimi-K3-like MoE peripherals, block FP8, 1/32 scale (gatherable on CPU ranks)"),
              ("button", "gather on ranks")], "byte-exact on every rank")],
     "02": [([("button", "run AllGather benchmark")], "emulated")],

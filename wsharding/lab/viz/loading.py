@@ -35,10 +35,11 @@ def _label(results: list[dict[str, Any]]) -> str:
 
 
 def measured_note(result: dict[str, Any]) -> str:
-    """One line saying what the measured number is on this run's device."""
+    """What the measured number is on this run's device, for a figure's subtitle (broken in two
+    lines where one would run past a notebook's output width)."""
     if result["load_peak"]["device_is_host"]:
-        return ("measured = the rank process's resident set: only written pages count, and the process's own "
-                "allocations too (noise for small models)")
+        return ("measured = the rank process's resident set: only written pages count,<br>"
+                "and the process's own allocations too (noise for small models)")
     return "measured = bytes allocated on the GPU (torch's allocator plus NCCL's windows)"
 
 
@@ -103,13 +104,13 @@ def finalize_figure(result: dict[str, Any]) -> go.Figure:
     if off:
         fig.add_annotation(x=0.5, xref="paper", y=top, yref="y", yanchor="top", showarrow=False,
                            text="the measured lines run off the scale: at these sizes process noise dominates them")
-    # the legend above the plot: below it, it would collide with the rotated step names
+    # the legend beside the plot: below it, it would collide with the rotated step names, and above
+    # it, with the title's lines
     fig.update_layout(barmode="stack", height=600, font=FONT, yaxis_title="MiB on this rank",
                       xaxis_title="step of load + finalize (L = layer)",
-                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
-                      margin={"t": 175},
-                      title={"y": 0.98, "yanchor": "top",
-                             "text": f"Finalize on rank {result['rank']}: {result['variant']} "
+                      legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top"},
+                      margin={"t": 130, "r": 20},
+                      title={"text": f"Finalize on rank {result['rank']}: {result['variant']} "
                                      f"({', '.join(result['shard_modes'])}), {_label([result])}"
                                      f"<br><sup>{measured_note(result)}</sup>"})
     return fig
@@ -170,6 +171,6 @@ def variants_figure(per_variant: dict[str, list[dict[str, Any]]]) -> go.Figure:
                            text="measured peaks off the scale: process noise at these sizes")
     fig.update_layout(barmode="group", height=520, font=FONT,
                       legend={"orientation": "h", "y": -0.15, "yanchor": "top", "x": 0},
-                      margin={"b": 150},
+                      margin={"b": 150, "t": 130},
                       title=f"Quant variants side by side: rank 0, {_label(r0)}<br><sup>{measured_note(r0[0])}</sup>")
     return fig
