@@ -46,7 +46,7 @@ class FirstLayerPrefetch(PlannerPlugin):
     @classmethod
     def of(cls, planner: WeightShardPlanner) -> FirstLayerPrefetch:
         """The plug-in attached to ``planner``, attached now if it has none (every rank the same)."""
-        found = next((p for p in planner.plugins if isinstance(p, cls)), None)
+        found = cls.attached_to(planner)
         if found is None:
             found = cls()
             planner.add_plugin(found)

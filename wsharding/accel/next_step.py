@@ -49,7 +49,7 @@ class NextStepPrefetch(PlannerPlugin):
     def switch(cls, planner: WeightShardPlanner, on: bool) -> NextStepPrefetch | None:
         """Turn the prefetch on or off between two steps (every rank the same): attaches one the
         first time it is turned on; returns the attached plug-in, or None when there is none."""
-        found = next((p for p in planner.plugins if isinstance(p, cls)), None)
+        found = cls.attached_to(planner)
         if found is None and on:
             found = cls()
             planner.add_plugin(found)

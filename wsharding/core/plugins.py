@@ -3,7 +3,11 @@ outside the layer sequence."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from wsharding.core.planner import WeightShardPlanner
+
+P = TypeVar("P", bound="PlannerPlugin")
 
 
 class PlannerPlugin:
@@ -14,6 +18,11 @@ class PlannerPlugin:
     two such on one planner would gather into the same slot, so the second is refused."""
 
     claims_first_layer = False
+
+    @classmethod
+    def attached_to(cls: type[P], planner: WeightShardPlanner) -> P | None:
+        """The plug-in of this class attached to ``planner``, or None."""
+        return next((p for p in planner.plugins if isinstance(p, cls)), None)
 
     def attach(self, planner: WeightShardPlanner) -> None:
         """Called once by :meth:`WeightShardPlanner.add_plugin`."""

@@ -65,9 +65,13 @@ class Question:
         """Print the verdict on ``guess`` (nothing raised: a wrong answer is part of learning)."""
         print(self.verdict(guess)[1])
 
+    def answer_text(self) -> str:
+        """The package's answer and why, in one line."""
+        return f"answer: {self.text} = {self._fmt(self.answer)}{self.unit}. {self.why}".rstrip()
+
     def reveal(self) -> None:
         """Print the package's answer and why."""
-        print(f"answer: {self.text} = {self._fmt(self.answer)}{self.unit}. {self.why}".rstrip())
+        print(self.answer_text())
 
     @staticmethod
     def _fmt(x: Any) -> str:
@@ -99,7 +103,7 @@ def quiz_panel(*questions: Question) -> Any:
             out.value = q.verdict(guess)[1]
 
         def on_show(_b: Any, q: Question = q, out: w.HTML = out) -> None:
-            out.value = f"answer: {q.text} = {q._fmt(q.answer)}{q.unit}. {q.why}".rstrip()
+            out.value = q.answer_text()
 
         check.on_click(on_check)
         show.on_click(on_show)
