@@ -59,7 +59,8 @@ FLOORS: dict[str, int] = {
     "wsharding.core.runner": 6,
     "wsharding.checkpoint": 7,
     "wsharding.models": 8,
-    "wsharding": 9,  # the package face: re-exports only
+    "wsharding.serve": 9,
+    "wsharding": 10,  # the package face: re-exports only
     # ---- the teaching layer ----
     "wsharding.lab": 20,
     "wsharding.lab.layout_presets": 20,

@@ -38,6 +38,7 @@ from wsharding.linear import (
 )
 from wsharding.linear.methods import make_quant_method
 from wsharding.models.kv_cache import KVStep
+from wsharding.models.token_pool import ServeStep
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,19 @@ class Attention(nn.Module):
         a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
         a = a.view(b, self.kv_heads, rep, t, self.head_dim).permute(0, 3, 1, 2, 4).reshape(b * t, -1)
         return self.o_proj(a)
+
+    def forward_serve(self, x: torch.Tensor, layer_id: int, step: ServeStep) -> torch.Tensor:
+        """The serving path: ``x`` holds the step's rows (``[rows, hidden]``), each a token of its own
+        sequence at its own position. Their K/V are written into the token pool first, so that a
+        prompt's rows see each other; then each row attends to the pool rows ``step.read`` marks as
+        its sequence's, up to itself. Fixed shapes throughout (see :mod:`wsharding.models.token_pool`)."""
+        rows, rep = x.shape[0], self.heads // self.kv_heads
+        q, k, v = self.qkv_proj(x).split(self.qkv_gemm["split"], dim=-1)
+        step.store(layer_id, k.view(rows, self.kv_heads, self.head_dim), v.view(rows, self.kv_heads, self.head_dim))
+        k_seen, v_seen = step.gathered(layer_id)  # [rows, kv_heads, max_len, head_dim]
+        q = q.view(rows, self.kv_heads, rep, self.head_dim)  # the rep query heads of a KV head as query rows
+        a = F.scaled_dot_product_attention(q, k_seen, v_seen, attn_mask=step.mask[:, None, None, :])
+        return self.o_proj(a.reshape(rows, self.heads * self.head_dim))
 
 
 def over_group_tokens(fn: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -348,6 +362,13 @@ class DecoderLayer(nn.Module):
         ffn = self.mlp if self.dense else self.moe
         return x + ffn(self.mlp_norm(x))
 
+    def forward_serve(self, x: torch.Tensor, step: ServeStep) -> torch.Tensor:
+        """:meth:`forward` on the serving path (a :class:`~wsharding.models.token_pool.ServeStep`)."""
+        prepare_layer_weight_shard_forward(self)
+        x = x + self.attn.forward_serve(self.attn_norm(x), self.layer_id, step)
+        ffn = self.mlp if self.dense else self.moe
+        return x + ffn(self.mlp_norm(x))
+
 
 class ToyDecoder(nn.Module):
     """Embedding, layers (dense layer 0, DP-attention + latent-MoE layers), norm, LM head.
@@ -405,6 +426,14 @@ class ToyDecoder(nn.Module):
         out = self.lm_head(self.norm(h)).view(b, t, -1)
         step.advance()
         return out
+
+    def forward_serve(self, step: ServeStep) -> torch.Tensor:
+        """The serving path: one forward of ``step.rows`` rows of different sequences at different
+        positions, K/V in a :class:`~wsharding.models.token_pool.TokenKVPool`; returns logits
+        ``[rows, vocab]``. Sharded layers gather their weights exactly as in :meth:`forward`."""
+        h = self.embed(step.tokens)
+        h = run_layers(self.layers, h, self.planner, call=lambda layer, x: layer.forward_serve(x, step))
+        return self.lm_head(self.norm(h))
 
     def dummy_tokens(self) -> torch.Tensor:
         """One token, for a rank with no work this step (see :func:`wsharding.core.runner.aligned_forward`)."""

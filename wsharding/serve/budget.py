@@ -1,0 +1,53 @@
+"""How big the KV pool is: the memory budget, less what the model holds, less a reserve for activations.
+
+This is where weight sharding pays or does not. SGLang's weight sharding for Kimi K3 finalizes the
+sharding before the KV pool is sized, so every byte it gives back is seen here and becomes KV tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from wsharding.core.errors import InvalidArgument
+
+
+def pool_tokens(budget_bytes: int, resident_bytes: int, reserve_bytes: int, bytes_per_token: int) -> int:
+    """Token rows of a :class:`~wsharding.models.token_pool.TokenKVPool` that fit in
+    ``budget - resident - reserve`` bytes, one scratch row included (so one less than the quotient)."""
+    left = budget_bytes - resident_bytes - reserve_bytes
+    tokens = left // bytes_per_token - 1
+    if tokens < 1:
+        raise InvalidArgument(
+            f"a budget of {budget_bytes / 2**20:.1f} MiB leaves no KV pool: the model holds "
+            f"{resident_bytes / 2**20:.1f} MiB and the activations need {reserve_bytes / 2**20:.1f} MiB. "
+            "Give the ranks a larger budget (or shard more weights)")
+    return int(tokens)
+
+
+def activation_reserve_bytes(model: Any, rows: int, max_len: int) -> int:
+    """Bytes set aside for the transient tensors of one serving step of ``rows`` rows (a stated rule,
+    an upper estimate): every row's gathered K and V (``rows x max_len`` tokens of one layer, twice:
+    the gather and the attention's copy), the widest projection outputs, the logits in float32, and
+    the step's index tensors."""
+    cfg = model.cfg
+    item = cfg.torch_dtype.itemsize
+    attn = model.layers[0].attn
+    kv = 2 * rows * max_len * attn.kv_heads * attn.head_dim * item * 2
+    widest = max(cfg.dense_inter * 2, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, cfg.shared_inter * 2,
+                 cfg.experts * cfg.expert_inter)
+    hidden = rows * (4 * cfg.hidden + 2 * widest) * item
+    logits = rows * cfg.vocab * (item + 4)
+    index = rows * max_len * (8 + 8 + 1)
+    return kv + hidden + logits + index
+
+
+def device_free_bytes(device: torch.device, share: int = 1) -> int:
+    """What a rank may still allocate on ``device``: the driver's free bytes split between the ``share``
+    ranks on it, plus what torch's caching allocator holds unused. CPU: unknown (None would be wrong: a
+    CPU budget is an emulation and is never checked against the machine)."""
+    if device.type != "cuda":
+        raise InvalidArgument("device_free_bytes: only for CUDA devices")
+    free, _total = torch.cuda.mem_get_info(device)
+    return free // max(1, share) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
