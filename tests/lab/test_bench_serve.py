@@ -50,13 +50,15 @@ def test_report_ratios_prediction_and_table(served):
     report = summarize(results)
     row = report["rows_by_budget"][0]
     assert report["equal"] and row["budget_bytes"] == budget
-    assert row["ratio"]["pool_tokens"] == row["sharded"]["pool_tokens"] / row["replicated"]["pool_tokens"] > 1
-    assert row["predicted"]["sharded_pool_tokens"] == row["sharded"]["pool_tokens"]
-    assert row["ratio"]["tokens_per_step"] > 1  # more sequences at once: more tokens per step, exactly counted
+    assert report["variants"] == ["replicated", "sharded"]  # torch's comm: plain slots only, no third variant
+    ratio = row["ratio"]["sharded"]
+    assert ratio["pool_tokens"] == row["sharded"]["pool_tokens"] / row["replicated"]["pool_tokens"] > 1
+    assert row["predicted"]["sharded"]["pool_tokens"] == row["sharded"]["pool_tokens"]
+    assert ratio["tokens_per_step"] > 1  # more sequences at once: more tokens per step, exactly counted
     assert len(report["layer_times"]) == 11 and all(lt["gather_us"] > 0 and lt["compute_us"] > 0
                                                       for lt in report["layer_times"])
     text = format_table(report)
-    assert "emulated" in text and "every request's tokens equal" in text and "cost model: sharded pool" in text
+    assert "emulated" in text and "every request's tokens equal" in text and "cost model: pool sharded" in text
 
 
 def test_figure_draws_both_variants(served):

@@ -295,6 +295,7 @@ DRIVES: dict[str, list[tuple[list[tuple], str]]] = {
     "02": [([("button", "run AllGather benchmark")], "emulated")],
     "03": [([("checkbox", "lookahead"), ("button", "run on ranks")], "lookahead off")],
     "05": [([("int", "KV heads", 4)], "K=4")],
+    "06": [([("button", "serve")], "budgets so far")],  # the figure of the sweep, one budget more
 }
 
 

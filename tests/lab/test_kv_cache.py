@@ -82,3 +82,15 @@ def test_k3_fp8_kv_capacity_and_overrides():
     assert "kv_capacity" in plan.to_dict()
     bare = model_from_dict({**preset_dict("kimi-k3-b200-fp8"), "kv_bytes_per_token": None})
     assert estimate(bare, b200()).kv_capacity() is None  # no KV size: nothing to predict
+
+
+def test_an_emulated_memory_per_cpu_rank_sizes_both_pools(cluster_of):
+    """With ``cap_bytes`` a CPU rank's memory is a stated number, not the machine's RAM: each pool is
+    that memory less its own model and the reserve, so the gain is a visible share of the pool."""
+    cap, reserve = 5 << 19, 1 << 18  # 2.5 MiB per rank, 0.25 MiB of it for activations
+    for r in cluster_of(2).run(kv_capacity_now, "tiny-deep", context=64, cap_bytes=cap, reserve_bytes=reserve):
+        kv = r["kv_bytes_per_token"]
+        assert r["replicated"]["tokens"] == (cap - r["replicated_model_bytes"] - reserve) // kv
+        assert r["sharded"]["tokens"] == (cap - r["sharded_model_bytes"] - reserve) // kv
+        assert r["sharded"]["tokens"] > 1.2 * r["replicated"]["tokens"]
+        assert r["measured"].startswith("emulated: a memory of 2.50 MiB per CPU rank")

@@ -157,3 +157,10 @@ def test_percentile_nearest_rank():
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
     assert percentile(list(map(float, range(1, 101))), 99) == 99.0
     assert percentile([], 99) is None
+
+
+def test_a_loop_that_never_ends_is_stopped_with_an_error(model):
+    from wsharding.serve.engine import ServeStalled
+
+    with pytest.raises(ServeStalled, match="still working after 3 steps on rank 0"):
+        serve(model, TokenKVPool.for_model(model, 40), _requests([(4, 9)]), rows=8, max_len=12, max_steps=3)

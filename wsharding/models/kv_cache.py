@@ -217,10 +217,19 @@ def replicated_vs_sharded(replicated: torch.nn.Module, sharded: torch.nn.Module,
     """KV-cache capacity on this rank if only one of the two models were loaded, measured now, after
     finalize, with both resident: the free budget (:func:`kv_budget_bytes`) plus the bytes of the model
     that would not be there (:func:`sharded_model_bytes` for ``sharded``, with ``ws`` its
-    ``WeightSharding``). The difference of the two pools is exactly the bytes sharding gave back."""
+    ``WeightSharding``). The difference of the two pools is exactly the bytes sharding gave back.
+    ``cap_bytes`` on CPU ranks: an emulated memory per rank (the machine's RAM would dwarf the models)."""
     device = replicated.embed.weight.device
-    free, how = kv_budget_bytes(device, reserve_bytes=reserve_bytes, cap_bytes=cap_bytes, share=share)
     rep, sh = model_bytes(replicated), sharded_model_bytes(sharded, ws)
+    if device.type != "cuda" and cap_bytes is not None:
+        # CPU ranks under an emulated memory of cap_bytes: what both models and the reserve leave of it.
+        # Negative when the two would not fit together -- they never have to: each pool adds back the
+        # model that would not be there.
+        free = cap_bytes - rep - sh - reserve_bytes
+        how = (f"emulated: a memory of {cap_bytes / 2**20:.2f} MiB per CPU rank stands in for a GPU's, "
+               "both models and the reserve taken out")
+    else:
+        free, how = kv_budget_bytes(device, reserve_bytes=reserve_bytes, cap_bytes=cap_bytes, share=share)
     kv = kv_bytes_per_token(sharded)
     return {"measured": how, "free_bytes": free, "reserve_bytes": reserve_bytes, "kv_bytes_per_token": kv,
             "replicated_model_bytes": rep, "sharded_model_bytes": sh, "context": context,

@@ -17,9 +17,14 @@ from typing import Any
 
 import torch
 
+from wsharding.core.errors import WshardingError
 from wsharding.models.token_pool import TokenKVPool
 from wsharding.serve.batcher import ContinuousBatcher
 from wsharding.serve.workload import Request
+
+
+class ServeStalled(WshardingError, RuntimeError):
+    """The step loop ran ``max_steps`` steps and some rank still had work."""
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -91,7 +96,7 @@ def serve(model: torch.nn.Module, pool: TokenKVPool, requests: list[Request], *,
             if not agree(batcher.has_work()):
                 break
             if steps >= max_steps:
-                raise RuntimeError(f"serve: still working after {max_steps} steps on rank "
+                raise ServeStalled(f"serve: still working after {max_steps} steps on rank "
                                    f"{requests[0].rank if requests else '?'}; something never finishes")
     wall = clock() - t0
     done = batcher.finished

@@ -25,6 +25,15 @@ BENCHES: dict[str, tuple[str, str]] = {
         "wsharding.lab.bench.draft",
         "draft model, layer 0: exposed gather time with a dedicated stream vs the shared side stream vs inline",
     ),
+    "profile": (
+        "wsharding.lab.bench.profile",
+        "one sharded decoder step under torch.profiler: the intervals of every stream (threads on CPU ranks)",
+    ),
+    "serve": (
+        "wsharding.lab.bench.serve",
+        "what the saving buys: a stream of requests under one memory budget, replicated vs sharded "
+        "(KV pool, concurrency, tokens/s, TTFT, TPOT)",
+    ),
 }
 
 

@@ -24,7 +24,7 @@ from wsharding.core.errors import WshardingError
 from wsharding.core.units import ceil_div
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
-from wsharding.lab.tasks.serve import VARIANTS, serve_rank
+from wsharding.lab.tasks.serve import serve_rank
 from wsharding.models import PRESETS
 from wsharding.runtime import gpu_count
 from wsharding.serve import Workload, activation_reserve_bytes, pool_tokens
@@ -100,21 +100,25 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     sizing = r0["sizing"]
     per_token = r0["kv_bytes_per_token"]
     mean_request = statistics.fmean(r["kv_tokens_mean"] for r in results)
+    variants = list(r0["runs"])  # replicated first, then the sharded ones
+    requests = r0["workload"]["requests"]
     rows = []
     for i, budget in enumerate(r0["budgets"]):
-        row: dict[str, Any] = {"budget_bytes": budget, **{v: _merged(results, v, i) for v in VARIANTS}}
-        row["ratio"] = {k: (row["sharded"][k] / row["replicated"][k] if row["replicated"][k] else None)
-                        for k in RATIO_KEYS if row["sharded"][k] is not None and row["replicated"][k] is not None}
-        rep = sizing["replicated"]
-        predicted_resident = rep["resident_bytes"] - sizing["sharded"]["net_saving_bytes_predicted"]
-        try:
-            tokens = pool_tokens(budget, predicted_resident, sizing["sharded"]["reserve_bytes"], per_token)
-        except WshardingError:
-            tokens = 0
-        requests = r0["workload"]["requests"]
-        row["predicted"] = {"sharded_pool_tokens": tokens,
-                            "sharded_concurrency": min(requests, int(tokens // mean_request)),
-                            "replicated_concurrency": min(requests, int(row["replicated"]["pool_tokens"] // mean_request))}
+        row: dict[str, Any] = {"budget_bytes": budget, **{v: _merged(results, v, i) for v in variants}}
+        rep = row["replicated"]
+        row["ratio"] = {v: {k: row[v][k] / rep[k] for k in RATIO_KEYS if row[v][k] is not None and rep[k]}
+                        for v in variants[1:]}
+        # The cost model's pool: the replicated model's resident bytes less the bill's net saving.
+        row["predicted"] = {"replicated": {"pool_tokens": rep["pool_tokens"]}}
+        for v in variants[1:]:
+            resident = sizing["replicated"]["resident_bytes"] - sizing[v]["net_saving_bytes_predicted"]
+            try:
+                tokens = pool_tokens(budget, resident, sizing[v]["reserve_bytes"], per_token)
+            except WshardingError:
+                tokens = 0
+            row["predicted"][v] = {"pool_tokens": tokens}
+        for p in row["predicted"].values():
+            p["concurrency"] = min(requests, int(p["pool_tokens"] // mean_request))
         rows.append(row)
     differ = [{"rank": r["rank"], "budget_bytes": r0["budgets"][i], "requests": ids}
               for r in results for i, ids in enumerate(r["differ"]) if ids]
@@ -124,8 +128,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                    for j, lt in enumerate(sizing["sharded"]["layer_times"])]
     keep = ("mode", "emulation", "device", "communicator", "world_size", "ranks_per_device", "preset", "layers",
             "rows", "max_len", "workload", "workload_text", "kv_bytes_per_token")
-    return {"bench": "serve", **{k: r0[k] for k in keep}, "mean_request_kv_tokens": mean_request,
-            "sizing": {v: {k: x for k, x in sizing[v].items() if k != "layer_times"} for v in VARIANTS},
+    return {"bench": "serve", **{k: r0[k] for k in keep}, "mean_request_kv_tokens": mean_request, "variants": variants,
+            "sizing": {v: {k: x for k, x in sizing[v].items() if k != "layer_times"} for v in variants},
             "layer_times": layer_times, "rows_by_budget": rows, "differ": differ, "equal": not differ}
 
 
@@ -150,29 +154,33 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"  workload: {report['workload_text']}")
     lines.append(f"  steps of {report['rows']} rows, attention over {report['max_len']} tokens; "
                  f"KV {report['kv_bytes_per_token']:,} B per token")
-    lines.append(f"  resident: replicated {_mib(s['replicated']['resident_bytes'])}, sharded "
-                 f"{_mib(s['sharded']['resident_bytes'])} ({s['sharded']['slot_layout']}); reserve for activations "
-                 f"{_mib(s['sharded']['reserve_bytes'])}; load peak replicated {_mib(s['replicated']['load_peak_bytes'])}, "
-                 f"sharded {_mib(s['sharded']['load_peak_bytes'])}")
-    head = (f"  {'':<11}{'KV pool':>12}{'max seq':>9}{'mean seq':>10}{'tok/step':>10}{'tok/s':>10}"
+    variants = report["variants"]
+    lines.append("  resident: " + ", ".join(f"{v} {_mib(s[v]['resident_bytes'])}" for v in variants)
+                 + f"; reserve for activations {_mib(s['replicated']['reserve_bytes'])}; load peak "
+                 + ", ".join(f"{v} {_mib(s[v]['load_peak_bytes'])}" for v in variants))
+    for v in variants[1:]:
+        lines.append(f"  {v}: {s[v]['slot_layout']}")
+    head = (f"  {'':<14}{'KV pool':>12}{'max seq':>9}{'mean seq':>10}{'tok/step':>10}{'tok/s':>10}"
             f"{'TTFT med/p99 ms':>20}{'TPOT med/p99 ms':>20}{'waited':>8}")
     for row in report["rows_by_budget"]:
         lines.append(f"  budget {_mib(row['budget_bytes'])} per rank:")
         lines.append(head)
-        for v in VARIANTS:
+        for v in variants:
             x = row[v]
-            lines.append(f"  {v:<11}{x['pool_tokens']:>12,}{x['max_concurrency']:>9}{x['mean_concurrency']:>10.1f}"
+            lines.append(f"  {v:<14}{x['pool_tokens']:>12,}{x['max_concurrency']:>9}{x['mean_concurrency']:>10.1f}"
                          f"{x['tokens_per_step']:>10.2f}{x['tokens_per_s']:>10.1f}"
                          f"{_ms(x['ttft_ms_median']) + ' / ' + _ms(x['ttft_ms_p99']):>20}"
                          f"{_ms(x['tpot_ms_median']) + ' / ' + _ms(x['tpot_ms_p99']):>20}{x['waited_for_memory']:>8}")
-        r = row["ratio"]
-        lines.append(f"  {'ratio':<11}{r.get('pool_tokens', 0):>11.2f}x{r.get('max_concurrency', 0):>8.2f}x"
-                     f"{r.get('mean_concurrency', 0):>9.2f}x{r.get('tokens_per_step', 0):>9.2f}x"
-                     f"{r.get('tokens_per_s', 0):>9.2f}x{r.get('ttft_ms_median', 0):>19.2f}x{r.get('tpot_ms_median', 0):>19.2f}x")
+        for v in variants[1:]:
+            r = row["ratio"][v]
+            cells = [f"{r[k]:.2f}x" if k in r else "-" for k in RATIO_KEYS]
+            lines.append(f"  {v + ' / rep':<14}{cells[0]:>12}{cells[1]:>9}{cells[2]:>10}{cells[3]:>10}{cells[4]:>10}"
+                         f"{cells[5]:>20}{cells[6]:>20}")
         p = row["predicted"]
-        lines.append(f"  cost model: sharded pool {p['sharded_pool_tokens']:,} tokens (measured "
-                     f"{row['sharded']['pool_tokens']:,}); requests of the mean length at once: "
-                     f"{p['replicated_concurrency']} replicated, {p['sharded_concurrency']} sharded")
+        lines.append("  cost model: pool " + ", ".join(f"{v} {p[v]['pool_tokens']:,} tokens (measured "
+                                                        f"{row[v]['pool_tokens']:,})" for v in variants[1:])
+                     + "; requests of the mean length at once: "
+                     + ", ".join(f"{v} {p[v]['concurrency']}" for v in variants))
     gathers = [lt for lt in report["layer_times"] if lt["gather_us"]]
     if gathers:
         g = statistics.median(lt["gather_us"] for lt in gathers)

@@ -57,16 +57,17 @@ def kv_decode_equality(ctx: RankContext, preset: str, *, sequences: int = 3, pro
 
 
 def kv_capacity_now(ctx: RankContext, preset: str, *, context: int = 256, reserve_bytes: int = 0,
-                    comm: str = "torch") -> dict[str, Any]:
+                    comm: str = "torch", cap_bytes: int | None = None) -> dict[str, Any]:
     """Both models on this rank, after finalize: the KV tokens and sequences of ``context`` tokens that
     would fit with only the replicated or only the sharded one (see
-    :func:`~wsharding.models.kv_cache.replicated_vs_sharded`), and the sharding's own byte counts."""
+    :func:`~wsharding.models.kv_cache.replicated_vs_sharded`), and the sharding's own byte counts.
+    ``cap_bytes``: the memory of each rank (CPU ranks: an emulated one; default the machine's RAM)."""
     cfg = decoder_config(preset)
     comm_ = shard_comm_for(ctx, comm)
     replicated, sharded = build_pair(cfg, comm_)
     ws = sharded.weight_sharding
     out = replicated_vs_sharded(replicated, sharded, ws, context=context, reserve_bytes=reserve_bytes,
-                                share=ranks_sharing_device(ctx.world_size, comm_.device))
+                                cap_bytes=cap_bytes, share=ranks_sharing_device(ctx.world_size, comm_.device))
     out.update({"rank": ctx.rank, "mode": comm_.mode, "emulation": ctx.emulation,
                 "replicated_bytes": ws.replicated_bytes(), "resident_bytes": ws.resident_bytes()})
     return out

@@ -30,7 +30,10 @@ from wsharding.serve import Workload, activation_reserve_bytes, pool_tokens, ser
 from wsharding.serve.batcher import ContinuousBatcher, check_fits
 from wsharding.serve.budget import device_free_bytes
 
+#: The variants every run serves; where the sharded one maps its own chunk (our NCCL, >= 2.30), a
+#: third with plain slots shows what the mapping adds.
 VARIANTS = ("replicated", "sharded")
+PLAIN = "sharded_plain"
 
 
 def _agree(ctx: RankContext):
@@ -71,13 +74,14 @@ def _barrier(ctx: RankContext) -> None:
 def _build(variant: str, cfg, comm, seed: int) -> tuple[ToyDecoder, WeightSharding | None, dict[str, Any]]:
     """One variant, its build measured (the load peak: device bytes on GPUs, the resident set on CPU ranks)."""
     gc.collect()
-    outside = outside_allocator_bytes(comm) if variant == "sharded" else None
+    outside = outside_allocator_bytes(comm) if variant != "replicated" else None
     with PeakMeter(comm.device, outside_allocator=outside) as meter:
         if variant == "replicated":
             model, ws = ToyDecoder(cfg, seed=seed, device=comm.device).eval(), None
             process_weights(model)
         else:
-            ws = WeightSharding(comm, sharded_layers=range(1, cfg.layers))
+            ws = WeightSharding(comm, sharded_layers=range(1, cfg.layers),
+                                map_own_chunk=False if variant == PLAIN else "auto")
             model = ToyDecoder(cfg, seed=seed, weight_sharding=ws, device=comm.device).eval()
             process_weights(model)
             ws.finalize(observe=lambda stage, layer: meter.sample())
@@ -117,7 +121,9 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     GPU has free now, split between the ranks on it -- CPU ranks need a number, an emulated budget).
 
     Returns, per budget and variant, :meth:`ServeRun.summary` plus the pool's sizing, the load peak and
-    (sharded) per-layer gather and compute times; and the requests whose tokens differ between variants.
+    (sharded) per-layer gather and compute times; and the requests whose tokens differ from the
+    replicated model's in any sharded variant. Variants: :data:`VARIANTS`, and :data:`PLAIN` where
+    the sharded one maps its own chunk.
     """
     cfg = decoder_config(preset, layers)
     comm_ = shard_comm_for(ctx, comm)
@@ -136,8 +142,11 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     runs: dict[str, list[dict[str, Any]]] = {}
     outputs: dict[str, list[dict[int, list[int]]]] = {}
     sizing: dict[str, dict[str, Any]] = {}
-    for variant in VARIANTS:
+    variants = list(VARIANTS)
+    for variant in variants:  # grows by PLAIN when the sharded variant maps its own chunk
         model, ws, load = _build(variant, cfg, comm_, seed)
+        if variant == "sharded" and ws.map_own_chunk:
+            variants.append(PLAIN)
         resident = model_bytes(model) if ws is None else sharded_model_bytes(model, ws)
         reserve = activation_reserve_bytes(model, rows, wl.max_len) if reserve_bytes is None else reserve_bytes
         sizing[variant] = {"resident_bytes": resident, "reserve_bytes": reserve, **load}
@@ -178,8 +187,8 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    differ = [[rid for rid in sorted(outputs["replicated"][i]) if outputs["replicated"][i][rid] != outputs["sharded"][i].get(rid)]
-              for i in range(len(budgets))]
+    differ = [sorted({rid for v in variants[1:] for rid in outputs["replicated"][i]
+                      if outputs["replicated"][i][rid] != outputs[v][i].get(rid)}) for i in range(len(budgets))]
     return {"rank": ctx.rank, "mode": comm_.mode, "emulation": ctx.emulation, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "communicator": type(comm_).__name__, "world_size": ctx.world_size, "ranks_per_device": share,
             "kv_bytes_per_token": per_token,

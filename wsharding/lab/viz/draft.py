@@ -43,5 +43,5 @@ def draft_exposed_figure(report: dict[str, Any], title: str | None = None) -> go
     fig.update_layout(
         title=(title or "Draft model, layer 0: exposed gather time") + f"<br><sub>{label}<br>{report['region']}</sub>",
         xaxis_title="how the draft's first layer is gathered", yaxis_title="exposed us (compute waits)",
-        height=500, margin={"t": 130}, legend={"orientation": "h", "y": -0.2})
+        height=520, margin={"t": 150}, legend={"orientation": "h", "y": -0.2})
     return fig

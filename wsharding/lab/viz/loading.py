@@ -93,7 +93,7 @@ def finalize_figure(result: dict[str, Any]) -> go.Figure:
     # reference lines as traces (not shapes) so that the legend names each one beside its own style
     bound = (result["formula_bytes"] + result["largest_weight_bytes"]) / MiB
     fig.add_scatter(x=x, y=[bound] * len(x), mode="lines", line={"color": BOUND_COLOR, "dash": "dash", "width": 2},
-                    name="bound: R/N + padding/N + 2 slots + one weight", hoverinfo="name+y")
+                    name="bound: R/N + padding/N<br>+ 2 slots + one weight", hoverinfo="name+y")
     fig.add_scatter(x=x, y=[result["replicated_bytes"] / MiB] * len(x), mode="lines",
                     line={"color": R_COLOR, "dash": "dashdot", "width": 2}, name="R: a replicated rank's weights",
                     hoverinfo="name+y")
@@ -101,18 +101,19 @@ def finalize_figure(result: dict[str, Any]) -> go.Figure:
                                                                        for s in steps],
                           [s.get("peak_so_far", s["measured"]) / MiB for s in steps])
     fig.update_yaxes(range=[0, top])
-    if off:
-        fig.add_annotation(x=0.5, xref="paper", y=top, yref="y", yanchor="top", showarrow=False,
-                           text="the measured lines run off the scale: at these sizes process noise dominates them")
+    # Said in the subtitle, not inside the plot: there it would sit on the lines it speaks of, and
+    # run wider than the plot at 1280 px (the legend beside takes ~280 px).
+    note = measured_note(result) + ("<br>the measured lines run off the scale: at these sizes process noise "
+                                    "dominates them" if off else "")
     # the legend beside the plot: below it, it would collide with the rotated step names, and above
     # it, with the title's lines
-    fig.update_layout(barmode="stack", height=600, font=FONT, yaxis_title="MiB on this rank",
+    fig.update_layout(barmode="stack", height=600 + (20 if off else 0), font=FONT, yaxis_title="MiB on this rank",
                       xaxis_title="step of load + finalize (L = layer)",
                       legend={"orientation": "v", "x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top"},
-                      margin={"t": 130, "r": 20},
+                      margin={"t": 130 + (20 if off else 0), "r": 20},
                       title={"text": f"Finalize on rank {result['rank']}: {result['variant']} "
                                      f"({', '.join(result['shard_modes'])}), {_label([result])}"
-                                     f"<br><sup>{measured_note(result)}</sup>"})
+                                     f"<br><sup>{note}</sup>"})
     return fig
 
 
@@ -166,11 +167,12 @@ def variants_figure(per_variant: dict[str, list[dict[str, Any]]]) -> go.Figure:
     measured = [r["load_peak"]["device_peak_bytes"] / MiB for r in r0]
     top, off = _scale_top(peaks + [r["replicated_bytes"] / MiB for r in r0], measured)
     fig.update_yaxes(title_text="MiB per rank", range=[0, top], row=1, col=2)
-    if off:
-        fig.add_annotation(x=0.5, xref="x2 domain", y=top, yref="y2", yanchor="top", showarrow=False,
-                           text="measured peaks off the scale: process noise at these sizes")
-    fig.update_layout(barmode="group", height=520, font=FONT,
+    # the off-scale note in the subtitle: inside the right plot it sat on its top tick and ran wider
+    # than the plot at 1280 px
+    note = measured_note(r0[0]) + ("<br>the measured peaks (diamonds) run off the right scale: process noise "
+                                   "at these sizes" if off else "")
+    fig.update_layout(barmode="group", height=540 + (20 if off else 0), font=FONT,
                       legend={"orientation": "h", "y": -0.15, "yanchor": "top", "x": 0},
-                      margin={"b": 150, "t": 130},
-                      title=f"Quant variants side by side: rank 0, {_label(r0)}<br><sup>{measured_note(r0[0])}</sup>")
+                      margin={"b": 150, "t": 150 + (20 if off else 0)},
+                      title=f"Quant variants side by side: rank 0, {_label(r0)}<br><sup>{note}</sup>")
     return fig

@@ -10,11 +10,11 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c"}
+COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c", "sharded_plain": "#98df8a"}
 
 #: Said beside an emulated (CPU) run's throughput: its rank processes share two cores.
-NOISE_NOTE = ("CPU ranks, emulated budgets: tokens per second are CPU times and noise-bound "
-              "(rank processes share the cores); tokens per step are exact")
+NOISE_NOTE = ("CPU ranks, emulated budgets: tokens/s are noise-bound CPU times;<br>"
+              "concurrency and tokens per step are exact counts")
 
 
 def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
@@ -27,8 +27,9 @@ def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
     x = [r["budget_bytes"] / scale for r in rows]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
                         subplot_titles=("concurrent sequences per rank", "output tokens per second per rank"))
-    for v in ("replicated", "sharded"):
-        c = COLORS[v]
+    variants = report.get("variants", ["replicated", "sharded"])
+    for v in variants:
+        c = COLORS.get(v, "#7f7f7f")
         fig.add_trace(go.Scatter(x=x, y=[r[v]["max_concurrency"] for r in rows], mode="lines+markers",
                                  name=f"{v}: most at once", line={"color": c, "width": 3}, legendgroup=v,
                                  customdata=[[r[v]["pool_tokens"], r[v]["waited_for_memory"]] for r in rows],
@@ -42,10 +43,11 @@ def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
                                  customdata=[r[v]["tokens_per_step"] for r in rows],
                                  hovertemplate="%{y:.1f} tokens/s<br>%{customdata:.2f} tokens per step<extra></extra>"),
                       row=1, col=2)
-    for v in ("replicated", "sharded"):
-        fig.add_trace(go.Scatter(x=x, y=[r["predicted"][f"{v}_concurrency"] for r in rows], mode="markers",
+    for v in variants:
+        fig.add_trace(go.Scatter(x=x, y=[r["predicted"][v]["concurrency"] for r in rows], mode="markers",
                                  name=f"{v}: pool / mean request (predicted)",
-                                 marker={"symbol": "diamond-open", "size": 13, "color": COLORS[v], "line": {"width": 2}}),
+                                 marker={"symbol": "diamond-open", "size": 13, "color": COLORS.get(v, "#7f7f7f"),
+                                                                               "line": {"width": 2}}),
                       row=1, col=1)
     setup = (f"{report['mode']}, {report['world_size']} ranks, {report['preset']}, "
              f"{report['workload']['requests']} requests per rank")

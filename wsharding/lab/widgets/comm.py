@@ -8,7 +8,6 @@ it, the gloo variant on CPU processes, and the figure says that it is emulated.
 from __future__ import annotations
 
 import argparse
-import html
 from typing import Any
 
 import ipywidgets as W
@@ -20,6 +19,7 @@ from wsharding.core.errors import InvalidArgument
 from wsharding.core.units import ceil_div
 from wsharding.lab.bench.allgather import SIZES, format_table, run_cpu, run_gpu
 from wsharding.lab.viz.comm import allgather_bandwidth_figure
+from wsharding.lab.widgets import pre_html
 
 
 def parse_sizes(text: str) -> list[float]:
@@ -68,7 +68,7 @@ def build_allgather_panel(cluster: RankCluster | None = None) -> W.VBox:
             status.value = f"<b style='color:#c00'>{e}</b>"
             return
         panel.result, panel.figure, panel.text = result, fig, format_table(result)
-        status.value = "<pre>" + html.escape(panel.text) + "</pre>"
+        status.value = pre_html(panel.text)
         out.clear_output()
         with out:
             fig.show()

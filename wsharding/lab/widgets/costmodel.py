@@ -13,6 +13,7 @@ from IPython.display import display
 
 from wsharding.costmodel import GB, Deployment, ModelSpec, Plan, estimate, get_device, plan_table
 from wsharding.lab.viz.costmodel import memory_figure, overlap_figure, token_grid
+from wsharding.lab.widgets import pre_html
 
 #: The dtype menu: "as given" keeps the model's own dtypes.
 DTYPE_CHOICES = ("as given", "bf16", "fp8_e4m3", "fp32")
@@ -89,7 +90,7 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
                                           description="tokens/step", style=style, layout=sized()),
         "map_own_chunk": widgets.Checkbox(value=False, description="map_own_chunk", style=style, layout=sized()),
     }
-    text = widgets.Output()
+    text = widgets.HTML()  # not an Output: its <pre> would wrap inside numbers and names at 1280 px
     figs = widgets.Output()
     rows = widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap"))
     panel = CostModelPanel(widget=widgets.VBox([rows, text, figs]), controls=controls)
@@ -99,10 +100,8 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
                                      controls["bandwidth"].value, controls["tokens"].value, dev.name,
                                      controls["map_own_chunk"].value)
         panel.renders += 1
-        text.clear_output(wait=True)
+        text.value = pre_html(panel_text(panel.state[0]))
         figs.clear_output(wait=True)
-        with text:
-            print(panel_text(panel.state[0]))
         with figs:
             display(panel.state[1])
             display(panel.state[2])

@@ -30,6 +30,7 @@ from wsharding.core.layout import FlatLayout, LayoutError, parse_dtype
 from wsharding.lab.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
 from wsharding.lab.tasks.layout import gather_layout
 from wsharding.lab.viz.layout import chunk_map_figure, human_bytes
+from wsharding.lab.widgets import pre_html
 
 #: The choice that reads weights from the text box instead of a preset.
 CUSTOM = "custom"
@@ -314,7 +315,7 @@ class LayoutPanel:
         self.error = note or ""
         self.gather_button.disabled = note is not None
         self.status.value = f"<i>shapes: {html.escape(source)}</i>" + (f"<br>{html.escape(note)}" if note else "")
-        self.table.value = f"<pre style='font-size:11px'>{html.escape(self.layout.table())}</pre>"
+        self.table.value = pre_html(self.layout.table(), 11)
         self.figure = chunk_map_figure(self.layout)
         _show(self.map_out, self.figure)
 
