@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 from typing import Any
 
 from wsharding.cluster import RankCluster
@@ -128,7 +129,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                    for j, lt in enumerate(sizing["sharded"]["layer_times"])]
     keep = ("mode", "emulation", "device", "communicator", "world_size", "ranks_per_device", "preset", "layers",
             "rows", "max_len", "workload", "workload_text", "kv_bytes_per_token")
-    return {"bench": "serve", **{k: r0[k] for k in keep}, "mean_request_kv_tokens": mean_request, "variants": variants,
+    return {"bench": "serve", "date": time.strftime("%Y-%m-%d"), **{k: r0[k] for k in keep}, "mean_request_kv_tokens": mean_request, "variants": variants,
             "sizing": {v: {k: x for k, x in sizing[v].items() if k != "layer_times"} for v in variants},
             "layer_times": layer_times, "rows_by_budget": rows, "differ": differ, "equal": not differ}
 
@@ -149,8 +150,13 @@ def format_table(report: dict[str, Any]) -> str:
                 and report["device"] != "cpu" else "")
              + f", {report['preset']} ({report['layers']} layers), gathers by {report['communicator']}"]
     if report["emulation"]:
-        lines.append(f"  NOTE: {report['emulation']}; the budgets are emulated (a number per rank, not the "
-                     "machine's memory); times are CPU times, tokens per step are exact")
+        lines.append(f"  NOTE: {report['emulation']}")
+    if report["device"] == "cpu":
+        lines.append("  NOTE: the budgets are emulated (a number per rank, not the machine's memory); times are CPU "
+                     "times, concurrency and tokens per step exact counts")
+    elif report["ranks_per_device"] > 1:
+        lines.append("  NOTE: time-sliced -- the ranks share one GPU, so a gather is a copy inside it, not over a link, "
+                     "and the ranks' steps take turns")
     lines.append(f"  workload: {report['workload_text']}")
     lines.append(f"  steps of {report['rows']} rows, attention over {report['max_len']} tokens; "
                  f"KV {report['kv_bytes_per_token']:,} B per token")
@@ -161,7 +167,7 @@ def format_table(report: dict[str, Any]) -> str:
     for v in variants[1:]:
         lines.append(f"  {v}: {s[v]['slot_layout']}")
     head = (f"  {'':<14}{'KV pool':>12}{'max seq':>9}{'mean seq':>10}{'tok/step':>10}{'tok/s':>10}"
-            f"{'TTFT med/p99 ms':>20}{'TPOT med/p99 ms':>20}{'waited':>8}")
+            f"{'TTFT med/p99 ms':>20}{'TPOT med/p99 ms':>20}{'waited mem/rows':>17}")
     for row in report["rows_by_budget"]:
         lines.append(f"  budget {_mib(row['budget_bytes'])} per rank:")
         lines.append(head)
@@ -170,7 +176,8 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"  {v:<14}{x['pool_tokens']:>12,}{x['max_concurrency']:>9}{x['mean_concurrency']:>10.1f}"
                          f"{x['tokens_per_step']:>10.2f}{x['tokens_per_s']:>10.1f}"
                          f"{_ms(x['ttft_ms_median']) + ' / ' + _ms(x['ttft_ms_p99']):>20}"
-                         f"{_ms(x['tpot_ms_median']) + ' / ' + _ms(x['tpot_ms_p99']):>20}{x['waited_for_memory']:>8}")
+                         f"{_ms(x['tpot_ms_median']) + ' / ' + _ms(x['tpot_ms_p99']):>20}"
+                         f"{str(x['waited_for_memory']) + ' / ' + str(x['waited_for_rows']):>17}")
         for v in variants[1:]:
             r = row["ratio"][v]
             cells = [f"{r[k]:.2f}x" if k in r else "-" for k in RATIO_KEYS]

@@ -189,7 +189,9 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             torch.cuda.empty_cache()
     differ = [sorted({rid for v in variants[1:] for rid in outputs["replicated"][i]
                       if outputs["replicated"][i][rid] != outputs[v][i].get(rid)}) for i in range(len(budgets))]
-    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": ctx.emulation, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    # ranks sharing a GPU meet over gloo (a CPU context) but serve on the GPU: the communicator says what is emulated
+    emulation = comm_.emulation if device.type == "cuda" else ctx.emulation
+    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": emulation, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "communicator": type(comm_).__name__, "world_size": ctx.world_size, "ranks_per_device": share,
             "kv_bytes_per_token": per_token,
             "budgets": budgets, "sizing": sizing, "runs": runs, "differ": differ, "workload": wl.as_dict(),
