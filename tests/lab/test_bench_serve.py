@@ -84,3 +84,11 @@ def test_a_request_one_rank_cannot_fit_stops_every_rank(cluster_of):
     text = str(err.value)
     assert f"of rank {failing} needs {big} KV tokens" in text and f"the whole pool holds {small}" in text
     assert "another rank refused" in text
+
+
+def test_a_cluster_of_another_size_is_refused(cluster_of):
+    from wsharding.core.errors import InvalidArgument
+    from wsharding.lab.bench.serve import run_serve_bench
+
+    with pytest.raises(InvalidArgument, match="ranks=3, but the cluster given has 2"):
+        run_serve_bench(3, "tiny-deep", WORKLOAD, budgets=[1 << 30], rows=ROWS, cluster=cluster_of(2))

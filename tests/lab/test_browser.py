@@ -299,6 +299,11 @@ DRIVES: dict[str, list[tuple[list[tuple], str]]] = {
 }
 
 
+#: <pre> blocks with text in a panel that the browser may break inside a word.
+PANEL_PRE_BREAK_ALL = """(el) => [...el.querySelectorAll('pre')].filter(
+    (p) => p.textContent.trim() && getComputedStyle(p).wordBreak === 'break-all').length"""
+
+
 def drive_any(page, server, panel) -> str:
     """For a panel no plan names: try its controls (sliders, checkboxes, then buttons) until one
     changes it; returns what was driven."""
@@ -410,6 +415,9 @@ def test_notebook_in_the_browser(nb, browser, lab):
             else:
                 what = drive_any(page, lab, panel)
             assert _fingerprint(panel) != before, f"{nb.name}: panel {i} did not change after {what}"
+            # JupyterLab breaks a printed <pre> anywhere (numbers and names cut in two at 1280 px): a
+            # panel shows its text with pre_html, which wraps at spaces only
+            assert panel.evaluate(PANEL_PRE_BREAK_ALL) == 0, f"{nb.name}: panel {i} prints text that wraps mid-word"
             log(f"{nb.name}: panel {i} changed after {what}")
             panel_screenshot(page, panel, f"{nb.stem}_panel{i}")
         log(f"{nb.name}: {check_quiz_panels(page, lab)} question(s) checked and revealed in their panels")

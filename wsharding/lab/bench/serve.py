@@ -21,7 +21,7 @@ from typing import Any
 
 from wsharding.cluster import RankCluster
 from wsharding.comm_by_name import ours_supported
-from wsharding.core.errors import WshardingError
+from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.units import ceil_div
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
@@ -166,14 +166,14 @@ def format_table(report: dict[str, Any]) -> str:
                  + ", ".join(f"{v} {_mib(s[v]['load_peak_bytes'])}" for v in variants))
     for v in variants[1:]:
         lines.append(f"  {v}: {s[v]['slot_layout']}")
-    head = (f"  {'':<14}{'KV pool':>12}{'max seq':>9}{'mean seq':>10}{'tok/step':>10}{'tok/s':>10}"
+    head = (f"  {'':<20}{'KV pool':>12}{'max seq':>9}{'mean seq':>10}{'tok/step':>10}{'tok/s':>10}"
             f"{'TTFT med/p99 ms':>20}{'TPOT med/p99 ms':>20}{'waited mem/rows':>17}")
     for row in report["rows_by_budget"]:
         lines.append(f"  budget {_mib(row['budget_bytes'])} per rank:")
         lines.append(head)
         for v in variants:
             x = row[v]
-            lines.append(f"  {v:<14}{x['pool_tokens']:>12,}{x['max_concurrency']:>9}{x['mean_concurrency']:>10.1f}"
+            lines.append(f"  {v:<20}{x['pool_tokens']:>12,}{x['max_concurrency']:>9}{x['mean_concurrency']:>10.1f}"
                          f"{x['tokens_per_step']:>10.2f}{x['tokens_per_s']:>10.1f}"
                          f"{_ms(x['ttft_ms_median']) + ' / ' + _ms(x['ttft_ms_p99']):>20}"
                          f"{_ms(x['tpot_ms_median']) + ' / ' + _ms(x['tpot_ms_p99']):>20}"
@@ -181,7 +181,7 @@ def format_table(report: dict[str, Any]) -> str:
         for v in variants[1:]:
             r = row["ratio"][v]
             cells = [f"{r[k]:.2f}x" if k in r else "-" for k in RATIO_KEYS]
-            lines.append(f"  {v + ' / rep':<14}{cells[0]:>12}{cells[1]:>9}{cells[2]:>10}{cells[3]:>10}{cells[4]:>10}"
+            lines.append(f"  {v + ' / rep':<20}{cells[0]:>12}{cells[1]:>9}{cells[2]:>10}{cells[3]:>10}{cells[4]:>10}"
                          f"{cells[5]:>20}{cells[6]:>20}")
         p = row["predicted"]
         lines.append("  cost model: pool " + ", ".join(f"{v} {p[v]['pool_tokens']:,} tokens (measured "
@@ -215,15 +215,22 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
     kwargs = {"workload": workload.as_dict(), "budgets": budgets, "rows": rows, "reserve_bytes": reserve_bytes,
               "comm": comm_name, "layers": layers, "seed": seed}
     if cluster is not None:
+        if cluster.world_size != ranks:
+            raise InvalidArgument(f"run_serve_bench: ranks={ranks}, but the cluster given has {cluster.world_size}")
         results = cluster.run(serve_rank, preset, **kwargs)
     else:
-        backend = "nccl" if gpus else "gloo"
-        ranks_per_gpu = ceil_div(ranks, gpus) if gpus else 1
-        if ranks_per_gpu > 1:
-            backend = "gloo"  # several ranks on one GPU: gloo between processes, our NCCL comm for the gathers
-        with RankCluster(ranks, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=3600) as c:
+        with serve_cluster(ranks) as c:
             results = c.run(serve_rank, preset, **kwargs)
     return summarize(results)
+
+
+def serve_cluster(ranks: int) -> RankCluster:
+    """Rank processes for the benchmark (not started): one per GPU with NCCL; several on a GPU with gloo
+    between the processes (our NCCL communicator gathers); CPU processes with gloo without GPUs."""
+    gpus = gpu_count()
+    ranks_per_gpu = ceil_div(ranks, gpus) if gpus else 1
+    backend = "nccl" if gpus and ranks_per_gpu == 1 else "gloo"
+    return RankCluster(ranks, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=3600)
 
 
 def _length_range(text: str) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
-from IPython.display import display
+from IPython.display import HTML, display
 
 from wsharding.cluster import RankCluster
 from wsharding.core.emulation import title_note
@@ -28,6 +28,7 @@ from wsharding.core.errors import InvalidArgument
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
 from wsharding.lab.viz.planner import median_exposed_us, slot_figure, timeline_figure
+from wsharding.lab.widgets import pre_html
 from wsharding.models import PRESETS
 
 #: Presets a CPU-emulated rank can run in a few seconds (k3-like is for GPUs: 370 MB per layer).
@@ -177,9 +178,9 @@ def build_planner_panel(cluster: RankCluster) -> PlannerPanel:
         out.clear_output(wait=True)
         with out:
             if panel.view is None:
-                print(panel.error)
+                display(HTML(pre_html(panel.error)))
             else:
-                print(panel.view.text())
+                display(HTML(pre_html(panel.view.text())))
                 display(panel.view.timeline)
                 display(panel.view.slots)
 

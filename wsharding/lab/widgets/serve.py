@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ipywidgets as widgets
-from IPython.display import display
+from IPython.display import HTML, display
 
 from wsharding.cluster import RankCluster
-from wsharding.lab.bench.serve import format_table, kv_room, replicated_footprint, run_serve_bench
+from wsharding.lab.bench.serve import format_table, kv_room, replicated_footprint, run_serve_bench, serve_cluster
 from wsharding.lab.viz.serve import serve_figure
+from wsharding.lab.widgets import pre_html
 from wsharding.serve import Workload
 
 
@@ -61,7 +62,8 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
     """Controls: ranks (N) and the budget per rank in MiB, from the replicated model's resident bytes and
     reserve plus a quarter of one rank's KV demand (at least the longest request) up to one and a half of it; a **serve** button.
     ``clusters``: running clusters by size (the notebook's); others are started on first use with
-    ``start_cluster`` (default: CPU ranks with gloo) and closed by :meth:`ServePanel.close`.
+    ``start_cluster`` (default :func:`~wsharding.lab.bench.serve.serve_cluster`: GPUs where there are,
+    else CPU ranks with gloo) and closed by :meth:`ServePanel.close`.
     ``initial``: a report to show before the first run (its rank count's first sweep)."""
     f = replicated_footprint(preset, None, rows, workload)
     base = (f["resident_bytes"] + f["reserve_bytes"]) / 2**20
@@ -82,7 +84,7 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
 
     def cluster_for(n: int) -> RankCluster:
         if n not in clusters:
-            clusters[n] = (start_cluster or (lambda k: RankCluster(k, backend="gloo")))(n).start()
+            clusters[n] = (start_cluster or serve_cluster)(n).start()
             panel.started.append(clusters[n])
         return clusters[n]
 
@@ -90,9 +92,9 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
         out.clear_output(wait=True)
         with out:
             if panel.error:
-                print(panel.error)
+                display(HTML(pre_html(panel.error)))
             if report is not None:
-                print(format_table(report))
+                display(HTML(pre_html(format_table(report), 11)))
                 sweep = merge_reports(panel.reports[report["world_size"]])
                 display(serve_figure(sweep, title=f"What the saving buys, N = {report['world_size']}: "
                                                   f"{len(sweep['rows_by_budget'])} budgets so far"))
