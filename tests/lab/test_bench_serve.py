@@ -92,3 +92,16 @@ def test_a_cluster_of_another_size_is_refused(cluster_of):
 
     with pytest.raises(InvalidArgument, match="ranks=3, but the cluster given has 2"):
         run_serve_bench(3, "tiny-deep", WORKLOAD, budgets=[1 << 30], rows=ROWS, cluster=cluster_of(2))
+
+
+def test_the_saved_gpu_run_is_labelled_time_sliced_not_cpu():
+    from pathlib import Path
+
+    from wsharding.lab.bench.step import MEASUREMENTS, pick_report, saved_reports
+    from wsharding.lab.viz.serve import NOISE_NOTE, serve_figure
+
+    root = Path(__file__).resolve().parents[2]
+    report = pick_report(saved_reports(root / MEASUREMENTS, "bench_serve_*.json"), preset="k3-like", rows=1024)
+    title = serve_figure(report).layout.title.text
+    assert "time-slice" in title and NOISE_NOTE.split(":")[0] not in title
+    assert "time-sliced" in format_table(report) and "CPU times" not in format_table(report)

@@ -135,7 +135,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _mib(b: float) -> str:
-    return f"{b / 2**20:,.1f} MiB"
+    return f"{b / 2**20:,.2f} MiB" if b < 100 * 2**20 else f"{b / 2**20:,.1f} MiB"
 
 
 def _ms(v: float | None) -> str:

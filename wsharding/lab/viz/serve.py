@@ -21,7 +21,8 @@ def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
     """Left: concurrent sequences (most at once, solid; mean, dotted) against the budget per rank, both
     variants, with the cost model's prediction (open diamonds): the requests of mean length its pool
     holds, at most the requests there are. Right: output tokens per second per rank against the budget (and tokens per step in the
-    hover). The subtitle gives the set-up; an emulated run says its throughput is noise-bound."""
+    hover). The subtitle gives the set-up; a CPU run says its throughput is noise-bound, a time-sliced
+    GPU run says so."""
     rows = report["rows_by_budget"]
     unit, scale = ("GiB", 2**30) if rows[-1]["budget_bytes"] >= 2**30 else ("MiB", 2**20)
     x = [r["budget_bytes"] / scale for r in rows]
@@ -51,8 +52,10 @@ def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
                       row=1, col=1)
     setup = (f"{report['mode']}, {report['world_size']} ranks, {report['preset']}, "
              f"{report['workload']['requests']} requests per rank")
-    if report.get("emulation"):
+    if report.get("device") == "cpu":
         setup += "<br>" + NOISE_NOTE
+    elif report.get("emulation"):  # GPU ranks that time-slice one GPU: their times take turns
+        setup += f"<br>{report['emulation']}: the ranks' steps take turns, a gather is a copy inside the GPU"
     fig.update_xaxes(title_text=f"memory budget per rank ({unit})")
     fig.update_yaxes(title_text="sequences", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="tokens/s", rangemode="tozero", row=1, col=2)
