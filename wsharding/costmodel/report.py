@@ -6,6 +6,8 @@ Presentation only: every number comes from :class:`~wsharding.costmodel.plan.Pla
 
 from __future__ import annotations
 
+import textwrap
+
 from wsharding.core.layout import SUPPORTED_DTYPES
 from wsharding.core.units import GB, GiB, fmt_bytes
 from wsharding.costmodel.plan import Plan
@@ -24,11 +26,12 @@ def plan_table(plan: Plan) -> str:
     """A readable multi-line report of a :class:`Plan` (GiB = 2**30 B, GB = 10**9 B)."""
     b, d, m = plan.bill, plan.deployment, plan.model
     L = plan.largest
-    lines = [f"wsharding plan: {m.name}" + (f" -- {m.description}" if m.description else "")]
+    lines = [textwrap.fill(f"wsharding plan: {m.name}" + (f" -- {m.description}" if m.description else ""), 100,
+                           subsequent_indent="    ")]
     if m.source:
         lines.append(f"  source: {m.source}")
-    for a in m.assumptions:
-        lines.append(f"  assumption: {a}")
+    for a in m.assumptions:  # wrapped: a notebook's output area breaks long lines inside words
+        lines.append(textwrap.fill(a, 100, initial_indent="  assumption: ", subsequent_indent="    "))
     lines += [
         f"  shard group N = {b.ranks}, {b.layers} sharded layers, device {d.device.name}, "
         f"link {d.bandwidth / GB:.0f} GB/s per direction, {d.tokens} tokens per step, efficiency {d.efficiency:g}",

@@ -14,6 +14,7 @@ the answer itself is shown only on request (:meth:`Question.reveal`, or the pane
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,7 @@ class Question:
 
     def check(self, guess: Any) -> None:
         """Print the verdict on ``guess`` (nothing raised: a wrong answer is part of learning)."""
-        print(self.verdict(guess)[1])
+        print(_wrapped(self.verdict(guess)[1]))
 
     def answer_text(self) -> str:
         """The package's answer and why, in one line."""
@@ -71,7 +72,7 @@ class Question:
 
     def reveal(self) -> None:
         """Print the package's answer and why."""
-        print(self.answer_text())
+        print(_wrapped(self.answer_text()))
 
     @staticmethod
     def _fmt(x: Any) -> str:
@@ -81,6 +82,11 @@ class Question:
         if float(x).is_integer():
             return f"{int(x):,}"
         return f"{x:,.4g}"
+
+
+def _wrapped(text: str) -> str:
+    """``text`` in lines of at most 100 characters: a notebook's output area breaks longer lines inside words."""
+    return textwrap.fill(text, 100, subsequent_indent="  ")
 
 
 def quiz_panel(*questions: Question) -> Any:
