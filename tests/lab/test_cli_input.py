@@ -33,9 +33,9 @@ def no_ranks(monkeypatch):
     from wsharding.lab.bench import step
 
     monkeypatch.setattr(step, "RankCluster", refuse)
-    from wsharding.lab.bench import draft
+    from wsharding.lab.bench import ranks  # draft, profile and serve start their ranks here
 
-    monkeypatch.setattr(draft, "RankCluster", refuse)
+    monkeypatch.setattr(ranks, "RankCluster", refuse)
     from wsharding.lab import soak
 
     monkeypatch.setattr(soak, "RankCluster", refuse)

@@ -34,11 +34,15 @@ class KVCacheFull(WshardingError, RuntimeError):
     """The pool has no room for the sequences asked for."""
 
 
+def kv_token_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token."""
+    return layers * 2 * kv_heads * head_dim * dtype.itemsize
+
+
 def kv_bytes_per_token(model: Any) -> int:
     """K and V of every layer for one token on this rank (the model's own KV heads per rank and dtype)."""
     attn = model.layers[0].attn
-    dtype = model.cfg.torch_dtype
-    return len(model.layers) * 2 * attn.kv_heads * attn.head_dim * dtype.itemsize
+    return kv_token_bytes(len(model.layers), attn.kv_heads, attn.head_dim, model.cfg.torch_dtype)
 
 
 def kv_budget_bytes(device: torch.device, *, reserve_bytes: int = 0, cap_bytes: int | None = None,

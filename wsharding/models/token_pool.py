@@ -23,15 +23,11 @@ from typing import Any
 import torch
 
 from wsharding.core.errors import InvalidArgument, WshardingError
+from wsharding.models.kv_cache import kv_token_bytes
 
 
 class KVPoolFull(WshardingError, RuntimeError):
     """The pool has fewer free token rows than asked for."""
-
-
-def kv_token_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token."""
-    return layers * 2 * kv_heads * head_dim * dtype.itemsize
 
 
 class TokenKVPool:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from wsharding.core.errors import InvalidArgument
 
 
@@ -41,13 +39,3 @@ def activation_reserve_bytes(model: Any, rows: int, max_len: int) -> int:
     logits = rows * cfg.vocab * (item + 4)
     index = rows * max_len * (8 + 8 + 1)
     return kv + hidden + logits + index
-
-
-def device_free_bytes(device: torch.device, share: int = 1) -> int:
-    """What a rank may still allocate on ``device``: the driver's free bytes split between the ``share``
-    ranks on it, plus what torch's caching allocator holds unused. CPU: unknown (None would be wrong: a
-    CPU budget is an emulation and is never checked against the machine)."""
-    if device.type != "cuda":
-        raise InvalidArgument("device_free_bytes: only for CUDA devices")
-    free, _total = torch.cuda.mem_get_info(device)
-    return free // max(1, share) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from wsharding.cluster import RankCluster
-from wsharding.comm_by_name import ours_supported
-from wsharding.core.units import ceil_div
+from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least
 from wsharding.lab.tasks.draft import draft_exposed
@@ -83,16 +81,11 @@ def _figure(report: dict[str, Any]) -> Any:
 def main(args: argparse.Namespace) -> int:
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
-    backend = "nccl" if gpus else "gloo"
     n = args.ranks or (gpus if gpus else 2)
     preset = args.preset or ("k3-like" if gpus and not in_ci() else "tiny")
-    ranks_per_gpu = ceil_div(n, gpus) if gpus else 1
-    if ranks_per_gpu > 1:
-        backend = "gloo"  # several ranks on one GPU: gloo between processes, our NCCL comm for the gathers
-    with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
-        comm = args.comm if args.comm != "auto" else ("nccl" if gpus and ours_supported() else "torch")
+    with bench_cluster(n) as cluster:
         results = cluster.run(draft_exposed, preset, tokens=args.tokens, steps=args.steps, commit_ms=args.commit_ms,
-                              comm=comm)
+                              comm=auto_comm(args.comm))
     report = summarize(results)
     print(format_table(report))
     if args.json:

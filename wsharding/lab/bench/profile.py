@@ -36,12 +36,11 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster
-from wsharding.comm_by_name import ours_supported, shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
-from wsharding.core.units import ceil_div
 from wsharding.lab.bench.planner_calls import CALLS
+from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, int_at_least
 from wsharding.models import PRESETS, ToyDecoder, decoder_config
@@ -339,15 +338,10 @@ def run_profile(ranks: int | None = None, preset: str | None = None, *, tokens: 
                 comm: str = "auto") -> dict[str, Any]:
     """Start the ranks (all GPUs, or 2 CPU ranks by default), profile, and return the report."""
     gpus = gpu_count()
-    backend = "nccl" if gpus else "gloo"
     n = ranks or (gpus if gpus else 2)
     preset = preset or ("k3-like" if gpus and not in_ci() else "tiny")
-    ranks_per_gpu = ceil_div(n, gpus) if gpus else 1
-    if ranks_per_gpu > 1:
-        backend = "gloo"  # several ranks on one GPU: gloo between processes, our NCCL comm for the gathers
-    comm = comm if comm != "auto" else ("nccl" if gpus and ours_supported() else "torch")
-    with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
-        results = cluster.run(profile_rank, preset, tokens=tokens, steps=steps, comm=comm)
+    with bench_cluster(n) as cluster:
+        results = cluster.run(profile_rank, preset, tokens=tokens, steps=steps, comm=auto_comm(comm))
     return summarize(results, preset, tokens, steps)
 
 

@@ -20,9 +20,8 @@ import time
 from typing import Any
 
 from wsharding.cluster import RankCluster
-from wsharding.comm_by_name import ours_supported
 from wsharding.core.errors import InvalidArgument, WshardingError
-from wsharding.core.units import ceil_div
+from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
 from wsharding.lab.tasks.serve import serve_rank
@@ -211,7 +210,7 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
     gpus = gpu_count()
     if budgets is None:
         budgets = [None] if gpus else default_cpu_budgets(preset, layers, rows, workload)
-    comm_name = comm if comm != "auto" else ("nccl" if gpus and ours_supported() else "torch")
+    comm_name = auto_comm(comm)
     kwargs = {"workload": workload.as_dict(), "budgets": budgets, "rows": rows, "reserve_bytes": reserve_bytes,
               "comm": comm_name, "layers": layers, "seed": seed}
     if cluster is not None:
@@ -219,18 +218,9 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
             raise InvalidArgument(f"run_serve_bench: ranks={ranks}, but the cluster given has {cluster.world_size}")
         results = cluster.run(serve_rank, preset, **kwargs)
     else:
-        with serve_cluster(ranks) as c:
+        with bench_cluster(ranks, task_timeout=3600) as c:
             results = c.run(serve_rank, preset, **kwargs)
     return summarize(results)
-
-
-def serve_cluster(ranks: int) -> RankCluster:
-    """Rank processes for the benchmark (not started): one per GPU with NCCL; several on a GPU with gloo
-    between the processes (our NCCL communicator gathers); CPU processes with gloo without GPUs."""
-    gpus = gpu_count()
-    ranks_per_gpu = ceil_div(ranks, gpus) if gpus else 1
-    backend = "nccl" if gpus and ranks_per_gpu == 1 else "gloo"
-    return RankCluster(ranks, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=3600)
 
 
 def _length_range(text: str) -> tuple[int, int]:

@@ -64,7 +64,7 @@ def align_ranks(ctx: RankContext) -> None:
     for it as exposed gather time."""
     if not dist.is_initialized() or ctx.world_size == 1:
         return
-    if ctx.device.type == "cuda":
+    if ctx.backend == "nccl":  # ranks sharing a GPU meet over gloo, which takes no device ids
         dist.barrier(device_ids=[ctx.device.index])
     else:
         dist.barrier()

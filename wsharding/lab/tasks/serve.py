@@ -21,14 +21,20 @@ from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.sharding import WeightSharding
 from wsharding.costmodel.bill import bill_for_layouts
 from wsharding.lab.tasks.loading import outside_allocator_bytes
+from wsharding.lab.tasks.planner import align_ranks
 from wsharding.linear import process_weights
 from wsharding.memory import PeakMeter
 from wsharding.models import ToyDecoder, decoder_config
-from wsharding.models.kv_cache import kv_bytes_per_token, model_bytes, ranks_sharing_device, sharded_model_bytes
+from wsharding.models.kv_cache import (
+    kv_budget_bytes,
+    kv_bytes_per_token,
+    model_bytes,
+    ranks_sharing_device,
+    sharded_model_bytes,
+)
 from wsharding.models.token_pool import TokenKVPool
 from wsharding.serve import Workload, activation_reserve_bytes, pool_tokens, serve
 from wsharding.serve.batcher import ContinuousBatcher, check_fits
-from wsharding.serve.budget import device_free_bytes
 
 #: The variants every run serves; where the sharded one maps its own chunk (our NCCL, >= 2.30), a
 #: third with plain slots shows what the mapping adds.
@@ -36,39 +42,27 @@ VARIANTS = ("replicated", "sharded")
 PLAIN = "sharded_plain"
 
 
-def _agree(ctx: RankContext):
-    """Whether any rank still has work: a MAX all-reduce after every step (every rank calls it)."""
+def _reduced(ctx: RankContext, value: int, op: dist.ReduceOp) -> int:
+    """``value`` reduced over every rank (every rank calls it), on the device the process group uses."""
     if ctx.world_size == 1:
-        return bool
-    device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        return value
+    t = torch.tensor([value], device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return int(t.item())
 
-    def agree(has_work: bool) -> bool:
-        flag = torch.tensor([int(has_work)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
-    return agree
+def _any_rank(ctx: RankContext, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: after every step, "some rank still has work"."""
+    return bool(_reduced(ctx, int(flag), dist.ReduceOp.MAX))
 
 
 def _all_ranks_ready(ctx: RankContext, problem: Exception | None) -> None:
     """Raise on every rank when any rank cannot serve (its budget or requests were refused): a rank
     that raised alone would leave the others waiting in their first step's gather."""
-    failed = problem is not None
-    if ctx.world_size > 1:
-        flag = torch.tensor([int(failed)], device=ctx.device if ctx.backend == "nccl" else torch.device("cpu"))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not failed:
-            raise InvalidArgument(f"rank {ctx.rank}: another rank refused its budget or requests (its error says why)")
+    if _any_rank(ctx, problem is not None) and problem is None:
+        raise InvalidArgument(f"rank {ctx.rank}: another rank refused its budget or requests (its error says why)")
     if problem is not None:
         raise problem
-
-
-def _barrier(ctx: RankContext) -> None:
-    if ctx.world_size > 1:
-        if ctx.backend == "nccl":
-            dist.barrier(device_ids=[ctx.device.index])
-        else:
-            dist.barrier()
 
 
 def _build(variant: str, cfg, comm, seed: int) -> tuple[ToyDecoder, WeightSharding | None, dict[str, Any]]:
@@ -130,15 +124,13 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     device = comm_.device
     share = ranks_sharing_device(ctx.world_size, device)
     if device.type == "cuda":
-        free_now = torch.tensor([device_free_bytes(device, share)], device=device if ctx.backend == "nccl" else "cpu")
-        if ctx.world_size > 1:
-            dist.all_reduce(free_now, op=dist.ReduceOp.MIN)  # one budget for every rank: the least free
-        budgets = [int(free_now.item()) if b is None else b for b in budgets]
+        # one budget for every rank: the least free
+        free_now = _reduced(ctx, kv_budget_bytes(device, share=share)[0], dist.ReduceOp.MIN)
+        budgets = [free_now if b is None else b for b in budgets]
     elif any(b is None for b in budgets):
         raise InvalidArgument("serve_rank: CPU ranks need an explicit (emulated) budget in bytes")
     wl = Workload.from_dict(workload)
     requests = wl.for_rank(ctx.rank, cfg.vocab)
-    agree = _agree(ctx)
     runs: dict[str, list[dict[str, Any]]] = {}
     outputs: dict[str, list[dict[int, list[int]]]] = {}
     sizing: dict[str, dict[str, Any]] = {}
@@ -163,7 +155,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             try:
                 tokens = pool_tokens(budget, resident, reserve, per_token)
                 if device.type == "cuda":
-                    room = device_free_bytes(device, share)
+                    room = kv_budget_bytes(device, share=share)[0]
                     if (tokens + 1) * per_token > room:
                         raise InvalidArgument(
                             f"rank {ctx.rank}: a budget of {budget / 2**30:.2f} GiB asks for a KV pool of "
@@ -174,8 +166,8 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             except WshardingError as e:
                 problem = e
             _all_ranks_ready(ctx, problem)
-            _barrier(ctx)
-            run = serve(model, pool, requests, rows=rows, max_len=wl.max_len, agree=agree)
+            align_ranks(ctx)
+            run = serve(model, pool, requests, rows=rows, max_len=wl.max_len, agree=lambda has_work: _any_rank(ctx, has_work))
             runs[variant].append({"budget_bytes": budget, "pool_bytes": pool.nbytes, **run.summary(),
                                   "ttft_s": run.ttft_s, "tpot_s": run.tpot_s})
             outputs[variant].append(run.outputs)

@@ -16,7 +16,8 @@ import ipywidgets as widgets
 from IPython.display import HTML, display
 
 from wsharding.cluster import RankCluster
-from wsharding.lab.bench.serve import format_table, kv_room, replicated_footprint, run_serve_bench, serve_cluster
+from wsharding.lab.bench.ranks import bench_cluster
+from wsharding.lab.bench.serve import format_table, kv_room, replicated_footprint, run_serve_bench
 from wsharding.lab.viz.serve import serve_figure
 from wsharding.lab.widgets import pre_html
 from wsharding.serve import Workload
@@ -62,7 +63,7 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
     """Controls: ranks (N) and the budget per rank in MiB, from the replicated model's resident bytes and
     reserve plus a quarter of one rank's KV demand (at least the longest request) up to one and a half of it; a **serve** button.
     ``clusters``: running clusters by size (the notebook's); others are started on first use with
-    ``start_cluster`` (default :func:`~wsharding.lab.bench.serve.serve_cluster`: GPUs where there are,
+    ``start_cluster`` (default :func:`~wsharding.lab.bench.ranks.bench_cluster`: GPUs where there are,
     else CPU ranks with gloo) and closed by :meth:`ServePanel.close`.
     ``initial``: a report to show before the first run (its rank count's first sweep)."""
     f = replicated_footprint(preset, None, rows, workload)
@@ -84,7 +85,7 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
 
     def cluster_for(n: int) -> RankCluster:
         if n not in clusters:
-            clusters[n] = (start_cluster or serve_cluster)(n).start()
+            clusters[n] = (start_cluster or bench_cluster)(n).start()
             panel.started.append(clusters[n])
         return clusters[n]
 

@@ -1,0 +1,22 @@
+"""Where a benchmark's ranks run: one rule for every benchmark that starts its own."""
+
+from __future__ import annotations
+
+from wsharding.cluster import RankCluster
+from wsharding.comm_by_name import ours_supported
+from wsharding.core.units import ceil_div
+from wsharding.runtime import gpu_count
+
+
+def bench_cluster(ranks: int, task_timeout: float = 1800) -> RankCluster:
+    """Rank processes (not started): one per GPU with NCCL; several on a GPU with gloo between the
+    processes (our NCCL communicator gathers); CPU processes with gloo where there is no GPU."""
+    gpus = gpu_count()
+    ranks_per_gpu = ceil_div(ranks, gpus) if gpus else 1
+    backend = "nccl" if gpus and ranks_per_gpu == 1 else "gloo"
+    return RankCluster(ranks, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=task_timeout)
+
+
+def auto_comm(comm: str) -> str:
+    """``"auto"``: our NCCL communicator on GPUs where it runs, else torch.distributed."""
+    return comm if comm != "auto" else ("nccl" if gpu_count() and ours_supported() else "torch")
