@@ -278,7 +278,7 @@ def test_a_page_is_cut_at_every_chunk_size_of_its_slot():
     mib = 1 << 20
     # a dense layer 0 smaller than the MoE layers after it (the draft model's shape), in 2 MiB pages
     pool.layouts = {i: type("Layout", (), {"chunk_bytes": c})() for i, c in enumerate([2 * mib, 6 * mib, 4 * mib, 6 * mib])}
-    pool.layer_ids = [0, 1, 2, 3]
+    pool.layer_ids, pool.count = [0, 1, 2, 3], 2
     pool.slot_bytes = 12 * mib  # the largest layer: 2 ranks x 6 MiB
     assert pool.segment_bytes(0) == [2 * mib, 2 * mib, 2 * mib]  # slot A: layers 0 and 2 end at 2 and 4 MiB
     assert pool.segment_bytes(1) == [6 * mib]  # slot B: layers 1 and 3, one size: one allocation

@@ -21,7 +21,8 @@ from wsharding.cluster import RankCluster, RemoteError
 from wsharding.core.comm import CommError, Communicator, DoneHandle, PreparedGather, check_gather_args
 from wsharding.core.layout import FlatLayout
 from wsharding.core.planner import PlannerClosedError
-from wsharding.core.runner import prepare_layer_weight_shard_forward, shard_blocks
+from wsharding.core.runner import prepare_layer_weight_shard_forward, run_layers, shard_blocks
+from wsharding.core.schedule import lookahead_schedule
 from wsharding.core.sharding import ShardingError, WeightSharding
 from wsharding.core.slots import SlotPool
 from wsharding.core.torch_backend import TorchDistComm, mode_label
@@ -165,7 +166,7 @@ def test_context_manager_closes():
         ws.finalize()
     assert ws.stage == "closed"
     with pytest.raises(PlannerClosedError, match="closed"):
-        ws.planner.reset()
+        ws.planner.begin_step()
 
 
 # ---- the planner -------------------------------------------------------------------------------
@@ -202,25 +203,25 @@ def test_a_layer_called_alone_after_a_step_gathers_again_and_a_failure_there_is_
     with torch.no_grad():
         model(x)
         assert torch.equal(model.blocks[1](x), ref.blocks[1](x))  # slot B holds layer 3 now: gathered again
-        assert ws.planner.regathers == 1
+        assert ws.planner.misses == 1
         comm.fail = "layer 0"
         with pytest.raises(CommError, match="weight gather of layer 0 failed on rank 0"):
             model.blocks[0](x)
 
 
-def test_running_a_held_layer_early_issues_its_gather_once():
+def test_a_schedule_deeper_than_its_slots_holds_the_gather_until_its_gate_ends():
     blocks = [Block(8, i) for i in range(4)]
     comm = Loopback()
     ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(4)}).setup().finalize()
     p = ws.planner
-    p.reset()
-    p.pre_dispatch(0)
-    p.maybe_dispatch(1)
-    p.maybe_dispatch(2)  # slot A is layer 0's until it finishes: held
+    p.set_schedule(lambda sharded, slot_of, start, end: lookahead_schedule(sharded, slot_of, 2, start, end))
+    p.begin_step(0)
     assert comm.started == ["layer 0", "layer 1"]
-    p.wait_ready_once(2)  # layer 2 called before layer 0 finished: gathered now, no longer held
-    p.update_done_event(0)  # nothing was waiting on layer 0 any more
+    p.block_start(0)  # layer 2 goes into slot A, which layer 0 reads now: held
+    assert comm.started == ["layer 0", "layer 1"]
+    p.block_end(0)  # its gate ended: issued
     assert comm.started == ["layer 0", "layer 1", "layer 2"] and p.gathers_this_step == 3
+    p.end_step()
 
 
 def test_a_traced_step_left_open_is_kept_at_the_next_reset():
@@ -229,13 +230,12 @@ def test_a_traced_step_left_open_is_kept_at_the_next_reset():
     x = torch.ones(1, 8)
     with torch.no_grad():
         for _ in range(2):
-            p.reset()
-            p.pre_dispatch(0)
+            p.begin_step(0)
             for i, b in enumerate(blocks):
-                p.maybe_dispatch(i + 1)
+                p.block_start(i)
                 x = b(x)
-                p.update_done_event(i, b)
-    # no finish_step: the first step's trace is kept when the second starts, the second is still open
+                p.block_end(i)
+    # no finish_step: the first step's trace is kept when the second starts (which ends the first), the second is still open
     assert [t.step for t in p.traces] == [0] and p.trace is not None and p.trace.step == 1
 
 
@@ -367,13 +367,7 @@ def test_draft_first_layer_prefetch_cold_start_and_refusals():
             if prefetch:
                 ahead.prefetch()
             ahead.wait()
-            p.reset()
-            ahead.pre_dispatch(0)
-            h = x
-            for i, b in enumerate(blocks):
-                p.maybe_dispatch(i + 1)
-                h = b(h)
-                p.update_done_event(i, b)
+            h = run_layers(blocks, x, p)
             trace = p.finish_step()
             assert torch.equal(h, want)
             assert p.gathers_this_step == 3 and p.waits_this_step == 3

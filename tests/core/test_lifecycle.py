@@ -116,7 +116,7 @@ def partial_range(ctx, start: int, end: int):
 @pytest.mark.parametrize("start,end,sharded", [(0, 3, 2), (2, 4, 2), (3, 6, 3), (1, 2, 1)])
 def test_partial_layer_ranges_gather_only_their_layers(cluster_of, start, end, sharded):
     for equal, issued, full_equal in cluster_of(2).run(partial_range, start, end):
-        # without the bound, maybe_dispatch(end) would gather layer `end` too and nobody would wait on it
+        # a schedule made for the range: layer `end` is not gathered (nobody would join it)
         assert equal and full_equal
         assert issued == sharded
 
@@ -314,19 +314,19 @@ def test_a_host_held_inside_nccl_still_gets_the_process_ended():
 
 
 class RecordingPlanner:
-    """The three per-layer calls of a planner, recorded."""
+    """The per-layer calls of a planner, recorded."""
 
     def __init__(self):
         self.calls = []
 
-    def maybe_dispatch(self, layer):
-        self.calls.append(("dispatch", layer))
+    def block_start(self, layer):
+        self.calls.append(("start", layer))
 
-    def wait_ready_once(self, layer):
-        self.calls.append(("wait", layer))
+    def block_end(self, layer):
+        self.calls.append(("end", layer))
 
-    def update_done_event(self, layer, module=None):
-        self.calls.append(("done", layer))
+    def abort_step(self):
+        self.calls.append(("abort",))
 
 
 def test_planned_block_forward_wraps_and_unwraps():
@@ -337,12 +337,12 @@ def test_planned_block_forward_wraps_and_unwraps():
     handle = PlannedBlockForward(block, 3, planner)
     assert torch.equal(block(x), want) and torch.equal(block.forward(x), want)
     # the hooks' sequence, for a call through the module and through .forward alike
-    assert planner.calls == [("dispatch", 4), ("wait", 3), ("done", 3)] * 2
+    assert planner.calls == [("start", 3), ("end", 3)] * 2
     assert not block._forward_pre_hooks and not block._forward_hooks  # torch's fast path stays
     handle.remove()
     assert "forward" not in block.__dict__  # the class's forward again
     block(x)
-    assert len(planner.calls) == 6
+    assert len(planner.calls) == 4
 
 
 def test_planned_block_forward_keeps_other_wrappers():
@@ -359,7 +359,7 @@ def test_planned_block_forward_keeps_other_wrappers():
     planner = RecordingPlanner()
     ours = PlannedBlockForward(block, 0, planner)
     block(x)
-    assert seen == ["theirs"] and planner.calls == [("dispatch", 1), ("wait", 0), ("done", 0)]
+    assert seen == ["theirs"] and planner.calls == [("start", 0), ("end", 0)]
     ours.remove()
     assert block.__dict__["forward"] is theirs
     # someone wraps after us: ours cannot come off the chain, so it stays in it doing nothing
@@ -382,15 +382,15 @@ def block_called_alone(ctx):
     with torch.no_grad():
         full = torch.equal(model(x), ref(x))
         alone = torch.equal(model.layers[0].forward(x), ref.layers[0](x))
-    regathers = ws.planner.regathers
+    misses = ws.planner.misses
     ws.close()
-    return full, alone, regathers, "forward" in model.layers[0].__dict__
+    return full, alone, misses, "forward" in model.layers[0].__dict__
 
 
 def test_a_block_called_through_its_forward_is_gathered_again(cluster_of):
-    for full, alone, regathers, wrapped_after_close in cluster_of(2).run(block_called_alone):
+    for full, alone, misses, wrapped_after_close in cluster_of(2).run(block_called_alone):
         assert full and alone
-        assert regathers == 1
+        assert misses == 1
         assert not wrapped_after_close
 
 

@@ -30,17 +30,17 @@ def seed_sequence(ctx, lookahead: bool, steps: int, tokens: list[int]):
             x = torch.randn(tokens[step % len(tokens)], 48, generator=torch.Generator().manual_seed(step))
             y = run_layers(blocks, x, ws.planner)
             counts.append((ws.planner.gathers_this_step, ws.planner.waits_this_step))
-            # calling wait again for a layer whose weights are still in its slot is free
-            ws.planner.wait_ready_once(5)
+            # checking again a layer whose weights are still in its slot is free
+            ws.planner.ensure(5)
             counts.append((ws.planner.gathers_this_step, ws.planner.waits_this_step))
-            # ... but layer 3's slot A now holds layer 5: layer 3 gathers again (never computes with
-            # another layer's weights)
-            ws.planner.wait_ready_once(3)
-            counts.append(ws.planner.regathers)
+            # ... but layer 3's slot A now holds layer 5: layer 3 is gathered again (never computes
+            # with another layer's weights)
+            ws.planner.ensure(3)
+            counts.append(ws.planner.misses)
             trace = ws.planner.finish_step()
             outs.append(y)
     slots_used = [r["slot"] for r in trace.records()]
-    return counts, slots_used, ws.slots.occupancy()
+    return counts, slots_used, ws.planner.occupancy()
 
 
 @pytest.mark.parametrize("lookahead", [True, False])
@@ -60,16 +60,16 @@ def stale_layer_call(ctx):
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(ctx.rank))
     with torch.no_grad():
         run_layers(blocks, x, ws.planner)
-        occupant_before = ws.slots.occupancy()["A"]
+        occupant_before = ws.planner.occupancy()["A"]
         out = blocks[1](x)
         want = ref[1](x)
-    return occupant_before, bool(torch.equal(out, want)), ws.planner.regathers
+    return occupant_before, bool(torch.equal(out, want)), ws.planner.misses
 
 
 def test_a_layer_called_after_the_step_gathers_its_own_weights_again(cluster_of):
-    for occupant_before, equal, regathers in cluster_of(2).run(stale_layer_call):
+    for occupant_before, equal, misses in cluster_of(2).run(stale_layer_call):
         assert occupant_before == 5  # without the occupancy check layer 1 would read layer 5's weights
-        assert equal and regathers == 1
+        assert equal and misses == 1
 
 
 def test_slot_pool_parity_and_gates():

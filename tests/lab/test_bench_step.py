@@ -42,7 +42,7 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     for i, row in enumerate(report["rows"]):
         assert row["planner_calls_us_per_layer"] == max(r["rows"][i]["planner_calls_us_per_layer"] for r in results)
         assert sorted(row["planner_calls_us_per_layer_by_call"]) == sorted(
-            ["reset", "pre_dispatch", "maybe_dispatch", "wait_ready_once", "update_done_event", "finish_step"])
+            ["begin_step", "block_start", "block_end", "ensure", "end_step", "finish_step"])
         # CPU ranks: no backpressure to wait in, and no GPU to drain
         assert row["planner_calls_us_per_layer_gpu_wait"] == 0.0 and "planner_calls_us_per_layer_drained" not in row
     assert "the planner's and the communicator's own calls, timed inside back-to-back forwards" in text

@@ -14,6 +14,7 @@ import torch
 
 from wsharding.accel.first_layer import FirstLayerPrefetch
 from wsharding.cluster import RankCluster
+from wsharding.core.runner import run_layers
 from wsharding.lab.bench.draft import format_table, summarize
 from wsharding.lab.tasks.draft import MODES, draft_equality, draft_exposed, draft_graph_replay
 
@@ -118,14 +119,7 @@ def cuda_prefetch_race(ctx, fork: bool) -> bool:
         ahead = FirstLayerPrefetch.of(p)
 
         def step():
-            p.reset()
-            ahead.pre_dispatch(0, 3)
-            h = x
-            for i, b in enumerate(blocks):
-                p.maybe_dispatch(i + 1)
-                h = b(h)
-                p.update_done_event(i, b)
-            return h
+            return run_layers(blocks, x, p)  # a first layer handed over by the prefetch is joined, not gathered
 
         step()
         torch.cuda.synchronize(dev)

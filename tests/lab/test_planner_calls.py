@@ -13,40 +13,39 @@ class _Planner:
     def __init__(self) -> None:
         self.log: list[str] = []
 
-    def reset(self) -> None:
-        self.log.append("reset")
-
-    def pre_dispatch(self, start: int, end: int | None = None) -> None:
-        self.log.append("pre_dispatch")
+    def begin_step(self, start: int, end: int | None = None) -> None:
+        self.log.append("begin")
         self._backpressure()
 
     def _backpressure(self) -> None:
         self.log.append("backpressure")
 
-    def pre_dispatch_after_prefetch(self, start: int, end: int | None = None) -> None:
-        self.pre_dispatch(start, end)  # a timed call made from a call that is not timed
+    def begin_after_prefetch(self, start: int, end: int | None = None) -> None:
+        self.begin_step(start, end)  # a timed call made from a call that is not timed
 
-    def maybe_dispatch(self, layer: int) -> None:
-        self.log.append(f"dispatch {layer}")
+    def block_start(self, layer: int) -> None:
+        self.log.append(f"start {layer}")
+        self.ensure(layer)  # a timed call from inside a timed one: counted once, with it
 
-    def wait_ready_once(self, layer: int) -> None:
-        self.log.append(f"wait {layer}")
+    def ensure(self, layer: int) -> None:
+        self.log.append(f"ensure {layer}")
 
-    def update_done_event(self, layer: int, module: object = None) -> None:
-        self.log.append(f"done {layer}")
-        self.maybe_dispatch(layer + 2)  # a timed call from inside a timed one: counted once, with it
+    def block_end(self, layer: int) -> None:
+        self.log.append(f"end {layer}")
+
+    def end_step(self) -> None:
+        self.log.append("end step")
 
     def finish_step(self) -> None:
         self.log.append("finish")
+        self.end_step()
 
 
 def _step(p: _Planner, layers: int) -> None:
-    p.reset()
-    p.pre_dispatch_after_prefetch(0, layers)
+    p.begin_after_prefetch(0, layers)
     for i in range(layers):
-        p.maybe_dispatch(i + 1)
-        p.wait_ready_once(i)
-        p.update_done_event(i)
+        p.block_start(i)
+        p.block_end(i)
     p.finish_step()
 
 
@@ -58,25 +57,25 @@ def test_every_call_counted_once_and_run():
     with PlannerCallTimer(p) as timer:
         _step(p, 3)
     assert p.log == untimed  # every call still ran, in the same order
-    # per step: reset, pre_dispatch, finish_step; per layer: dispatch, wait, done (the nested dispatch in it not again)
-    assert timer.calls == 3 + 3 * 3
+    # per step: begin_step, finish_step (its end_step not again); per layer: start, end (the ensure in start not again)
+    assert timer.calls == 2 + 2 * 3
     assert list(timer.by_call) == list(CALLS) and sum(timer.by_call.values()) == pytest.approx(timer.seconds, rel=1e-9)
     assert not any(name in p.__dict__ for name in CALLS)  # the class's own methods again
     _step(p, 1)
-    assert timer.calls == 12  # nothing counted after the block
+    assert timer.calls == 8  # nothing counted after the block
 
 
 def test_the_wait_for_the_gpu_is_timed_apart(monkeypatch):
-    # A clock only the calls advance: pre_dispatch works 1 s and, inside it, waits 4 s for the GPU
-    # (backpressure); every other call works 2 s. Without the split pre_dispatch would count 5 s.
+    # A clock only the calls advance: begin_step works 1 s and, inside it, waits 4 s for the GPU
+    # (backpressure); every other call works 2 s. Without the split begin_step would count 5 s.
     clock = [0.0]
     monkeypatch.setattr(planner_calls.time, "perf_counter", lambda: clock[0])
     p = _Planner()
-    real_pre, real_wait = p.pre_dispatch, p._backpressure
+    real_begin, real_wait = p.begin_step, p._backpressure
 
-    def pre_dispatch(start: int, end: int | None = None) -> None:
+    def begin_step(start: int, end: int | None = None) -> None:
         clock[0] += 1.0
-        real_pre(start, end)
+        real_begin(start, end)
 
     def backpressure() -> None:
         clock[0] += 4.0
@@ -88,15 +87,15 @@ def test_the_wait_for_the_gpu_is_timed_apart(monkeypatch):
             return inner(*args, **kwargs)
         return call
 
-    p.pre_dispatch, p._backpressure = pre_dispatch, backpressure
-    for name in ("reset", "maybe_dispatch", "wait_ready_once", "update_done_event", "finish_step"):
+    p.begin_step, p._backpressure = begin_step, backpressure
+    for name in ("block_start", "ensure", "block_end", "end_step", "finish_step"):
         setattr(p, name, works(getattr(p, name)))
     with PlannerCallTimer(p) as timer:
         timer._overhead_s = 0.0
         _step(p, 2)
     assert "backpressure" in p.log and GPU_WAITS == ("_backpressure",)
     assert timer.waiting_s == 4.0
-    assert timer.by_call["pre_dispatch"] == 1.0
-    # reset, finish_step; per layer dispatch, wait, done (its nested dispatch: 2 s more, in done's)
-    assert timer.by_call["update_done_event"] == 2 * 4.0
-    assert timer.seconds == 1.0 + 2 * 2.0 + 2 * (2.0 + 2.0 + 4.0)
+    assert timer.by_call["begin_step"] == 1.0
+    # finish_step and its end_step: 4 s; per layer start (with its ensure: 4 s) and end (2 s)
+    assert timer.by_call["block_start"] == 2 * 4.0
+    assert timer.seconds == 1.0 + 4.0 + 2 * (4.0 + 2.0)

@@ -103,6 +103,8 @@ class HeavyBlock(torch.nn.Module):
 
 
 def cuda_gate_race(ctx, gate: bool):
+    from wsharding.core.runner import run_layers
+    from wsharding.core.schedule import lookahead_schedule
     from wsharding.core.sharding import WeightSharding
 
     comm = shard_comm_for(ctx, "torch")
@@ -116,14 +118,9 @@ def cuda_gate_race(ctx, gate: bool):
         ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(6)}).setup().finalize()
         planner = ws.planner
         planner.gate = gate
-        planner.reset()
-        planner.pre_dispatch(0)
-        h = x
-        for i, b in enumerate(blocks):
-            planner.maybe_dispatch(i + 1)
-            planner.maybe_dispatch(i + 2)  # two ahead: targets the slot layer i is about to read
-            h = b(h)
-            planner.update_done_event(i, b)
+        # two ahead over two slots: each gather targets the slot the layer starting now is about to read
+        planner.set_schedule(lambda sharded, slot_of, start, end: lookahead_schedule(sharded, slot_of, 2, start, end))
+        h = run_layers(blocks, x, planner)
         torch.cuda.synchronize(dev)
     return bool(torch.equal(h, ref))
 

@@ -11,12 +11,16 @@ between the two models (the design's ~4 ms commit step), and outside the draft's
     first.prefetch()     # dedicated stream, forked from the compute stream
     commit()             # any work that is not a layer
     first.wait()         # the compute stream waits; cold start: gathers now
-    draft(tokens)        # reset, first.pre_dispatch, the layers
+    draft(tokens)        # the step: it finds its first layer's gather handed over, and joins it
 
 Why not the shared side stream: there it queues behind the target model's gathers (the design saw
 ~25 us of overlap). The fork orders the prefetch after everything already queued on the compute
 stream -- the previous draft step, which may still read the slot it overwrites, included. On CPU
 ranks the same calls hold an async gloo handle, waited on by :meth:`FirstLayerPrefetch.wait`.
+
+The plug-in issues the gather itself (its own stream) and hands it over to the planner
+(:meth:`~wsharding.core.planner.WeightShardPlanner.hand_over`): from then on the planner knows the slot
+is receiving, and the next step joins that gather instead of issuing its own.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from wsharding.core.comm import CommError, GatherHandle, is_slice_of
 from wsharding.core.planner import PlannerClosedError, WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
-from wsharding.core.slots import SLOT_NAMES
+from wsharding.core.schedule import slot_name
 
 
 class FirstLayerPrefetch(PlannerPlugin):
@@ -39,7 +43,6 @@ class FirstLayerPrefetch(PlannerPlugin):
         self.prefetches = 0
         self.cold_starts = 0
         self._handle: GatherHandle | None = None
-        self._armed = False  # waited on: the next step starts with the layer in its slot
         self._stream: torch.cuda.Stream | None = None
         self._ready: torch.cuda.Event | None = None
 
@@ -79,8 +82,8 @@ class FirstLayerPrefetch(PlannerPlugin):
                             "wait(): one prefetch per draft step (every rank the same)")
         p.comm.raise_if_failed(f"prefetch of layer {first}")
         st, full = p.layers[first], p.slots.full_buffer(first)
-        what = f"layer {first}: prefetch of {st.layout.total_bytes} B into slot {SLOT_NAMES[p.slot_of[first]]}"
-        p.slots.occupant[p.slot_of[first]] = None  # receiving
+        what = f"layer {first}: prefetch of {st.layout.total_bytes} B into slot {slot_name(p.slot_of[first])}"
+        p.join_ahead(first)  # a gather of it still in flight lands first
         try:
             if not p.cuda:
                 self._handle = p.comm.all_gather_into(full, st.chunk, async_op=True, what=what)
@@ -102,56 +105,32 @@ class FirstLayerPrefetch(PlannerPlugin):
                 self._handle = handle
         except CommError as e:
             raise CommError(p.stuck_message(first, e)) from e
+        p.hand_over(first, self._join)
         self.prefetches += 1
-        p.gathers_total += 1
+
+    def _join(self) -> None:
+        """The planner joins the handed-over gather: CUDA, the current stream waits for it; CPU, block."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        if self.planner.cuda:
+            torch.cuda.current_stream(self.planner.device).wait_event(self._ready)
+        else:
+            handle.wait()
 
     def wait(self) -> None:
         """Make the first layer's weights ready before the step: CUDA, the current stream waits for
         the prefetch (no host wait); CPU, block on it. With nothing prefetched (a cold start) the
         gather is issued now and waited on at once: inline, its whole time exposed."""
-        p, first = self.planner, self.first_layer
         if self._handle is None:
             self.cold_starts += 1
             self.prefetch()
-        handle, self._handle = self._handle, None
-        try:
-            if p.cuda:
-                torch.cuda.current_stream(p.device).wait_event(self._ready)
-            else:
-                handle.wait()
-        except CommError as e:
-            raise CommError(p.stuck_message(first, e)) from e
-        p.slots.occupant[p.slot_of[first]] = first
-        self._armed = True
+        self.planner.join_ahead(self.first_layer)
 
     def pre_dispatch(self, start_layer: int, end_layer: int | None = None) -> None:
-        """The planner's ``pre_dispatch`` for a step whose first sharded layer :meth:`wait` made ready:
-        the fork and the step's start, without issuing that layer's gather again; it counts as this
-        step's gather and wait of the layer. A prefetch nobody waited on is waited on here; with none
-        at all (or a step that starts past the first layer) this is the plain ``pre_dispatch``."""
-        p, first = self.planner, self.first_layer
-        if self._handle is not None:
-            self.wait()
-        if not self._armed or start_layer > first or (end_layer is not None and end_layer <= first):
-            p.pre_dispatch(start_layer, end_layer)
-            return
-        self._armed = False
-        lookahead, p.lookahead = p.lookahead, False
-        try:
-            p.pre_dispatch(start_layer, end_layer)  # fork and trace start, nothing issued
-        finally:
-            p.lookahead = lookahead
-        p.issued[first] = p.waited[first] = p.step
-        p.gathers_this_step += 1
-        p.waits_this_step += 1
-        p.slots.occupant[p.slot_of[first]] = first
-        if p.trace is not None:
-            for kind in ("wait_start", "wait_end", "compute_start"):
-                p.trace.mark(first, kind)  # the wait happened before the step, outside it
+        """Start the draft's step (:meth:`~wsharding.core.planner.WeightShardPlanner.begin_step`): a first
+        layer handed over by :meth:`prefetch` is joined, not gathered again."""
+        self.planner.begin_step(start_layer, end_layer)
 
     def close(self, planner: WeightShardPlanner) -> None:
-        if self._handle is not None:  # a prefetch in flight must not write into freed memory
-            self._handle.wait()
-            self._handle = None
-            if planner.cuda:
-                torch.cuda.synchronize(planner.device)
+        self._handle = None  # the planner joined it before closing

@@ -62,7 +62,8 @@ from wsharding.core.comm import Communicator
 from wsharding.core.errors import ShardingError
 from wsharding.core.layout import FlatLayout
 from wsharding.core.resident import resident_formula
-from wsharding.core.slots import SLOT_NAMES, SlotPolicy, SlotPool
+from wsharding.core.schedule import slot_name
+from wsharding.core.slots import SlotPolicy, SlotPool
 
 
 def mapping_unavailable(comm: Communicator, *, required: bool = False) -> str | None:
@@ -100,7 +101,8 @@ class MappedSlotPool(SlotPool):
     The layouts must have been made with ``chunk_alignment=mapping_page_bytes(comm)``.
     """
 
-    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str = "slot") -> None:
+    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str = "slot",
+                 count: int = 2) -> None:
         self.page = mapping_page_bytes(comm)
         for layer, lay in sorted(layouts.items()):
             if lay.chunk_bytes % self.page:
@@ -114,7 +116,7 @@ class MappedSlotPool(SlotPool):
         self._pages: list[list[list[torch.Tensor]]] = []  # [slot][rank][segment]
         self._segments: list[list[int]] = []  # [slot]: the bytes of each segment of a page
         self._views: dict[int, torch.Tensor] = {}
-        super().__init__(comm, layouts, tag=tag)
+        super().__init__(comm, layouts, tag=tag, count=count)
 
     def segment_bytes(self, slot: int) -> list[int]:
         """The allocations one rank's page of ``slot`` is made of, in bytes: cut at the chunk size of
@@ -125,12 +127,13 @@ class MappedSlotPool(SlotPool):
         layer 0 is smaller than its MoE layer 1 sharing a page with it. A model whose layers are all of
         one size has one segment per page."""
         piece = self.slot_bytes // self.comm.world_size  # the largest chunk: whole pages, checked above
-        cuts = sorted({self.layouts[i].chunk_bytes for k, i in enumerate(self.layer_ids) if k % 2 == slot} | {piece})
+        cuts = sorted({self.layouts[i].chunk_bytes for k, i in enumerate(self.layer_ids) if k % self.count == slot} | {piece})
         return [end - start for start, end in zip([0, *cuts[:-1]], cuts, strict=True)]
 
-    def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, ...]:
         slots = []
-        for s, name in enumerate(SLOT_NAMES):
+        for s in range(self.count):
+            name = slot_name(s)
             sizes = self.segment_bytes(s)
             # pages reached only through the slot's range and the layer views: no window of their own
             pages = [[comm.pool.alloc(b, f"{tag}.{name}.page.{r}.{j}", window=False) for j, b in enumerate(sizes)]
@@ -139,7 +142,7 @@ class MappedSlotPool(SlotPool):
             self._segments.append(sizes)
             slots.append(self._compose(f"{tag}.{name}", [(seg, b) for page in pages for seg, b in zip(page, sizes,
                                                                                                     strict=True)]))
-        return slots[0], slots[1]
+        return tuple(slots)
 
     def _compose(self, tag: str, pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
         """One address range made of the first ``nbytes`` of each piece's allocation, side by side;
@@ -204,14 +207,14 @@ class MappedSlotPool(SlotPool):
         return self._views[layer].narrow(0, self.comm.rank * c, c)
 
     def scratch_views(self, layer: int) -> dict[str, torch.Tensor]:
-        """Slot B's first bytes (the layer's view needs its chunk, which does not exist yet)."""
+        """The last slot's first bytes (the layer's view needs its chunk, which does not exist yet)."""
         if not self.buffers:
             raise ShardingError(f"layer {layer}: the mapped slots were trimmed after finalize (their own pages freed); "
                                 "there is no full slot to rebuild weights in. Shard a fresh model to finalize again")
-        return self.layouts[layer].views(self.buffers[1].narrow(0, 0, self.layouts[layer].total_bytes))
+        return self.layouts[layer].views(self.buffers[-1].narrow(0, 0, self.layouts[layer].total_bytes))
 
     def trim(self) -> None:
-        """Collective, once, after finalize: give back both slot ranges and this rank's page of each
+        """Collective, once, after finalize: give back every slot range and this rank's page of each
         (see the note). What stays: the layer views and the other ranks' pages under them."""
         if not self.buffers:
             return
@@ -240,7 +243,7 @@ class MappedSlotPool(SlotPool):
         return {v.untyped_storage().data_ptr() for v in self._views.values()}
 
     def __repr__(self) -> str:
-        return f"MappedSlotPool(2 x {self.slot_bytes} B, {len(self._views)} layer views, occupancy={self.occupancy()})"
+        return f"MappedSlotPool({self.count} x {self.slot_bytes} B, {len(self._views)} layer views, occupancy={self.occupancy()})"
 
 
 class MappedSlotPolicy(SlotPolicy):
@@ -264,7 +267,8 @@ class MappedSlotPolicy(SlotPolicy):
         # Checked before anything is declared: a chunk must be whole pages to be mapped.
         self.chunk_alignment = mapping_page_bytes(comm) if self.mapped else None
 
-    def settle(self, layouts: dict[int, FlatLayout], world_size: int, granularity: int) -> dict[int, FlatLayout]:
+    def settle(self, layouts: dict[int, FlatLayout], world_size: int, granularity: int, *,
+               slots: int = 2) -> dict[int, FlatLayout]:
         """[Note: map_own_chunk="auto"]: keep the page-aligned layouts only if mapping holds no more
         than plain slots would. The layouts are metadata until finalize: nothing was cut by them yet
         (setup keeps rows, and rows do not depend on the chunk size)."""
@@ -273,8 +277,8 @@ class MappedSlotPolicy(SlotPolicy):
         # the same entries at the same offsets: only the chunk's alignment (so the tail padding) differs
         plain = {i: FlatLayout.from_entries(lay.entries, world_size, alignment=lay.alignment)
                  for i, lay in layouts.items()}
-        mapped_bytes = resident_formula(layouts.values(), world_size, granularity, mapped=True)
-        plain_bytes = resident_formula(plain.values(), world_size, granularity, mapped=False)
+        mapped_bytes = resident_formula(layouts.values(), world_size, granularity, mapped=True, slots=slots)
+        plain_bytes = resident_formula(plain.values(), world_size, granularity, mapped=False, slots=slots)
         mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
         if mapped_bytes <= plain_bytes:
             self.reason = (f"own chunk mapped: {mib(mapped_bytes)} per rank against {mib(plain_bytes)} with "
@@ -286,5 +290,5 @@ class MappedSlotPolicy(SlotPolicy):
         self.chunk_alignment = None
         return plain
 
-    def make_pool(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str) -> SlotPool:
-        return (MappedSlotPool if self.mapped else SlotPool)(comm, layouts, tag=tag)
+    def make_pool(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str, count: int = 2) -> SlotPool:
+        return (MappedSlotPool if self.mapped else SlotPool)(comm, layouts, tag=tag, count=count)

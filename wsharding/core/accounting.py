@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from wsharding.core.errors import ShardingError
 from wsharding.core.resident import resident_formula
+from wsharding.core.schedule import slot_name
 from wsharding.core.units import align_up
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class ShardingBytes:
     chunks: dict[int, torch.Tensor]
     slots: SlotPool | None
     slot_policy: SlotPolicy
+    prefetch_depth: int
     stage: str
 
     def _expect(self, stage: str, what: str) -> None:
@@ -50,15 +52,21 @@ class ShardingBytes:
         """R: bytes of the target weights that every rank would hold when replicated."""
         return sum(t.nbytes for ts in self.targets.values() for t in ts)
 
+    @property
+    def slot_count(self) -> int:
+        """Slots the sharding gathers into: ``prefetch_depth + 1``."""
+        return self.prefetch_depth + 1
+
     def formula_bytes(self) -> int:
-        """``R/N + padding/N + 2 * max_l |T_l|``: what each rank must hold after finalize.
+        """``R/N + padding/N + (k+1) * max_l |T_l|`` for lookahead depth ``k`` (two slots at the default
+        depth 1): what each rank must hold after finalize.
 
         A backend that allocates in units (our NCCL binding rounds every window to 4096 B, its
         ``alloc_granularity``) rounds each chunk and slot up to that unit. With ``map_own_chunk`` a
-        slot keeps only the peers' pages after finalize: ``2 * (N-1)/N * max_l |T_l|``.
+        slot keeps only the peers' pages after finalize: ``(k+1) * (N-1)/N * max_l |T_l|``.
         """
         return resident_formula(self.layouts.values(), self.comm.world_size, self.comm.alloc_granularity,
-                                mapped=self.map_own_chunk)
+                                mapped=self.map_own_chunk, slots=self.slot_count)
 
     def _slot_page_bytes(self) -> int:
         """With ``map_own_chunk``: one rank's page of a slot, the largest chunk in allocation units."""
@@ -69,7 +77,7 @@ class ShardingBytes:
         largest weight (one layer's row shards on their way into its chunk). With ``map_own_chunk``
         also this rank's own page of each slot: finalize gathers through whole slots, and only the
         trim at its end gives those pages back."""
-        own_pages = 2 * self._slot_page_bytes() if self.map_own_chunk else 0
+        own_pages = self.slot_count * self._slot_page_bytes() if self.map_own_chunk else 0
         return self.formula_bytes() + self.largest_weight_bytes() + own_pages
 
     def held_bytes(self) -> dict[str, int]:
@@ -94,7 +102,7 @@ class ShardingBytes:
         return max(t.nbytes for ts in self.targets.values() for t in ts)
 
     def resident_bytes(self) -> int:
-        """Bytes actually allocated for sharded weights on this rank (chunks + two slots), measured
+        """Bytes actually allocated for sharded weights on this rank (chunks + slots), measured
         from the storages, not from the layout."""
         self._expect("finalized", "resident_bytes")
         # keyed by address: a storage's Python object is made anew per call, so its id() can repeat
@@ -110,7 +118,7 @@ class ShardingBytes:
                 "targets": [t.name for t in self.targets[i]],
                 "layout_bytes": self.layouts[i].total_bytes,
                 "chunk_bytes": self.layouts[i].chunk_bytes,
-                "slot": "AB"[self.slots.slot_of(i)] if self.slots else "AB"[k % 2],
+                "slot": slot_name(self.slots.slot_of(i) if self.slots else k % self.slot_count),
             }
             for k, i in enumerate(self.sharded_layer_ids)
         ]

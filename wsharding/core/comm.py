@@ -140,6 +140,18 @@ class Communicator:
     def on_close(self, callback: Callable[[], None]) -> None:
         """A backend that frees memory a sharding views calls ``callback`` before it closes; torch's frees none."""
 
+    def prepare_outside_steps(self) -> None:
+        """Collective (every rank of the group, at finalize): make the channel that
+        :meth:`gather_outside_steps` uses. The default has none of its own."""
+
+    def gather_outside_steps(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str) -> None:
+        """Gather a layer outside the step's schedule, synchronously ([Note: checked at use] in
+        ``wsharding/core/planner.py``): on CUDA ordered after the current stream, which is ordered after
+        it on return. A backend gives it a channel of its own, so that a rank that makes this call alone
+        waits there (and times out) instead of pairing it with a peer's next scheduled gather; this
+        default uses the same channel as the steps."""
+        self.all_gather_into(full, chunk, what=what)
+
     # ---- required: every backend implements these ----------------------------------------------------
     def all_gather_into(
         self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False,

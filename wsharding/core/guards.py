@@ -113,10 +113,15 @@ class BoundWeightGuards:
         inner = module.forward  # the class's, or an earlier instance-level wrapper (put back at close)
         grad_enabled = torch.is_grad_enabled
         refuse = self._refuse_autograd
+        ws = self._ws()
+        # [Note: checked at use]: a linear called on its own (outside its block) finds its slot checked too
+        ensure, layer = (ws.planner.ensure, target.layer) if ws is not None and ws.planner is not None else (None, 0)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if grad_enabled():
                 refuse(module, target, args, kwargs)
+            if ensure is not None:
+                ensure(layer)
             return inner(*args, **kwargs)
 
         module.forward = forward

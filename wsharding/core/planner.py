@@ -1,44 +1,60 @@
-"""The lookahead planner: gather layer l+1 while layer l computes, into the other slot.
+"""The planner: replays a step's gather schedule, and lets no layer compute with bytes that are not its own.
 
-The runner's layer loop (the sequence of SGLang's weight sharding for Kimi K3)::
+A step, driven by the runner's layer loop (:func:`wsharding.core.runner.run_layers`) or by the
+wrappers :func:`~wsharding.core.runner.shard_blocks` puts around a model's blocks::
 
-    planner.reset()
-    planner.pre_dispatch(start_layer)
-    for i in range(start_layer, end_layer):
-        planner.maybe_dispatch(i + 1)      # gather of i+1 on the side, gated on done(i-1)
-        planner.wait_ready_once(i)         # at the start of layer i (the layer calls it)
+    planner.begin_step(start, end)     # fork; issue the schedule's step-start gathers
+    for i in range(start, end):
+        planner.block_start(i)         # join layer i's gather (checked), issue what this hook issues
         hidden = layers[i](hidden)
-        planner.update_done_event(i, layers[i])
+        planner.block_end(i)           # record i's end (a gate), issue what this hook issues
+    planner.end_step()                 # issue what a peer would still issue, join what nobody joined
 
-Rules it keeps:
-
-* **Two slots, one gate.** The gather of layer l+1 writes the slot that layer l-1 used, so it starts
-  only once layer l-1 has finished reading it ([Note: the gate]).
-* **Wait at most once.** ``wait_ready_once`` waits on a layer's gather once per step.
-* **Nothing decided inside forward.** Which layers are sharded, their slots, their gates, the events
-  and the side stream are fixed at init; a step only replays the same launch/wait sequence, which is
-  what a CUDA graph needs to capture it.
-* **Lookahead off** (for comparison): every gather is issued at its layer's start and waited on at
-  once, so its whole time is exposed. On CPU ranks gloo gathers on its own thread: overlap is real.
-* **Plug-ins** (:class:`~wsharding.core.plugins.PlannerPlugin`) issue what lies outside the sequence.
+Which gather is issued at which hook, into which slot and behind which gate is one value, a
+:class:`~wsharding.core.schedule.GatherSchedule`, made once per step range by a function -- lookahead
+depth ``k`` (:func:`~wsharding.core.schedule.lookahead_schedule`), changed by the policies attached as
+plug-ins (:mod:`wsharding.core.plugins`: the next step's first gather). The planner holds no other
+policy; a newcomer who wants another one writes a function that returns a schedule.
 
 [Note: the gate]
-The sharded layers take slots A and B in turn, so the gather of layer l+1 overwrites the weights that
-layer l-1 computes with. Started any earlier than the end of layer l-1, it would replace them while
-l-1 still reads them -- on the GPU a silent race, the layer computing with half of the next layer's
-bytes. So every gather has a gate: the end of the slot's previous occupant
-(``SlotPool.previous_occupant``), fixed at init. On CUDA the gate is an event recorded on the compute
-stream after that layer and waited on by the gather's stream, so the host never waits for it; on CPU
-a gather whose gate is not yet done is held back and issued by ``update_done_event`` of the gating
-layer. A previous occupant that ran in an earlier step needs no gate: the step's fork orders the
-gather after it. Slots whose layer views are mapped keep the rule as it is: the layers of one parity
-map the same slot pages. ``gate=False`` exists only to show the race.
+A gather into a slot overwrites the weights of the slot's previous occupant. Started any earlier than
+the end of that layer, it would replace them while the layer still reads them -- on the GPU a silent
+race, the layer computing with half of the next layer's bytes. So every gather has a gate: the end of
+the slot's previous occupant in this step. A schedule of depth ``k`` over ``k + 1`` slots issues each
+gather after its gate on the host already ([Note: the gate, for depth k] in
+:mod:`wsharding.core.schedule`); on CUDA the gather still waits on the event recorded at the gate's
+end, because its kernels may be queued. A schedule that issues a gather before its gate has ended
+(deeper than its slots: the notebook's race) has it held back and issued by ``block_end`` of the gate.
+A previous occupant that ran in an earlier step needs no gate: the step's fork orders the gather after
+it. ``gate=False`` exists only to show the race.
+
+[Note: checked at use]
+The schedule is right only if the model calls its blocks as planned: in order, each once, on one
+thread, every rank the same. A model can do otherwise -- a reversed loop, a block or a linear called
+on its own, a second thread, a peer that fails inside a block -- so every block about to compute (and
+every target linear called outside its block) confirms in O(1) that its slot holds its own layer:
+the planner keeps, per slot, the layer whose gather into it completed (joined without error) and
+nothing was issued into it since. If not, the layer is a *miss*: with ``on_miss="gather"`` (the
+default) it is gathered now, synchronously, and a warning says why, once per reason; with
+``on_miss="raise"`` the forward raises. A miss leaves the schedule for the rest of the step (the order
+it assumed is gone) and gathers through the communicator's channel for gathers outside the steps
+(:meth:`~wsharding.core.comm.Communicator.gather_outside_steps`), so that a rank that misses alone --
+a debugging call of one block -- waits there and times out instead of pairing its gather with a peer's
+next step. A block that raises gives up the step cleanly: this rank still issues every gather its
+peers issue in this step (they are the right layers' bytes for them) and joins them; a gather that
+fails marks its slot empty and fails the forward that joins it, naming the layer, the step and the
+group. A second thread entering a step while one runs is refused.
+
+[Note: the hot path]: a block's start and end cost a thread-id compare, a slot lookup and, where the
+schedule says so, a gather's start; everything else is decided when the schedule is made.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +63,14 @@ import torch
 from wsharding.core.backpressure import StepBackpressure
 from wsharding.core.comm import CommError, Communicator, PreparedGather
 from wsharding.core.edits import BoundVersions, refuse_edits, version_of
+from wsharding.core.errors import InvalidArgument, ShardingError
 from wsharding.core.layout import FlatLayout
-from wsharding.core.slots import SLOT_NAMES, SlotPool
+from wsharding.core.schedule import GatherSchedule, ScheduledGather, lookahead_schedule, slot_name
+from wsharding.core.slots import SlotPool
 from wsharding.core.trace import StepTrace
+
+#: ``(sharded layers, slot of each, start, end) -> GatherSchedule``: a schedule policy's shape.
+ScheduleFn = Callable[[Sequence[int], Mapping[int, int], int, int | None], GatherSchedule]
 
 
 @dataclass
@@ -60,16 +81,36 @@ class ShardedLayer:
     layout: FlatLayout
     chunk: torch.Tensor
     #: ``(label, weight)`` of the weights bound to the layer's slot views, whose version counters
-    #: its waits check ([Note: in-place edits of bound weights]).
+    #: its checks read ([Note: in-place edits of bound weights]).
     weights: tuple[tuple[str, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A schedule flattened for the hot path: its issue order, where each hook's gathers end in it."""
+
+    schedule: GatherSchedule
+    order: list[ScheduledGather]
+    starts: dict[int, int]
+    ends: dict[int, int]
+    at_start: int
 
 
 class PlannerClosedError(CommError):
     """The planner's weight sharding was closed: its slots and chunks are gone."""
 
 
+class ConcurrentStepError(ShardingError):
+    """A second thread entered a sharded forward while a step of this model runs in another."""
+
+
+class ScheduleMissWarning(UserWarning):
+    """A layer about to compute found its slot without its own bytes and was gathered now ([Note:
+    checked at use])."""
+
+
 class WeightShardPlanner:
-    """Issues and waits on the per-layer gathers of one model's sharded layers."""
+    """Replays one model's gather schedule and checks every layer's slot before it computes."""
 
     def __init__(
         self,
@@ -81,46 +122,65 @@ class WeightShardPlanner:
         trace: bool = False,
         gate: bool = True,
         plugins: Sequence[Any] = (),
+        on_miss: str = "gather",
     ) -> None:
+        if on_miss not in ("gather", "raise"):
+            raise InvalidArgument(f"on_miss must be 'gather' or 'raise', got {on_miss!r}")
         self.comm = comm
         self.layers = layers
         self.slots = slots
-        self.lookahead = lookahead
+        #: Gathers in flight ahead of the computing layer (slots - 1).
+        self.depth = slots.count - 1
+        self.on_miss = on_miss
         #: Only for demonstrating the race the gate prevents: never turn it off for real use.
         self.gate = gate
         self.sharded_ids = sorted(layers)
+        self.last_sharded = self.sharded_ids[-1] if self.sharded_ids else -1
         self.device = comm.device
         self.cuda = self.device.type == "cuda"
+        self.slot_of = {i: slots.slot_of(i) for i in layers}
         # Everything a layer's gather needs, worked out once ([Note: the hot path]).
         self.gathers: dict[int, PreparedGather] = {
             i: comm.prepare_gather(
                 slots.full_buffer(i), st.chunk,
-                what=f"layer {i}: gather of {st.layout.total_bytes} B into slot {SLOT_NAMES[slots.slot_of(i)]}")
+                what=f"layer {i}: gather of {st.layout.total_bytes} B into slot {slot_name(slots.slot_of(i))}")
             for i, st in layers.items()
         }
-        self.slot_of = {i: slots.slot_of(i) for i in layers}
         # [Note: in-place edits of bound weights]: each layer's bound weights and their versions now.
         self.versions = BoundVersions({i: st.weights for i, st in layers.items()}, comm.rank)
         self._bound, self._bound_versions = self.versions.aliases, self.versions.at_finalize
-        self._prev = {i: slots.previous_occupant(i) for i in layers}
-        #: Layers that gate a later gather (the previous occupant of some layer's slot).
-        self._gating = {p for p in self._prev.values() if p is not None}
-        self.last_sharded = self.sharded_ids[-1] if self.sharded_ids else -1
         if self.cuda:
             self._fork = torch.cuda.Event()
             self._fork.record()
             self._step_forks = StepBackpressure(comm)  # [Note: backpressure]
-            self._done = {i: self._new_event() for i in self._gating}
+            self._done = {i: self._new_event() for i in layers}
             self._here = self._new_event()  # the compute stream's position at a layer's start
         self._record = comm.record_event  # once: it is called per layer
         self.compute: torch.cuda.Stream | None = None
-        # Per-step state: the step in which each layer was issued / waited / finished (no clearing).
-        self.issued: dict[int, int] = dict.fromkeys(layers, -1)
-        self.waited: dict[int, int] = dict.fromkeys(layers, -1)
-        self.finished: dict[int, int] = dict.fromkeys(layers, -1)
-        self._held: dict[int, int] = {}  # gating layer -> layer whose gather waits for it
+        # ---- what the slots hold ([Note: checked at use]) ----
+        n = slots.count
+        #: Per slot: the layer whose gather into it completed, with nothing issued into it since.
+        self._holds: list[int | None] = [None] * n
+        #: Per slot: the layer whose gather into it is issued and not joined, and how to join it.
+        self._inflight: list[int | None] = [None] * n
+        self._joins: list[Callable[[], None] | None] = [None] * n
+        #: Gathers issued for the next step (layer -> its slot), taken over by the next step's start.
+        self._ahead: dict[int, int] = {}
+        # ---- the step ----
+        self._owner: int | None = None  # the thread running a step (or a block outside one)
+        self._lock = threading.Lock()
+        self._outside = False  # a block runs outside any step
+        self._expect = -1  # the block the schedule expects next
+        self._missed = False  # the step left its schedule ([Note: checked at use])
+        self._failed = False  # a gather of the step failed: nothing more is issued
+        self._warned: set[str] = set()
+        self._finished: dict[int, int] = dict.fromkeys(layers, -1)
+        self._held: dict[int, list[ScheduledGather]] = {}
+        self._order: list[ScheduledGather] = []
+        self._pos = 0
+        self._start_end: dict[int, int] = {}
+        self._end_end: dict[int, int] = {}
         self.step_start_layer = 0
-        self._end_layer: int | None = None
         self.trace_enabled = trace
         self.trace: StepTrace | None = None
         self.traces: list[StepTrace] = []
@@ -130,11 +190,14 @@ class WeightShardPlanner:
         self.gathers_this_step = 0
         self.gathers_total = 0
         self.waits_this_step = 0
-        #: Gathers issued again for a layer called after its slot was given to another layer.
-        self.regathers = 0
-        #: What issues gathers outside the layer sequence (:class:`~wsharding.core.plugins.PlannerPlugin`,
-        #: which knows the planner; the planner only calls its hooks), in call order.
+        #: Layers gathered outside the schedule because their slot did not hold them ([Note: checked at use]).
+        self.misses = 0
+        #: Schedule policies attached (:class:`~wsharding.core.plugins.PlannerPlugin`), in order.
         self.plugins: list[Any] = []
+        self._lookahead = lookahead
+        self._schedule_fn: ScheduleFn | None = None
+        self._schedules: dict[tuple[int, int | None, bool], _Plan] = {}
+        self._taken: set[int] = set()  # layers whose gather of this step was issued ahead of it
         for plugin in plugins:
             self.add_plugin(plugin)
 
@@ -143,57 +206,123 @@ class WeightShardPlanner:
         ev.record()  # torch creates the CUDA event at its first record
         return ev
 
+    # ---- the schedule -----------------------------------------------------------------------------
+    @property
+    def lookahead(self) -> bool:
+        """Whether gathers are issued ahead (the schedule of depth :attr:`depth`) or each at its layer's
+        start (lookahead off, the baseline). Switched between steps, on every rank the same."""
+        return self._lookahead
+
+    @lookahead.setter
+    def lookahead(self, on: bool) -> None:
+        self._between_steps("lookahead")
+        self._lookahead = bool(on)
+
     def add_plugin(self, plugin: Any) -> None:
-        """Attach ``plugin``: from the next step on it is called at the planner's hooks. Every rank of
-        the shard group must attach the same plug-ins (they issue collectives)."""
+        """Attach a schedule policy: from the next step on, every schedule goes through its ``shape``.
+        Every rank of the shard group must attach the same ones (they change the collectives)."""
+        self._between_steps("add_plugin")
         if plugin.claims_first_layer and any(p.claims_first_layer for p in self.plugins):
             other = next(type(p).__name__ for p in self.plugins if p.claims_first_layer)
             raise CommError(f"{type(plugin).__name__}: this planner already gathers its first layer ahead ({other}); "
                             "use one of the two, on every rank the same")
         plugin.attach(self)
         self.plugins.append(plugin)
+        self._schedules.clear()
 
-    def track_done(self, layer: int) -> None:
-        """Record the end of ``layer`` every step from now on (a plug-in gates a gather on it)."""
-        if layer not in self._gating:
-            self._gating.add(layer)
-            if self.cuda:
-                self._done[layer] = self._new_event()
+    def set_schedule(self, fn: ScheduleFn | None) -> None:
+        """Replace the lookahead policy by ``fn(sharded, slot_of, start, end)`` (None: depth
+        :attr:`depth`). Between steps, on every rank the same. A schedule that issues a gather before
+        its gate has ended has it held back ([Note: the gate])."""
+        self._between_steps("set_schedule")
+        self._schedule_fn = fn
+        self._schedules.clear()
 
-    def done_event(self, layer: int) -> torch.cuda.Event | None:
-        """CUDA: the event recorded at the end of ``layer`` (one that :meth:`track_done` or a gate
-        tracks); None on CPU."""
-        return self._done[layer] if self.cuda else None
+    def schedule(self, start: int = 0, end: int | None = None) -> GatherSchedule:
+        """The schedule of a step over blocks ``[start, end)``, made once per range."""
+        return self._plan(start, end).schedule
 
-    # ---- the sequence ----------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Start a step: forget which gathers were issued and waited on."""
+    def _plan(self, start: int, end: int | None) -> _Plan:
+        key = (start, end, self._lookahead)
+        plan = self._schedules.get(key)
+        if plan is None:
+            if not self._lookahead:
+                sched = lookahead_schedule(self.sharded_ids, self.slot_of, 0, start, end)
+            elif self._schedule_fn is not None:
+                sched = self._schedule_fn(self.sharded_ids, self.slot_of, start, end)
+            else:
+                sched = lookahead_schedule(self.sharded_ids, self.slot_of, self.depth, start, end)
+            for plugin in self.plugins:
+                sched = plugin.shape(sched)
+            self._check_schedule(sched)
+            # Flattened for the hot path: the issue order, and where each hook's gathers end in it.
+            order = list(sched.at_step_start)
+            starts, ends = {}, {}
+            for b in range(sched.start, sched.end):
+                if sched.at_block_start.get(b):
+                    order += sched.at_block_start[b]
+                    starts[b] = len(order)
+                if sched.at_block_end.get(b):
+                    order += sched.at_block_end[b]
+                    ends[b] = len(order)
+            plan = self._schedules[key] = _Plan(sched, order, starts, ends, len(sched.at_step_start))
+        return plan
+
+    def _check_schedule(self, sched: GatherSchedule) -> None:
+        this_step = [g.layer for g in sched.order() if not g.next_step]
+        want = [i for i in self.sharded_ids if sched.start <= i < sched.end]
+        if sorted(this_step) != want:
+            raise ShardingError(f"schedule: the step over blocks [{sched.start}, {sched.end}) must gather each of its "
+                                f"sharded layers {want} once; it gathers {this_step}")
+        bad = [g for g in sched.order() if g.slot != self.slot_of[g.layer]]
+        if bad:
+            raise ShardingError(f"schedule: layer {bad[0].layer} gathers into slot {slot_name(bad[0].slot)}, but its "
+                                f"weights view slot {slot_name(self.slot_of[bad[0].layer])}")
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def begin_step(self, start_layer: int = 0, end_layer: int | None = None) -> None:
+        """Start a step over blocks ``[start_layer, end_layer)`` and issue its first gathers.
+
+        Every rank of the shard group runs the same steps over the same ranges. The step ends at
+        :meth:`end_step`; a step of the same thread left open (an exception outside any block) is
+        ended first."""
         if self.closed:
             raise PlannerClosedError("this weight sharding was closed (WeightSharding.close()): its slots and "
                                      "chunks are freed; build and shard the model again to run it")
+        me = threading.get_ident()
+        if self._owner == me and not self._outside:
+            self.end_step()
+        if not self._lock.acquire(blocking=False):
+            self._refuse_thread("starts a step")
+        try:
+            self._open_step(start_layer, end_layer, me)
+        except BaseException:
+            self._close_step()
+            raise
+
+    def _open_step(self, start_layer: int, end_layer: int | None, me: int) -> None:
+        self._owner = me
+        self._outside = False
         if self.trace is not None:
             self.traces.append(self.trace)
         self.step += 1
-        self._held.clear()
         self.gathers_this_step = 0
         self.waits_this_step = 0
+        self._missed = self._failed = False
+        self._held.clear()
+        self.step_start_layer = start_layer
+        self._expect = start_layer
         if self.cuda:
             # Once per step (6.6 us on an H200), not once per layer.
             self.compute = torch.cuda.current_stream(self.device)
         self.trace = StepTrace(self.step, self.comm.rank, self.cuda, self.device) if self.trace_enabled else None
-
-    def pre_dispatch(self, start_layer: int, end_layer: int | None = None) -> None:
-        """Issue the gather of the first sharded layer in ``[start_layer, end_layer)``.
-
-        ``end_layer`` bounds the step: :meth:`maybe_dispatch` issues nothing at or past it, so a
-        partial range never leaves a gather that nobody waits on (under CUDA-graph capture such a
-        gather would be work the capture never joins). Every rank must use the same range.
-        """
-        self.step_start_layer = start_layer
-        self._end_layer = end_layer
-        self.comm.raise_if_failed(f"step {self.step + 1}")
+        plan = self._plan(start_layer, end_layer)
+        self._order, self._start_end, self._end_end = plan.order, plan.starts, plan.ends
+        self._pos = 0
+        self.comm.raise_if_failed(f"step {self.step}")
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if self.cuda:
-            if not torch.cuda.is_current_stream_capturing():
+            if not capturing:
                 self._backpressure()
             # Fork: the side streams must not overwrite a slot that the previous step's last layers
             # may still be reading on the compute stream (and under capture, they join the capture here).
@@ -201,196 +330,443 @@ class WeightShardPlanner:
             self.comm.fork(self._fork)
         if self.trace is not None:
             self.trace.start()
-        for plugin in self.plugins:
-            plugin.step_start(self, start_layer)
-        if self.lookahead:
-            first = next((i for i in self.sharded_ids if i >= start_layer), None)
-            if first is not None and (end_layer is None or first < end_layer) and self.issued[first] != self.step:
-                self._dispatch(first)
+        self._taken.clear()
+        if self._ahead:
+            self._take_ahead(capturing)
+        self._issue_upto(plan.at_start)
 
     def _backpressure(self) -> None:  # [Note: backpressure]: the one host wait of a step
         self._step_forks.wait(self.step, self.compute)
 
-    def maybe_dispatch(self, layer: int) -> None:
-        """With lookahead, issue the gather of ``layer`` now (held back until its gate is done)."""
-        if layer > self.last_sharded and self.plugins:
-            for plugin in self.plugins:
-                plugin.after_last_dispatch(self)
-            return
-        if (not self.lookahead or self.issued.get(layer, self.step) == self.step
-                or (self._end_layer is not None and layer >= self._end_layer) or layer in self._held.values()):
-            return
-        self._dispatch(layer)
+    def _take_ahead(self, capturing: bool) -> None:
+        """The gathers issued for this step by the previous one (or before it): this step's now."""
+        if capturing:
+            first = next(iter(self._ahead))
+            raise CommError(
+                f"layer {first}: its gather for this step was issued ahead, before the capture, on rank "
+                f"{self.comm.rank}; a CUDA graph must hold every gather it waits on. Turn the prefetch off "
+                "(NextStepPrefetch.enabled = False) and run one eager step before capturing")
+        used = {g.layer for g in self._order if not g.next_step}
+        for layer, slot in self._ahead.items():
+            if layer in used:
+                self._taken.add(layer)
+                self.gathers_this_step += 1
+                continue
+            # This step does not use it (it starts past that layer): join it, nothing stays in flight.
+            if self._inflight[slot] == layer:
+                self._join_slot(slot)
+            for p in self.plugins:
+                p.ahead_cancelled(layer)
+        self._ahead.clear()
 
-    def wait_ready_once(self, layer: int) -> None:
-        """At the start of ``layer``: make sure its weights are in its slot. Waits at most once per step.
-
-        A layer called again after its slot was handed to another layer (for example one block run on
-        its own after a step) gathers its weights again, so it never computes with another layer's
-        weights. That gather is a collective like any other: every rank must make the same call.
-        """
-        waited = self.waited.get(layer)
-        if waited is None:
-            return  # not a sharded layer
-        if waited == self.step:
-            if self.slots.occupant[self.slot_of[layer]] != layer:
-                self._regather(layer)
-            if tuple(map(version_of, self._bound[layer])) != self._bound_versions[layer]:
-                self._refuse_edited(layer)
+    def block_start(self, block: int) -> None:
+        """Block ``block`` is about to compute: its own layer's bytes are in its slot when this
+        returns ([Note: checked at use]); then the gathers this hook issues are issued."""
+        if self._owner != threading.get_ident() or block != self._expect or self._outside:
+            self._irregular_start(block)
             return
-        if self.issued[layer] != self.step:
-            # Lookahead off, or a layer that was never dispatched: gather now and wait at once.
-            self._release_if_held(layer)
-            self._issue(layer, gated=True, here=True)
-        self.waited[layer] = self.step
-        self.waits_this_step += 1
-        trace = self.trace
-        if trace is not None:
-            trace.mark(layer, "wait_start")
-        try:
-            self.gathers[layer].wait(self.compute)
-        except CommError as e:
-            raise CommError(self.stuck_message(layer, e)) from e
-        self.slots.occupant[self.slot_of[layer]] = layer
-        if tuple(map(version_of, self._bound[layer])) != self._bound_versions[layer]:
-            self._refuse_edited(layer)
-        if trace is not None:
-            trace.mark(layer, "wait_end")
-            trace.mark(layer, "compute_start")
+        self._expect = block + 1
+        end = self._start_end.get(block)
+        if end is not None and self._pos < end and self._order[self._pos].layer == block:
+            g = self._order[self._pos]  # lookahead off: its own gather first, joined at once
+            self._pos += 1
+            self._issue(g, here=True)
+        slot = self.slot_of.get(block)
+        if slot is not None:
+            self.waits_this_step += 1
+            trace = self.trace
+            if self._holds[slot] != block:
+                self._join_or_miss(block, slot)
+            elif trace is not None:  # joined already (ahead of the step)
+                trace.mark(block, "wait_start")
+                trace.mark(block, "wait_end")
+            if tuple(map(version_of, self._bound[block])) != self._bound_versions[block]:
+                self._refuse_edited(block)
+        if end is not None and end > self._pos:
+            self._issue_upto(end)
+        if slot is not None and self.trace is not None:
+            self.trace.mark(block, "compute_start")  # once the gathers it hides are issued
 
-    def update_done_event(self, layer: int, module: torch.nn.Module | None = None) -> None:
-        """After ``layer`` ran: record that its slot may be overwritten; release a held gather."""
-        if layer not in self.finished:
+    def block_end(self, block: int) -> None:
+        """Block ``block`` finished computing: record its end (a gate), issue what this hook issues
+        and what was held behind this block."""
+        if self._outside and self._owner == threading.get_ident():
+            self._outside = False
+            self._owner = None
+            self._lock.release()
             return
-        self.finished[layer] = self.step
-        if self.cuda and layer in self._gating:
-            self._record(self._done[layer], self.compute)
-        if self.trace is not None:
-            self.trace.mark(layer, "compute_end")
+        if block in self._finished:
+            self._finished[block] = self.step
+            if self.cuda:
+                self._record(self._done[block], self.compute)
+            if self.trace is not None:
+                self.trace.mark(block, "compute_end")
+        if self._owner != threading.get_ident():
+            return
         if self._held:
-            waiting = self._held.pop(layer, None)
-            if waiting is not None:
-                self._issue(waiting, gated=True)
-        if self.plugins:
-            for plugin in self.plugins:
-                plugin.layer_done(self, layer)
+            for g in self._held.pop(block, ()):
+                self._issue(g)
+        if self._missed or self._failed:
+            return
+        end = self._end_end.get(block)
+        if end is not None and end > self._pos:
+            self._issue_upto(end)
 
-    # ---- internals -------------------------------------------------------------------------------
-    def _gate_open(self, layer: int) -> bool:
-        prev = self._prev[layer]
-        # A layer before this step's first layer ran in an earlier step: finished (CPU) or ordered
-        # by the fork event (CUDA).
-        return prev is None or prev < self.step_start_layer or self.finished[prev] == self.step
+    def ensure(self, layer: int) -> None:
+        """A target linear of ``layer`` is about to compute: make sure its slot holds it (a linear
+        called on its own, outside its block's forward). O(1) when it does."""
+        slot = self.slot_of.get(layer)
+        if slot is None or self._holds[slot] == layer:
+            return
+        if self._owner is None:  # outside any step: the same as calling the block on its own
+            self._irregular_start(layer)
+            self.block_end(layer)
+            return
+        if self._owner != threading.get_ident():
+            self._refuse_thread(f"runs layer {layer}")
+        self._join_or_miss(layer, slot)
 
-    def _dispatch(self, layer: int) -> None:
-        if self.gate and not self._gate_open(layer):
-            self._held[self._prev[layer]] = layer
+    def end_step(self) -> None:
+        """End the step: issue every gather of the schedule not yet issued (a block skipped or given
+        up: the peers issue them) and join every gather of this step nobody joined, so that none
+        lands in a slot later. Idempotent; the next step may start on another thread."""
+        if self._owner != threading.get_ident():
+            return
+        if self._outside:
+            self._close_step()
+            return
+        try:
+            if not (self._missed or self._failed):
+                self._drain()
+            if not self._failed:
+                for s, layer in enumerate(self._inflight):
+                    if layer is not None and layer not in self._ahead:
+                        self._join_slot(s)
+        finally:
+            self._close_step()
+
+    def abort_step(self) -> None:
+        """A block (or the model between blocks) raised: give the step up cleanly ([Note: checked at
+        use]) -- the gathers the peers still issue are issued and joined, so theirs complete with the
+        right bytes and nothing lands in a slot later. Errors of the communicator while doing so are
+        left to the exception that is already on its way."""
+        try:
+            self.end_step()
+        except CommError:
+            self._close_step()
+
+    #: Older name: a guard's refusal gives up the step the same way.
+    join_pending = abort_step
+
+    def _close_step(self) -> None:
+        self._held.clear()
+        self._owner = None
+        self._outside = False
+        self._expect = -1
+        if self._lock.locked():
+            self._lock.release()
+
+    def _drain(self) -> None:
+        if self._pos < len(self._order):
+            if self.cuda:  # whatever this rank queued may still read the slots: order the rest after it
+                self._record(self._fork, torch.cuda.current_stream(self.device))
+                self.comm.fork(self._fork)
+            while self._pos < len(self._order):
+                g = self._order[self._pos]
+                self._pos += 1
+                self._issue(g, ungated=True)
+        for gs in list(self._held.values()):
+            for g in gs:
+                self._issue(g, ungated=True)
+        self._held.clear()
+
+    # ---- issue and join -----------------------------------------------------------------------------
+    def _issue_upto(self, end: int) -> None:
+        order = self._order
+        while self._pos < end:
+            g = order[self._pos]
+            self._pos += 1
+            self._issue(g)
+
+    def _issue(self, g: ScheduledGather, *, here: bool = False, ungated: bool = False) -> None:
+        layer, slot = g.layer, g.slot
+        if g.next_step and not self._next_step_on():
+            return
+        if layer in self._taken and not g.next_step:
+            return  # issued ahead of this step (the previous step's end, a draft's prefetch)
+        gate_layer = g.gate
+        if (self.gate and not ungated and gate_layer is not None and self._finished[gate_layer] != self.step):
+            self._held.setdefault(gate_layer, []).append(g)  # [Note: the gate]: issued at its end
             if self.trace is not None:
                 self.trace.mark(layer, "held")
             return
-        self._issue(layer, gated=self.gate)
-
-    def _release_if_held(self, layer: int) -> None:
-        for gate_layer, held in list(self._held.items()):
-            if held == layer:
-                del self._held[gate_layer]
-
-    def _issue(self, layer: int, gated: bool, here: bool = False) -> None:
-        g = self.gathers[layer]
-        prev = self._prev[layer]
-        if self.cuda and here:
-            # Issued at the layer's own start (lookahead off): the gather waits for everything queued
-            # on the compute stream so far, so it starts when the GPU reaches this layer. Gated only on
-            # the slot's previous reader, it would start as soon as that layer ended -- with a host
-            # that runs ahead of the GPU, that *is* lookahead, and "off" would measure nothing.
-            self._record(self._here, self.compute)
-            gate = self._here
-        else:
-            # CUDA: the gather waits for the end of the layer that last read this slot, when that layer
-            # ran in this step (earlier steps are ordered by the fork).
-            gate = (self._done[prev] if self.cuda and gated and prev is not None and prev >= self.step_start_layer
-                    else None)
+        if self._inflight[slot] is not None:
+            self._join_slot(slot)  # a gather still landing in this slot lands first
+        prepared = self.gathers[layer]
+        gate = None
+        if self.cuda:
+            if here:
+                # Issued at the layer's own start (lookahead off): the gather waits for everything queued
+                # on the compute stream so far, so it starts when the GPU reaches this layer -- with a
+                # host that runs ahead of the GPU, that *is* lookahead, and "off" would measure nothing.
+                self._record(self._here, self.compute)
+                gate = self._here
+            elif self.gate and not ungated and gate_layer is not None:
+                gate = self._done[gate_layer]
         trace = self.trace
-        marks = trace.gather_issued(layer, SLOT_NAMES[self.slot_of[layer]]) if trace is not None else None
+        marks = trace.gather_issued(layer, slot_name(slot)) if trace is not None else None
+        self._holds[slot] = None  # receiving: no layer may compute from it until it is joined
         try:
-            if self.cuda and not gated and not self.gate:
+            if self.cuda and not self.gate:
                 # Gate off (the race demonstration only): issue from a side stream that waits for nothing.
-                with torch.cuda.stream(self.slots_side_stream()):
-                    g.start(None, marks)
+                with torch.cuda.stream(self.free_stream()):
+                    prepared.start(None, marks)
             else:
                 # Waited on at once (lookahead off): handing it to an issue thread would only add its wake-up.
-                g.start(gate, marks, inline=here)
+                prepared.start(gate, marks, inline=here)
         except CommError as e:
-            raise CommError(self.stuck_message(layer, e)) from e
+            self._fail(layer, slot, e)
         if trace is not None and not self.cuda:
-            g.add_done_callback(lambda: trace.mark(layer, "gather_end", time.perf_counter()))
-        self.issued[layer] = self.step
-        self.slots.occupant[self.slot_of[layer]] = None  # receiving: no layer may compute from it yet
-        self.gathers_this_step += 1
+            prepared.add_done_callback(lambda: trace.mark(layer, "gather_end", time.perf_counter()))
+        self._inflight[slot] = layer
+        self._joins[slot] = None
         self.gathers_total += 1
+        if g.next_step:
+            self._ahead[layer] = slot
+            for p in self.plugins:
+                p.ahead_issued(layer)
+        else:
+            self.gathers_this_step += 1
 
-    def slots_side_stream(self) -> torch.cuda.Stream:
-        """A stream that waits for nothing (gate-off demonstration with a backend that gathers from
-        the current stream)."""
-        if getattr(self, "_free_stream", None) is None:
-            self._free_stream = torch.cuda.Stream(self.device)
-        return self._free_stream
+    def _next_step_on(self) -> bool:
+        """The next step's gather is issued only where every rank issues it the same way: lookahead and
+        gate on, untraced, not under capture (a CUDA graph replays alone), the policy enabled."""
+        if not (self._lookahead and self.gate and self.trace is None):
+            return False
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        return all(p.enabled for p in self.plugins if p.claims_first_layer)
 
-    def _regather(self, layer: int) -> None:
-        """Gather ``layer`` again, now, after its slot was given to another layer."""
-        for plugin in self.plugins:
-            plugin.before_regather(self, self.slot_of[layer])
-        if self.cuda:
-            self.compute = torch.cuda.current_stream(self.device)
-            self._fork.record(self.compute)
-            self.comm.fork(self._fork)  # everything queued so far may read the slot: wait for it
-        g = self.gathers[layer]
+    def _join_or_miss(self, layer: int, slot: int, why: str = "its gather was not where the schedule put it") -> None:
+        if self._inflight[slot] == layer:
+            self._join_slot(slot, counted=True)
+            if self._holds[slot] == layer:
+                return
+        if self._owner is None or self._failed:
+            raise ShardingError(f"layer {layer} on rank {self.comm.rank}: its slot does not hold its weights and "
+                                "no step is running to gather them")
+        self._miss(layer, slot, why)
+
+    def _join_slot(self, slot: int, *, counted: bool = False) -> None:
+        layer = self._inflight[slot]
+        if layer is None:
+            return
+        join = self._joins[slot]
+        trace = self.trace
+        if trace is not None and counted:
+            trace.mark(layer, "wait_start")
         try:
-            g.start(None, None)
-            g.wait(self.compute)
+            if join is not None:
+                join()
+            else:
+                self.gathers[layer].wait(self.compute if self.cuda else None)
         except CommError as e:
-            raise CommError(self.stuck_message(layer, e)) from e
-        self.slots.occupant[self.slot_of[layer]] = layer
-        self.regathers += 1
+            self._fail(layer, slot, e)
+        self._inflight[slot] = None
+        self._joins[slot] = None
+        self._holds[slot] = layer
+        if counted and trace is not None:
+            trace.mark(layer, "wait_end")
+
+    def _fail(self, layer: int, slot: int, err: Exception) -> None:
+        """A gather failed: its slot holds nothing usable, the step issues nothing more, and the
+        forward raises."""
+        self._holds[slot] = None
+        self._inflight[slot] = None
+        self._joins[slot] = None
+        self._failed = True
+        raise CommError(self.stuck_message(layer, err)) from err
+
+    # ---- misses ([Note: checked at use]) -----------------------------------------------------------------
+    def _irregular_start(self, block: int) -> None:
+        """A block called off the schedule: outside any step, on another thread, or out of order."""
+        me = threading.get_ident()
+        if self._owner is None:
+            if not self._lock.acquire(blocking=False):
+                self._refuse_thread(f"runs block {block}")
+            self._owner, self._outside = me, True
+            if self.compute is None and self.cuda:
+                self.compute = torch.cuda.current_stream(self.device)
+            slot = self.slot_of.get(block)
+            if slot is not None and self._holds[slot] != block:
+                try:
+                    if self._inflight[slot] == block:
+                        self._join_slot(slot)
+                    if self._holds[slot] != block:
+                        self._miss(block, slot, "it was called outside a step and its slot holds another layer")
+                except BaseException:
+                    self.block_end(block)
+                    raise
+            return
+        if self._owner != me:
+            self._refuse_thread(f"runs block {block}")
+        if self._outside:  # a block inside a block outside any step: nothing to plan
+            slot = self.slot_of.get(block)
+            if slot is not None and self._holds[slot] != block:
+                self._miss(block, slot, "it was called outside a step and its slot holds another layer")
+            return
+        # In a step, off the expected order: the schedule's order is gone for the rest of this step.
+        why = f"block {block} ran where the schedule expected block {self._expect}"
+        self._missed = True
+        self._expect = block + 1
+        slot = self.slot_of.get(block)
+        if slot is not None and self._holds[slot] != block:
+            self._join_or_miss(block, slot, why)
+
+    def _miss(self, layer: int, slot: int, why: str) -> None:
+        """Gather ``layer`` now, synchronously, on the channel for gathers outside the steps."""
+        where = f"layer {layer} on rank {self.comm.rank}"
+        if self.on_miss == "raise":
+            self.abort_step()
+            raise ShardingError(f"{where}: {why}, so its slot does not hold its weights (on_miss='raise'). Call the "
+                                "blocks as the model's forward does -- in order, once each, inside a step -- or "
+                                "shard with on_miss='gather' to have such a layer gathered on its own")
+        if self._owner is not None and not self._outside:
+            self._missed = True
+        self._warn(f"{where}: {why}; gathered it now, synchronously, outside the schedule (every rank must make "
+                   "the same call)", why.split(" ")[0] + why.split(" ")[-1])
+        for s in range(len(self._inflight)):
+            if self._inflight[s] is not None:
+                self._join_slot(s)  # nothing may land in a slot after this
+        for ahead, s in list(self._ahead.items()):
+            if s == slot:  # a gather for the next step lands here: given up, the next step gathers it anew
+                del self._ahead[ahead]
+                for p in self.plugins:
+                    p.ahead_cancelled(ahead)
+        self._holds[slot] = None
+        try:
+            self.comm.gather_outside_steps(self.slots.full_buffer(layer), self.layers_chunk(layer),
+                                           what=f"layer {layer}: gather outside the schedule")
+        except CommError as e:
+            self._fail(layer, slot, e)
+        self._holds[slot] = layer
+        self.misses += 1
         self.gathers_total += 1
 
+    def layers_chunk(self, layer: int) -> torch.Tensor:
+        """What the layer's gather sends: its resident chunk (in place over its view when mapped)."""
+        return self.layers[layer].chunk
+
+    def _warn(self, text: str, kind: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"{text} ([Note: checked at use]; shown once per reason; on_miss='raise' makes it an "
+                          "error)", ScheduleMissWarning, stacklevel=4)
+
+    def _refuse_thread(self, what: str) -> None:
+        raise ConcurrentStepError(
+            f"rank {self.comm.rank}: a thread {what} of this sharded model while another thread runs a step of it. "
+            "The slots hold one layer set at a time, so two forwards would compute with each other's weights. Serve "
+            "concurrent requests by batching them into one forward, or serialise the calls (one lock around "
+            "model(...))")
+
+    def _between_steps(self, what: str) -> None:
+        if self._owner is not None and not self._outside:
+            raise ShardingError(f"{what}: a step is running; change the planner between steps, on every rank the same")
+
+    # ---- gathers issued ahead of a step by someone else (a draft's first layer) -------------------------
+    def hand_over(self, layer: int, join: Callable[[], None]) -> None:
+        """A gather of ``layer`` into its slot was just issued for the next step by the caller (outside any
+        step); ``join()`` makes it visible to the current stream. The next step joins it instead of
+        issuing its own. Every rank must hand over the same gathers."""
+        if self.closed:
+            raise PlannerClosedError(f"layer {layer}: this weight sharding was closed")
+        slot = self.slot_of[layer]
+        if self._inflight[slot] is not None:
+            self._join_slot(slot)
+        self._holds[slot] = None
+        self._inflight[slot] = layer
+        self._joins[slot] = join
+        self._ahead[layer] = slot
+        self.gathers_total += 1
+
+    def join_ahead(self, layer: int) -> None:
+        """Join the gather of ``layer`` issued ahead (the current stream waits; CPU: blocks)."""
+        slot = self.slot_of[layer]
+        if self._inflight[slot] == layer:
+            self._join_slot(slot)
+
+    @property
+    def ahead_layers(self) -> list[int]:
+        """Layers whose gather for the next step is issued (a prefetch in flight or joined)."""
+        return sorted(self._ahead)
+
+    def occupancy(self) -> dict[str, int | None]:
+        """``{"A": layer or None, ...}``: the layer whose bytes each slot holds now (None: receiving, or
+        nothing it could compute with)."""
+        return {slot_name(s): layer for s, layer in enumerate(self._holds)}
+
+    # ---- the slots lent to a gather outside the planner (full_state_dict) ------------------------------
+    def lend_slots(self) -> None:
+        """Between steps: join every gather in flight (a prefetch for the next step is given up: the next
+        step gathers its layer by its schedule) and forget what the slots hold, before someone else
+        gathers into them. Every rank the same (it changes the next step's collectives)."""
+        self._between_steps("lend_slots")
+        for s, layer in enumerate(self._inflight):
+            if layer is not None:
+                self._join_slot(s)
+        for layer in self._ahead:
+            for p in self.plugins:
+                p.ahead_cancelled(layer)
+        self._ahead.clear()
+        self._holds = [None] * len(self._holds)
+
+    def filled(self, layer: int) -> None:
+        """``layer``'s slot was just filled with its bytes by a gather outside the planner."""
+        self._holds[self.slot_of[layer]] = layer
+
+    # ---- errors and the end ---------------------------------------------------------------------------
     def _refuse_edited(self, layer: int) -> None:
         """A weight of ``layer`` was edited in place: give up the step cleanly and raise."""
-        self.join_pending()
+        self.abort_step()
         refuse_edits(self.versions.edited(layer))
 
-    def join_pending(self) -> None:
-        """Wait for every gather this rank issued in this step (or for the next one) that no layer
-        has waited on: a step given up by an exception (a guard's refusal) must leave no gather that
-        could land in a slot during a later step. The ranks that give up the step at the same point
-        issued the same gathers, so this waits only for gathers that complete."""
-        stream = self.compute if self.cuda else None
-        for layer, g in self.gathers.items():
-            if self.issued[layer] >= self.step and self.issued[layer] != self.waited[layer]:
-                g.wait(stream)
-                self.issued[layer] = -1  # the slot holds it, but no layer may count on that
-        self._held.clear()
-        for plugin in self.plugins:
-            plugin.join(self)
-
     def stuck_message(self, layer: int, err: Exception) -> str:
-        return (f"weight gather of layer {layer} failed on rank {self.comm.rank} (step {self.step}): {err}. Every "
-                f"rank of the shard group ({self.comm.world_size} ranks) must issue the same gathers every step: a "
-                "rank that skips a step (for example because it has no tokens) leaves the others waiting. Run a "
-                "one-token dummy step on idle ranks (wsharding.core.runner.aligned_forward).")
+        return (f"weight gather of layer {layer} failed on rank {self.comm.rank} (step {self.step}): {err}. Its slot "
+                f"is marked empty and is never read. Every rank of the shard group ({self.comm.world_size} ranks) "
+                "must issue the same gathers every step: a rank that skips a step (for example because it has no "
+                "tokens) or stops leaves the others waiting. Run a one-token dummy step on idle ranks "
+                "(wsharding.core.runner.aligned_forward).")
 
     def finish_step(self) -> StepTrace | None:
-        """Close the step's trace (on CUDA: synchronise and resolve the events) and return it."""
+        """End the step (:meth:`end_step`), close its trace (on CUDA: synchronise and resolve the events)
+        and return it."""
+        self.end_step()
         done, self.trace = self.trace, None
         if done is not None:
             done.finish()
             self.traces.append(done)
         return done
 
+    def free_stream(self) -> torch.cuda.Stream:
+        """A stream that waits for nothing (gate-off demonstration)."""
+        if getattr(self, "_free_stream", None) is None:
+            self._free_stream = torch.cuda.Stream(self.device)
+        return self._free_stream
+
     def close(self) -> None:
         """Refuse every later step (the sharding freed the slots and chunks)."""
-        for plugin in self.plugins:
-            plugin.close(self)  # a gather in flight must not write into freed memory
+        for s, layer in enumerate(self._inflight):
+            if layer is not None:  # a gather in flight must not write into freed memory
+                try:
+                    self._join_slot(s)
+                except CommError:
+                    pass
+        if self.cuda and self._ahead:
+            torch.cuda.synchronize(self.device)
+        self._ahead.clear()
+        for p in self.plugins:
+            p.close(self)
         for g in self.gathers.values():
             g.close()  # a captured gather graph goes before the windows it references
         self.closed = True

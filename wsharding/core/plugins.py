@@ -1,23 +1,33 @@
-"""What a planner plug-in is: the hooks at which the planner calls something that issues a gather
-outside the layer sequence."""
+"""What a planner plug-in is: a policy that changes the step's gather schedule, and nothing else.
+
+A plug-in never touches the planner's state. It sees what a schedule is
+(:class:`~wsharding.core.schedule.GatherSchedule`) and returns another one from :meth:`PlannerPlugin.shape`,
+once per step range, when the planner makes its schedule; the planner replays the result and tells the
+plug-in, through two notifications, what became of the gathers it added for the next step. A newcomer
+who wants another policy writes one ``shape`` function.
+"""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from wsharding.core.planner import WeightShardPlanner
+from wsharding.core.schedule import GatherSchedule
+
+if TYPE_CHECKING:
+    from wsharding.core.planner import WeightShardPlanner
 
 P = TypeVar("P", bound="PlannerPlugin")
 
 
 class PlannerPlugin:
-    """Something that issues a gather outside the layer sequence, attached with
-    :meth:`WeightShardPlanner.add_plugin` (the next step's first gather, a draft model's first layer:
-    :mod:`wsharding.accel`). The planner calls each hook at one fixed point of a step; the defaults
-    do nothing. A plug-in that gathers the first sharded layer ahead says so (``claims_first_layer``):
-    two such on one planner would gather into the same slot, so the second is refused."""
+    """A schedule policy attached with :meth:`WeightShardPlanner.add_plugin` (the next step's first gather,
+    a draft model's first layer: :mod:`wsharding.accel`). The defaults change nothing. A plug-in that
+    gathers the first sharded layer ahead says so (``claims_first_layer``): two such on one planner would
+    gather into the same slot, so the second is refused."""
 
     claims_first_layer = False
+    #: Whether the gathers it adds for the next step are issued (switched between steps, every rank the same).
+    enabled = True
 
     @classmethod
     def attached_to(cls: type[P], planner: WeightShardPlanner) -> P | None:
@@ -25,22 +35,17 @@ class PlannerPlugin:
         return next((p for p in planner.plugins if isinstance(p, cls)), None)
 
     def attach(self, planner: WeightShardPlanner) -> None:
-        """Called once by :meth:`WeightShardPlanner.add_plugin`."""
+        """Called once by :meth:`WeightShardPlanner.add_plugin` (to refuse a planner it cannot serve)."""
 
-    def step_start(self, planner: WeightShardPlanner, start_layer: int) -> None:
-        """In ``pre_dispatch``, after the fork, before the step's first gather is issued."""
+    def shape(self, schedule: GatherSchedule) -> GatherSchedule:
+        """The schedule of a step range with this policy applied."""
+        return schedule
 
-    def after_last_dispatch(self, planner: WeightShardPlanner) -> None:
-        """In ``maybe_dispatch`` past the last sharded layer: the last sharded layer is starting."""
+    def ahead_issued(self, layer: int) -> None:
+        """A gather this policy scheduled for the next step was issued."""
 
-    def layer_done(self, planner: WeightShardPlanner, layer: int) -> None:
-        """In ``update_done_event``, after ``layer`` ran (its end recorded)."""
-
-    def before_regather(self, planner: WeightShardPlanner, slot: int) -> None:
-        """Before a layer is gathered again into ``slot`` outside the sequence."""
-
-    def join(self, planner: WeightShardPlanner) -> None:
-        """A step given up by an exception: wait for what this plug-in issued."""
+    def ahead_cancelled(self, layer: int) -> None:
+        """A gather issued for the next step was joined unused (the next step started past its layer)."""
 
     def close(self, planner: WeightShardPlanner) -> None:
-        """The sharding closes: nothing issued may write into its slots afterwards."""
+        """The sharding closes (the planner has joined every gather in flight)."""

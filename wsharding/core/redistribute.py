@@ -174,7 +174,7 @@ def redistribute_layer(comm: Communicator, layout: FlatLayout, targets: list[Sha
     allocates the layer's chunk into ``chunks[layer]``, fills it, binds the weights to slot views."""
     i = layer
     rank, world = comm.rank, comm.world_size
-    pack, staging = slots.buffers
+    pack, staging = slots.buffers[0], slots.buffers[1]  # slots A and B (a third, if any, stays free)
     parked = slots.scratch_views(i)
     packed: dict[str, torch.Tensor] = {}
     off = 0

@@ -2,7 +2,8 @@
 idle ranks.
 
 * :func:`run_layers` -- the layer loop of SGLang's weight sharding for Kimi K3 with the planner wired in
-  (reset, pre_dispatch, then per layer: dispatch the next gather, run the layer, record its end), and
+  (begin the step, then per layer: join its gather and issue the schedule's next, run the layer,
+  record its end; end the step, also when a layer raised), and
   :func:`prepare_layer_weight_shard_forward`, which a sharded layer calls at its start.
 * :func:`shard_blocks` -- the generic path, for a model that is not ours: the same sequence put
   around the model's blocks (a hook on the model, a wrapped ``forward`` on each block), so the
@@ -37,7 +38,7 @@ def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
     ws = getattr(layer, "_weight_shard", None)
     if ws is not None:
         planner, layer_id = ws
-        planner.wait_ready_once(layer_id)
+        planner.ensure(layer_id)
 
 
 def run_layers(
@@ -55,12 +56,16 @@ def run_layers(
         for i in range(start_layer, end):
             hidden = call(layers[i], hidden)
         return hidden
-    planner.reset()
-    planner.pre_dispatch(start_layer, end)
-    for i in range(start_layer, end):
-        planner.maybe_dispatch(i + 1)  # side stream: AG(i+1), gate = done(i-1)
-        hidden = call(layers[i], hidden)  # the layer waits for its own gather at its start
-        planner.update_done_event(i, layers[i])
+    planner.begin_step(start_layer, end)
+    try:
+        for i in range(start_layer, end):
+            planner.block_start(i)  # its own gather joined (checked); the schedule's next ones issued
+            hidden = call(layers[i], hidden)
+            planner.block_end(i)  # its end recorded: a gate
+    except BaseException:
+        planner.abort_step()  # the peers' gathers of this step still issued and joined
+        raise
+    planner.end_step()
     return hidden
 
 
@@ -149,6 +154,8 @@ def shard_blocks(
     load: Callable[[WeightSharding], Any] | None = None,
     plugins: Sequence[PlannerPlugin] = (),
     map_own_chunk: bool | Literal["auto"] = "auto",
+    prefetch_depth: int = 1,
+    on_miss: Literal["gather", "raise"] = "gather",
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
 
@@ -163,6 +170,11 @@ def shard_blocks(
     communicator, NCCL >= 2.30). ``"auto"`` (the default) maps where it can run and holds no more;
     ``ws.map_own_chunk_reason`` says which ([Note: map_own_chunk="auto"]).
 
+    ``prefetch_depth``: gathers in flight ahead of the computing block (``k``; ``k + 1`` slots, resident
+    ``R/N + (k+1) max|T_l|``). ``on_miss``: what a block does when its slot does not hold its weights
+    (called out of order, on its own, after a peer failed): ``"gather"`` them now and warn once, or
+    ``"raise"`` ([Note: checked at use] in ``wsharding/core/planner.py``).
+
     ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
     row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
 
@@ -176,7 +188,8 @@ def shard_blocks(
         targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
         ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead,
                             trace=trace, keep_initial_weights=keep_initial_weights,
-                            plugins=plugins, map_own_chunk=map_own_chunk)
+                            plugins=plugins, map_own_chunk=map_own_chunk, prefetch_depth=prefetch_depth,
+                            on_miss=on_miss)
         ws.refuse_tied_to(model)  # a head or embedding tied to a target: only the whole model shows it
         ws.setup()
         if load is not None:
@@ -191,17 +204,33 @@ def shard_blocks(
     planner = ws.planner
     count = len(block_list)
 
-    def start_step(_mod, _args):
-        planner.reset()
-        planner.pre_dispatch(0, count)
-
-    def end_step(_mod, _args, _out):
-        planner.finish_step()
-
-    handles: list[Any] = [model.register_forward_pre_hook(start_step), model.register_forward_hook(end_step)]
+    handles: list[Any] = [model.register_forward_pre_hook(StepStart(planner, count)),
+                          # always_call: a forward that raised between blocks still ends its step
+                          model.register_forward_hook(StepEnd(planner), always_call=True)]
     handles += [PlannedBlockForward(b, i, planner) for i, b in enumerate(block_list)]
     ws.hook_handles = handles
     return ws
+
+
+class StepStart:
+    """The model's forward pre-hook: a step over every block begins. A class, not a closure, so that
+    pickling a sharded model reaches the guard that refuses it instead of a local function."""
+
+    def __init__(self, planner: WeightShardPlanner, count: int) -> None:
+        self.planner, self.count = planner, count
+
+    def __call__(self, _mod: nn.Module, _args: Any) -> None:
+        self.planner.begin_step(0, self.count)
+
+
+class StepEnd:
+    """The model's forward hook (always called): the step ends, and its trace is closed."""
+
+    def __init__(self, planner: WeightShardPlanner) -> None:
+        self.planner = planner
+
+    def __call__(self, _mod: nn.Module, _args: Any, _out: Any) -> None:
+        self.planner.finish_step()
 
 
 class PlannedBlockForward:
@@ -213,8 +242,9 @@ class PlannedBlockForward:
     lists built, global hooks checked, a closure per call): two no-op hooks cost a block 3.6 us of host
     on a workstation CPU and more on the GPU host, about as much as the planner's whole work for the
     layer. A ``forward`` set on the instance keeps the fast path and costs one Python call. The
-    sequence is the hooks' (dispatch the next block's gather, wait for this block's own, run, record
-    the end), and a block called through ``block.forward(...)`` goes through the planner too.
+    sequence is the hooks' (join this block's gather and issue the schedule's next, run, record the
+    end; a block that raises gives up the step), and a block called through ``block.forward(...)``
+    goes through the planner too.
     """
 
     def __init__(self, block: nn.Module, layer: int, planner: WeightShardPlanner) -> None:
@@ -223,15 +253,17 @@ class PlannedBlockForward:
         self.previous = block.__dict__.get("forward")
         self.active = True
         inner = block.forward  # the bound method of the class, or the earlier wrapper
-        nxt = layer + 1
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not self.active:  # removed while someone else's wrapper sat on top of ours
                 return inner(*args, **kwargs)
-            planner.maybe_dispatch(nxt)
-            planner.wait_ready_once(layer)
-            out = inner(*args, **kwargs)
-            planner.update_done_event(layer, block)
+            planner.block_start(layer)  # looked up per call: a timer (bench's PlannerCallTimer) may wrap it
+            try:
+                out = inner(*args, **kwargs)
+            except BaseException:
+                planner.abort_step()
+                raise
+            planner.block_end(layer)
             return out
 
         self.forward = forward

@@ -44,6 +44,7 @@ from wsharding.core.rowloaders import (
     format_rows,
     row_window,
 )
+from wsharding.core.schedule import check_depth
 from wsharding.core.slots import SlotPolicy, SlotPool, plain_slot_policy
 from wsharding.core.ties import Place, by_storage, refuse_ties, tensor_places
 
@@ -85,8 +86,13 @@ class WeightSharding(ShardingBytes):
     must then come from a checkpoint (finalize refuses any that did not). A model built on the meta
     device always needs its rows loaded.
 
-    ``plugins``: planner plug-ins that issue gathers outside the layer sequence (the next step's
-    first gather: :class:`wsharding.accel.next_step.NextStepPrefetch`), attached at finalize.
+    ``plugins``: schedule policies (the next step's first gather:
+    :class:`wsharding.accel.next_step.NextStepPrefetch`), attached at finalize.
+
+    ``prefetch_depth``: gathers issued ahead of the computing layer (``k``, default 1): ``k + 1``
+    slots, ``R/N + (k+1) max|T_l|`` resident. ``on_miss``: a layer about to compute whose slot does
+    not hold its weights is gathered now (``"gather"``, warned once) or refused (``"raise"``) --
+    [Note: checked at use] in ``wsharding/core/planner.py``.
 
     ``map_own_chunk``: passed to ``comm.slot_policy``. Our NCCL communicator maps each layer's own
     slice over its resident chunk, so no gather copies it ([Note: the own chunk mapped, not copied]
@@ -107,8 +113,15 @@ class WeightSharding(ShardingBytes):
         keep_initial_weights: bool = True,
         plugins: Sequence[PlannerPlugin] = (),
         map_own_chunk: bool | Literal["auto"] = "auto",
+        prefetch_depth: int = 1,
+        on_miss: Literal["gather", "raise"] = "gather",
     ) -> None:
         self.comm = comm
+        #: Gathers in flight ahead of the computing layer: ``prefetch_depth + 1`` slots.
+        self.prefetch_depth = check_depth(prefetch_depth)
+        if on_miss not in ("gather", "raise"):
+            raise ShardingError(f"on_miss must be 'gather' or 'raise', got {on_miss!r}")
+        self.on_miss = on_miss
         if map_own_chunk not in (True, False, "auto"):
             raise ShardingError(f"map_own_chunk must be True, False or 'auto', got {map_own_chunk!r}")
         #: How the slots are laid out: the communicator's choice for ``map_own_chunk`` (its NCCL
@@ -203,7 +216,8 @@ class WeightSharding(ShardingBytes):
         layer is declared now)."""
         self._expect("declared", "setup")
         # every layer is declared now: a policy may go back to plain slots ([Note: map_own_chunk="auto"])
-        self.layouts = self.slot_policy.settle(self.layouts, self.comm.world_size, self.comm.alloc_granularity)
+        self.layouts = self.slot_policy.settle(self.layouts, self.comm.world_size, self.comm.alloc_granularity,
+                                               slots=self.slot_count)
         for i in sorted(self.targets):
             self.setup_layer(i)
         self.stage = "setup"
@@ -251,7 +265,8 @@ class WeightSharding(ShardingBytes):
         # Before the slots: their size, their registration and every gather below depend on the layouts,
         # so ranks that declared different ones (or a rank that cannot finalize) raise together here.
         agree_or_raise(comm, self.layouts, problems, tag=f"ws{k}.agree")
-        self.slots = self.slot_policy.make_pool(comm, self.layouts, tag=f"ws{k}.slot")
+        self.slots = self.slot_policy.make_pool(comm, self.layouts, tag=f"ws{k}.slot", count=self.slot_count)
+        comm.prepare_outside_steps()  # collective: the channel of gathers outside the schedule
         comm.register_all()  # collective, one order on every rank
         seen("slots")
         for i in sorted(self.targets):
@@ -267,6 +282,7 @@ class WeightSharding(ShardingBytes):
             lookahead=self.lookahead,
             trace=self.trace,
             plugins=self.plugins,
+            on_miss=self.on_miss,
         )
         for i, layer in self.layers.items():
             layer._weight_shard = (self.planner, i)
@@ -355,10 +371,11 @@ class WeightSharding(ShardingBytes):
         """
         self._expect("finalized", "full_state_dict")
         full: dict[int, torch.Tensor] = {}
+        self.planner.lend_slots()  # nothing lands in a slot while these gathers fill them
         for i in sorted(self.targets):
             buf = self.slots.full_buffer(i)
             self.comm.all_gather_into(buf, self.slots.gather_chunk(i, self.chunks[i]), what=f"full_state_dict: layer {i}")
-            self.slots.occupy(i)
+            self.planner.filled(i)
             views = self.layouts[i].views(buf)
             for t in self.targets[i]:
                 full[id(t.module.weight)] = views[t.entry].to(device, copy=True)

@@ -1,12 +1,15 @@
-"""The two ping-pong workspaces that gathered layers land in.
+"""The workspaces that gathered layers land in: ``depth + 1`` slots for ``depth`` gathers ahead.
 
-A full layer exists only while it computes, so two workspaces are enough: layer ``l+1`` is gathered
-into one slot while layer ``l`` reads the other. Both are sized by the largest layer's flat buffer
-and allocated once, through the communication backend, so that a backend with symmetric memory
-(our NCCL binding) hands out registered windows and every gather lands inside one.
+A full layer exists only while it computes, so with lookahead depth 1 two workspaces are enough:
+layer ``l+1`` is gathered into one slot while layer ``l`` reads the other (ping-pong). Depth ``k``
+keeps ``k`` gathers in flight while a layer computes, so it needs ``k + 1``. Every slot is sized by
+the largest layer's flat buffer and allocated once, through the communication backend, so that a
+backend with symmetric memory (our NCCL binding) hands out registered windows and every gather
+lands inside one.
 
-Which slot a layer uses is fixed at init by its position among the sharded layers (parity), so the
-binding of a layer's weights to slot views never changes: nothing is decided inside forward.
+Which slot a layer uses is fixed at init by its position among the sharded layers (modulo the slot
+count), so the binding of a layer's weights to slot views never changes: nothing is decided inside
+forward. Which layer a slot *holds* is the planner's to know (it issues and joins the gathers).
 """
 
 from __future__ import annotations
@@ -16,37 +19,41 @@ import torch
 from wsharding.core.comm import Communicator
 from wsharding.core.errors import InvalidArgument, NotFound, ShardingError
 from wsharding.core.layout import FlatLayout
-
-SLOT_NAMES = ("A", "B")
+from wsharding.core.schedule import slot_binding, slot_name
 
 
 class SlotPool:
-    """Two workspaces of ``slot_bytes`` each, owned by sharded layers in turn.
+    """``count`` workspaces of ``slot_bytes`` each (2 by default), owned by sharded layers in turn.
 
-    ``layer_ids`` are the sharded layers in execution order; the k-th of them uses slot ``k % 2``.
+    ``layer_ids`` are the sharded layers in execution order; the k-th of them uses slot ``k % count``.
     """
 
-    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str = "slot") -> None:
+    def __init__(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str = "slot",
+                 count: int = 2) -> None:
         if not layouts:
             raise InvalidArgument("SlotPool needs at least one sharded layer")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+            raise InvalidArgument(f"SlotPool: count is the number of slots, an int >= 2, got {count!r}")
         self.layer_ids = sorted(layouts)
         self.layouts = layouts
+        self.count = count
         self.slot_bytes = max(lay.total_bytes for lay in layouts.values())
-        self.buffers: tuple[torch.Tensor, torch.Tensor] = self._allocate(comm, tag)
-        self._slot_of = {layer: k % 2 for k, layer in enumerate(self.layer_ids)}
+        self.buffers: tuple[torch.Tensor, ...] = self._allocate(comm, tag)
+        self._slot_of = slot_binding(self.layer_ids, count)
         # The sharded layer that last used the same slot: the gate of a gather into that slot.
         self._previous_occupant = {
-            layer: (self.layer_ids[k - 2] if k >= 2 else None) for k, layer in enumerate(self.layer_ids)
+            layer: (self.layer_ids[k - count] if k >= count else None) for k, layer in enumerate(self.layer_ids)
         }
-        #: Which layer's weights each slot holds (or is receiving) right now.
-        self.occupant: list[int | None] = [None, None]
+        #: Which layer's weights each slot was last filled with outside the steps (``full_state_dict``,
+        #: finalize); during steps the planner keeps its own account.
+        self.occupant: list[int | None] = [None] * count
 
-    def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return comm.alloc(self.slot_bytes, tag=f"{tag}.A"), comm.alloc(self.slot_bytes, tag=f"{tag}.B")
+    def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, ...]:
+        return tuple(comm.alloc(self.slot_bytes, tag=f"{tag}.{slot_name(s)}") for s in range(self.count))
 
     @property
     def total_bytes(self) -> int:
-        return 2 * self.slot_bytes
+        return self.count * self.slot_bytes
 
     # ---- what finalize and the planner ask of a pool (a mapped pool answers differently) --------------
     def alloc_chunk(self, comm: Communicator, layer: int, tag: str) -> torch.Tensor:
@@ -83,15 +90,15 @@ class SlotPool:
         return set()
 
     def slot_of(self, layer: int) -> int:
-        """0 (slot A) or 1 (slot B): fixed by the layer's position among the sharded layers."""
+        """0 (slot A), 1 (slot B), ...: fixed by the layer's position among the sharded layers."""
         try:
             return self._slot_of[layer]
         except KeyError:
             raise NotFound(f"layer {layer} is not a sharded layer (sharded: {self.layer_ids})") from None
 
     def previous_occupant(self, layer: int) -> int | None:
-        """The sharded layer two positions earlier, which reads the slot ``layer`` will overwrite
-        (None for the first two sharded layers of a step)."""
+        """The sharded layer ``count`` positions earlier, which reads the slot ``layer`` will overwrite
+        (None for the first ``count`` sharded layers of a step)."""
         return self._previous_occupant[layer]
 
     def full_buffer(self, layer: int) -> torch.Tensor:
@@ -106,11 +113,11 @@ class SlotPool:
         self.occupant[self.slot_of(layer)] = layer
 
     def occupancy(self) -> dict[str, int | None]:
-        """``{"A": layer or None, "B": layer or None}``."""
-        return dict(zip(SLOT_NAMES, self.occupant, strict=True))
+        """``{"A": layer or None, "B": layer or None, ...}``."""
+        return {slot_name(s): layer for s, layer in enumerate(self.occupant)}
 
     def __repr__(self) -> str:
-        return f"SlotPool(2 x {self.slot_bytes} B, occupancy={self.occupancy()})"
+        return f"SlotPool({self.count} x {self.slot_bytes} B, occupancy={self.occupancy()})"
 
 
 class SlotPolicy:
@@ -131,14 +138,15 @@ class SlotPolicy:
         #: One line: which slots, and why.
         self.reason = reason
 
-    def settle(self, layouts: dict[int, FlatLayout], world_size: int, granularity: int) -> dict[int, FlatLayout]:
+    def settle(self, layouts: dict[int, FlatLayout], world_size: int, granularity: int, *,
+               slots: int = 2) -> dict[int, FlatLayout]:
         """Once every layer is declared: the layouts to build the slots for (a policy may go back to
         plain slots when its own would hold more). Plain slots keep them."""
         return layouts
 
-    def make_pool(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str) -> SlotPool:
-        """The pool the sharding gathers into."""
-        return SlotPool(comm, layouts, tag=tag)
+    def make_pool(self, comm: Communicator, layouts: dict[int, FlatLayout], *, tag: str, count: int = 2) -> SlotPool:
+        """The pool of ``count`` slots the sharding gathers into."""
+        return SlotPool(comm, layouts, tag=tag, count=count)
 
 
 def plain_slot_policy(comm: Communicator, map_own_chunk: bool | str) -> SlotPolicy:

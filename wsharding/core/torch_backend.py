@@ -136,6 +136,7 @@ class TorchDistComm(Communicator):
         *,
         device: torch.device | str | None = None,
         mode: str | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise CommError("torch.distributed is not initialised: start ranks with wsharding.cluster first")
@@ -150,6 +151,9 @@ class TorchDistComm(Communicator):
         #: Number of all-gathers issued (tests count one per sharded layer per step).
         self.gathers_issued = 0
         self._trace_stream: torch.cuda.Stream | None = None
+        self.timeout = timeout
+        #: The gloo group of the gathers outside the steps (:meth:`prepare_outside_steps`).
+        self.outside_group: dist.ProcessGroup | None = None
 
     def all_gather_into(
         self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False,
@@ -169,6 +173,32 @@ class TorchDistComm(Communicator):
         if async_op:
             return _WorkHandle(work, what)
         return DoneHandle()
+
+    def prepare_outside_steps(self) -> None:
+        """A gloo group over the same ranks, made by them alone (``use_local_synchronization``: the shard
+        group finalizes without the rest of the world)."""
+        if self.world_size == 1 or self.outside_group is not None:
+            return
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        kwargs = {"timeout": self.timeout} if self.timeout is not None else {}
+        self.outside_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
+
+    def gather_outside_steps(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str) -> None:
+        """Over :attr:`outside_group`, through host memory on CUDA (a rare, warned path)."""
+        if self.world_size == 1 or self.outside_group is None:
+            self.all_gather_into(full, chunk, what=what)
+            return
+        host = full.device.type != "cpu"
+        # the own chunk may be a slice of full (in place): read it before full is written
+        send = chunk.to("cpu", copy=True) if host else chunk.clone()
+        recv = torch.empty(full.numel(), dtype=torch.uint8) if host else full
+        try:
+            all_gather_single(recv, send, group=self.outside_group)
+        except RuntimeError as e:
+            raise CommError(f"{what} did not complete on rank {self.rank} (every rank of the shard group must make "
+                            f"this call): {e}") from e
+        if host:
+            full.copy_(recv)
 
     def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "all-gather") -> TorchPreparedGather:
         return TorchPreparedGather(self, full, chunk, what)
@@ -213,11 +243,11 @@ def new_shard_comms(
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = shard_group_ranks(world, group_size)
     if len(groups) == 1:
-        return TorchDistComm(None, device=device, mode=mode)
+        return TorchDistComm(None, device=device, mode=mode, timeout=timeout)
     mine = None
     for ranks in groups:
         # new_group must be called by every rank for every group, in the same order.
         pg = dist.new_group(ranks, timeout=timeout) if timeout else dist.new_group(ranks)
         if rank in ranks:
             mine = pg
-    return TorchDistComm(mine, device=device, mode=mode)
+    return TorchDistComm(mine, device=device, mode=mode, timeout=timeout)

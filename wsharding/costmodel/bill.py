@@ -40,15 +40,17 @@ class Bill:
     map_own_chunk: bool = False
     #: Every chunk and slot is rounded up to this many bytes (a backend's allocation unit; 1: none).
     granularity: int = 1
+    #: Slots gathered into: lookahead depth + 1 (two at the default depth 1).
+    slots: int = 2
 
     @property
     def finalize_slot_bytes(self) -> int:
-        """The two slots while finalize runs: whole, mapped or not (finalize rebuilds weights in them)."""
-        return 2 * align_up(self.largest_layer_bytes, self.granularity)
+        """The slots while finalize runs: whole, mapped or not (finalize rebuilds weights in them)."""
+        return self.slots * align_up(self.largest_layer_bytes, self.granularity)
 
     @property
     def sharded_resident_bytes(self) -> int:
-        """What a rank holds after finalize: its chunks plus the two slots."""
+        """What a rank holds after finalize: its chunks plus the slots."""
         return self.resident_shard_bytes + self.slot_bytes
 
     @property
@@ -66,15 +68,15 @@ class Bill:
 
 def bill_for_layouts(
     layer_layouts: Sequence[FlatLayout], n_layers_total: int | None = None, ranks: int | None = None,
-    map_own_chunk: bool = False, *, granularity: int = 1,
+    map_own_chunk: bool = False, *, granularity: int = 1, slots: int = 2,
 ) -> Bill:
     """The exact memory :class:`Bill` of sharded layers given by their :class:`FlatLayout` s.
 
     ``layer_layouts``: one layout per sharded layer; if ``n_layers_total`` is larger, the list is
     a repeating pattern cycled up to that many layers (e.g. one layout for 92 identical layers).
     ``ranks`` defaults to the layouts' group size and must match it. Resident shards are the
-    chunks (``total_bytes / N`` each), slots are ``2 * max total_bytes``, R counts only payload.
-    ``map_own_chunk``: the slots keep ``2 * (N-1) * max chunk_bytes`` after finalize (build the
+    chunks (``total_bytes / N`` each), ``slots`` (lookahead depth + 1) of ``max total_bytes`` each, R
+    counts only payload. ``map_own_chunk``: the slots keep ``slots * (N-1) * max chunk_bytes`` after finalize (build the
     layouts with ``chunk_alignment=MAPPED_PAGE_BYTES``, as the sharding does). ``granularity``:
     each chunk and each slot is rounded up to a multiple of it, as a backend that allocates in
     units does (the padding and R are the layouts' own, unrounded).
@@ -93,7 +95,8 @@ def bill_for_layouts(
         raise CostModelError(f"n_layers_total: {total} is fewer than the {len(layer_layouts)} layouts given")
     layouts = [layer_layouts[i % len(layer_layouts)] for i in range(total)]
     largest = max(lay.total_bytes for lay in layouts)
-    resident_shard_bytes, slot_bytes = resident_parts(layouts, n, g, mapped=map_own_chunk)
+    k = require_int(slots, "slots", minimum=2)
+    resident_shard_bytes, slot_bytes = resident_parts(layouts, n, g, mapped=map_own_chunk, slots=k)
     return Bill(
         ranks=n,
         layers=total,
@@ -104,4 +107,5 @@ def bill_for_layouts(
         padding_bytes=sum(lay.total_bytes - lay.payload_bytes for lay in layouts),
         map_own_chunk=map_own_chunk,
         granularity=g,
+        slots=k,
     )

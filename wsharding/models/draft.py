@@ -29,7 +29,7 @@ def draft_config(target: str | DecoderConfig, layers: int = 2) -> DecoderConfig:
 
 
 class DraftDecoder(ToyDecoder):
-    """A :class:`ToyDecoder` whose step begins with :meth:`FirstLayerPrefetch.pre_dispatch`: the first
+    """A :class:`ToyDecoder` whose step finds its first sharded layer's gather handed over: the first
     sharded layer's weights were made ready before the step by ``draft.first_prefetch.wait()`` (after
     ``draft.first_prefetch.prefetch()``, or inline on a cold start). Without either call the step
     gathers that layer itself, as any model does.
@@ -46,14 +46,8 @@ class DraftDecoder(ToyDecoder):
         if planner is None:
             h = run_layers(self.layers, h, None)
         else:
-            # The loop of wsharding.core.runner.run_layers, except for the step's start.
-            end = len(self.layers)
-            planner.reset()
-            self.first_prefetch.pre_dispatch(0, end)
-            for i in range(end):
-                planner.maybe_dispatch(i + 1)
-                h = self.layers[i](h)
-                planner.update_done_event(i, self.layers[i])
+            # The plain loop: a first layer handed over by first_prefetch is joined, not gathered again.
+            h = run_layers(self.layers, h, planner)
         return self.lm_head(self.norm(h))
 
 

@@ -262,6 +262,26 @@ class NcclCommunicator(Communicator):
         """Every rank's ``obj`` in rank order, over the CPU group (gloo)."""
         return exchange_over(self.cpu_group, self.world_size, obj)
 
+    def gather_outside_steps(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str) -> None:
+        """Over the CPU group (gloo), through host memory: a channel apart from the NCCL communicator's, so
+        that a rank that makes this call alone cannot pair it with a peer's scheduled gather (a rare,
+        warned path: [Note: checked at use] in ``wsharding/core/planner.py``)."""
+        if self.world_size == 1:
+            full.copy_(chunk) if full.data_ptr() != chunk.data_ptr() else None
+            return
+        import torch.distributed as dist
+
+        from wsharding.core.torch_backend import all_gather_single
+
+        send = chunk.to("cpu", copy=True)  # may be a slice of full (in place): read before full is written
+        recv = torch.empty(full.numel(), dtype=torch.uint8)
+        try:
+            all_gather_single(recv, send, group=self.cpu_group if self.cpu_group is not None else dist.group.WORLD)
+        except RuntimeError as e:
+            raise CommError(f"{what} did not complete on rank {self.rank} (every rank of the shard group must make "
+                            f"this call): {e}") from e
+        full.copy_(recv)
+
     def watch(self, event: torch.cuda.Event, what: str) -> None:
         """Have the watchdog time ``event`` (for example the end of a CUDA-graph replay that holds
         gathers): if it is not done within the timeout, the communicator is aborted."""

@@ -8,9 +8,9 @@ Two other numbers of ``bench step`` bound it from either side, and neither is it
 * the paired difference of the sharded and replicated forwards (``host_overhead_*``) holds our
   calls and everything else that differs, torch's own launches slowing included.
 
-:class:`PlannerCallTimer` wraps the planner's six calls on the model's thread (``reset``,
-``pre_dispatch``, ``finish_step`` per step; ``maybe_dispatch``, ``wait_ready_once``,
-``update_done_event`` per layer) for a few real forwards, and adds up the time spent inside them:
+:class:`PlannerCallTimer` wraps the planner's six calls on the model's thread (``begin_step``,
+``end_step``, ``finish_step`` per step; ``block_start``, ``block_end`` and the layer's own check,
+``ensure``, per layer) for a few real forwards, and adds up the time spent inside them:
 issue, hand-over to the thread, the check that it ran, the stream waits and event records. The
 timer's own cost (two ``perf_counter`` calls) is measured around a call that does nothing and taken
 off, so what is left is the calls' own time.
@@ -18,7 +18,7 @@ off, so what is left is the calls' own time.
 [Note: steady forwards, the GPU wait taken out]
 A decode loop runs forward after forward without draining the GPU, so the calls are timed that way
 by default. Where the GPU is the bound (two ranks time-slicing one GPU, or a large gather), the
-planner's backpressure (``_backpressure``, called from ``pre_dispatch``) makes the host wait for the
+planner's backpressure (``_backpressure``, called from ``begin_step``) makes the host wait for the
 GPU to reach the step before last: that is the GPU's time, not the host's, so it is timed apart
 (``waiting_s``) and taken off the call it ran in. With ``drain`` the GPU is synchronised before each
 forward instead (outside the timing): the calls then run on an idle GPU, as the first step of a
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 #: The planner's calls that a step makes on the model's thread.
-CALLS = ("reset", "pre_dispatch", "maybe_dispatch", "wait_ready_once", "update_done_event", "finish_step")
+CALLS = ("begin_step", "block_start", "block_end", "ensure", "end_step", "finish_step")
 #: Where a call waits for the GPU rather than works: timed apart ([Note: steady forwards, the GPU wait taken out]).
 GPU_WAITS = ("_backpressure",)
 

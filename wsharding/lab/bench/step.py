@@ -234,12 +234,11 @@ def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
     total = 0.0
     for k in range(iters + 2):  # the first two are warm-up: not counted
         t0 = time.perf_counter()
-        planner.reset()
-        planner.pre_dispatch(0, end)
+        planner.begin_step(0, end)
         for i in range(end):
-            planner.maybe_dispatch(i + 1)
-            planner.wait_ready_once(i)
-            planner.update_done_event(i)
+            planner.block_start(i)
+            planner.block_end(i)
+        planner.end_step()
         dt = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize(planner.device)

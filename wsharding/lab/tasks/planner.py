@@ -18,9 +18,9 @@ from torch import nn
 
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument
-from wsharding.core.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
+from wsharding.core.runner import aligned_forward, run_layers
+from wsharding.core.schedule import lookahead_schedule, slot_name
 from wsharding.core.sharding import WeightSharding
-from wsharding.core.slots import SLOT_NAMES
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
 
 
@@ -162,7 +162,7 @@ def slot_table(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | N
     return [
         {
             "layer": i,
-            "slot": SLOT_NAMES[pool.slot_of(i)],
+            "slot": slot_name(pool.slot_of(i)),
             "gate": pool.previous_occupant(i),
             "layout_bytes": ws.layouts[i].total_bytes,
             "slot_bytes": pool.slot_bytes,
@@ -175,6 +175,12 @@ def slot_table(ctx: RankContext, preset: str | DecoderConfig, *, layers: int | N
 class ReadTwiceBlock(nn.Module):
     """Reads its weight, pauses, reads it again: a long compute that keeps using its slot. A gather
     that lands in the slot during the pause changes the second read, and so the output.
+
+    Both reads go straight to the weight (``F.linear``), as GPU kernels queued at the layer's start
+    read the slot long after the host checked it: the check at use ([Note: checked at use] in
+    ``wsharding/core/planner.py``) runs where the runner starts the block (``block_start``); inside a
+    running layer only the gate keeps a gather out of its slot. Run it through
+    :func:`~wsharding.core.runner.run_layers` (it is not checked when called on its own).
 
     ``between`` (optional) runs in the pause: the gate experiment uses it to let every gather in
     flight land there, so that the overwrite is certain rather than a matter of timing."""
@@ -189,13 +195,12 @@ class ReadTwiceBlock(nn.Module):
         self.between = between
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        prepare_layer_weight_shard_forward(self)
-        h = self.fc(x)
+        h = nn.functional.linear(x, self.fc.weight)
         if self.pause:
             time.sleep(self.pause)
         if self.between is not None:
             self.between()
-        return torch.tanh(h + self.fc(x))
+        return torch.tanh(h + nn.functional.linear(x, self.fc.weight))
 
 
 class LandingComm:
@@ -241,9 +246,9 @@ class LandingGather:
 
 def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layers: int = 6, d: int = 32,
                     ahead: int = 2) -> dict[str, Any]:
-    """Dispatch gathers ``ahead`` layers early (the weight-sharding design dispatches one ahead) so that
-    the gather of layer ``i+2`` targets the slot layer ``i`` is reading, with and without the planner's
-    gate.
+    """A schedule ``ahead`` layers deep over two slots (the weight-sharding design gathers one ahead), so
+    that the gather of layer ``i+2`` targets the slot layer ``i`` is reading, with and without the
+    planner's gate.
 
     Between its two reads each layer waits until every gather in flight has landed (CPU ranks; see
     :class:`LandingComm`). With the gate the early gather is held until layer ``i`` is done (trace
@@ -263,15 +268,10 @@ def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layer
     ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(n_layers)}, trace=True).setup().finalize()
     planner = ws.planner
     planner.gate = gate
+    # deeper than the two slots allow: each gather is issued while its slot's last reader still computes
+    planner.set_schedule(lambda sharded, slot_of, start, end: lookahead_schedule(sharded, slot_of, ahead, start, end))
     with torch.no_grad():
-        planner.reset()
-        planner.pre_dispatch(0)
-        h = x
-        for i, b in enumerate(blocks):
-            for k in range(1, ahead + 1):
-                planner.maybe_dispatch(i + k)
-            h = b(h)
-            planner.update_done_event(i, b)
+        h = run_layers(blocks, x, planner)
         trace = planner.finish_step()
     return {
         "rank": ctx.rank,
@@ -307,7 +307,7 @@ def model_schedule(n_layers: int = 6, gather_ms: float = 6.0, compute_ms: float 
     ranks, no clock, the same picture every time -- the opening figure of the series.
 
     The order is the planner's (notebook 03 §2): layer ``first_sharded``'s gather is issued before
-    layer 0 runs (``pre_dispatch``); with lookahead the gather of layer ``l+1`` is issued as layer
+    layer 0 runs (``begin_step``); with lookahead the gather of layer ``l+1`` is issued as layer
     ``l`` starts, into slot A or B by parity, and not before the previous reader of that slot,
     layer ``l-1``, has finished (the gate) nor before the previous gather (one side stream); each layer waits for its own gather, then computes for
     ``compute_ms``. Without lookahead each gather is issued at its layer's start. A live run
@@ -322,7 +322,7 @@ def model_schedule(n_layers: int = 6, gather_ms: float = 6.0, compute_ms: float 
     compute_end: dict[int, float] = {}
 
     def issue(layer: int, at: float) -> None:
-        slot = SLOT_NAMES[(layer - first_sharded) % 2]
+        slot = slot_name((layer - first_sharded) % 2)
         reader = layer - 2  # the previous occupant of the slot
         gate = compute_end.get(reader, 0.0) if reader >= first_sharded else 0.0
         start = max(at, gate, max(gather_end.values(), default=0.0))  # one side stream: gathers run in order
