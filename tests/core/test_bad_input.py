@@ -104,8 +104,9 @@ def _shard_blocks(**changes: object) -> object:
 
     model = _blocks_model()
     args = {"blocks": "layers", "patterns": ["fc1"], "comm": _CommOfTwo(), "sharded_layers": None, **changes}
-    blocks = args["blocks"](model) if callable(args["blocks"]) else args["blocks"]
-    return shard_blocks(model, blocks, args["patterns"], args["comm"], sharded_layers=args["sharded_layers"])
+    blocks = args.pop("blocks")
+    blocks = blocks(model) if callable(blocks) else blocks
+    return shard_blocks(model, blocks, args.pop("patterns"), args.pop("comm"), **args)
 
 
 def _patterns_glob_str(tmp: Path, mp: pytest.MonkeyPatch) -> object:
@@ -147,6 +148,30 @@ def _sharded_layers_float(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 
 def _sharded_layers_int(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return _shard_blocks(sharded_layers=1)  # a TypeError from set(1)
+
+
+def _prefetch_depth_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(prefetch_depth=0)  # no slot to gather ahead into
+
+
+def _on_miss_unknown(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _shard_blocks(on_miss="skip")  # a layer would compute with another layer's bytes
+
+
+def _second_thread(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    import threading
+
+    from tests.core.test_library_edges import Loopback
+    from wsharding.core.runner import shard_blocks
+
+    model = _blocks_model()
+    ws = shard_blocks(model, "layers", ["fc1"], Loopback())
+    # a request handler's thread is inside a step (begin_step) when a second one runs the model
+    t = threading.Thread(target=ws.planner.begin_step)
+    t.start()
+    t.join()
+    with torch.no_grad():
+        return model.layers[0](torch.ones(1, 4))
 
 
 def _old_nccl(tmp: Path, mp: pytest.MonkeyPatch) -> object:
@@ -425,6 +450,19 @@ CASES: dict[str, Case] = {
     "sharded_layers int": Case(
         "gave sharded_layers one int instead of a list", "wsharding.core.sharding:ShardingError",
         ("sharded_layers", "int 1", "[1]"), "pass a list or range: [1], range(1, 8)", _sharded_layers_int),
+    "prefetch depth": Case(
+        "gave prefetch_depth=0", "wsharding.core.errors:InvalidArgument",
+        ("prefetch_depth", "got 0", "depth + 1 slots"), "pass an int >= 1 (1: the design's two slots); "
+        "lookahead=False turns lookahead off", _prefetch_depth_zero),
+    "on_miss": Case(
+        "gave on_miss a value other than 'gather' or 'raise'", "wsharding.core.sharding:ShardingError",
+        ("on_miss", "'skip'"), "pass 'gather' (the default: such a layer is gathered now, warned) or 'raise'",
+        _on_miss_unknown),
+    "second thread": Case(
+        "ran a sharded model from a second thread while a step of it runs", "wsharding.core.planner:ConcurrentStepError",
+        ("another thread runs a step of it", "batching them into one forward"),
+        "batch concurrent requests into one forward, or serialise the calls (one lock around model(...))",
+        _second_thread),
     "old nccl": Case(
         "used our NCCL communicator with an NCCL older than 2.28.3", "wsharding.accel.nccl.library:NcclLibraryError",
         ("NCCL >= 2.28.3", "NCCL 2.28.2", "WSHARDING_NCCL_LIBRARY"),

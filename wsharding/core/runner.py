@@ -29,6 +29,7 @@ from wsharding.core.contract import ParallelLinear
 from wsharding.core.declare import layer_indices
 from wsharding.core.planner import WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
+from wsharding.core.schedule import check_depth
 from wsharding.core.sharding import ShardingError, WeightSharding, abandon_sharding
 
 
@@ -184,6 +185,10 @@ def shard_blocks(
     finalized :class:`WeightSharding` (``.planner`` has the counters and trace).
     """
     block_list, patterns, sharded_layers = check_shard_blocks_args(model, blocks, patterns, comm, sharded_layers)
+    check_depth(prefetch_depth)
+    if on_miss not in ("gather", "raise"):
+        raise ShardingError(f"on_miss must be 'gather' (such a layer is gathered now, warned) or 'raise', got "
+                            f"{on_miss!r}")
     try:
         targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
         ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead,
