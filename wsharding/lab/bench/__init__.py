@@ -21,6 +21,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "wsharding.lab.bench.step",
         "step time: replicated vs weight-sharded (lookahead on/off) vs FSDP2, across tokens per rank",
     ),
+    "schedule": (
+        "wsharding.lab.bench.schedule",
+        "lookahead depth 1 vs 2 vs 3 (prefetch_depth) side by side, resident bytes against the formula, and "
+        "the host cost of the check at use",
+    ),
     "draft": (
         "wsharding.lab.bench.draft",
         "draft model, layer 0: exposed gather time with a dedicated stream vs the shared side stream vs inline",

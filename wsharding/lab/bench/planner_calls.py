@@ -68,7 +68,7 @@ class PlannerCallTimer:
         return (f"PlannerCallTimer({self.calls} calls, {self.seconds * 1e6:.1f} us inside them"
                 + (f": {calls}" if calls else "") + f"; {self.waiting_s * 1e6:.1f} us waiting for the GPU)")
 
-    def _timed(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def timed_steps(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.perf_counter
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -104,7 +104,7 @@ class PlannerCallTimer:
 
     def __enter__(self) -> PlannerCallTimer:
         for name in CALLS:
-            setattr(self.planner, name, self._timed(name, getattr(self.planner, name)))
+            setattr(self.planner, name, self.timed_steps(name, getattr(self.planner, name)))
         for name in GPU_WAITS:
             if hasattr(self.planner, name):
                 setattr(self.planner, name, self._waiting(getattr(self.planner, name)))

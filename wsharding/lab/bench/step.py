@@ -82,7 +82,7 @@ PLANNER_CALLS = {"sharded": "planner_calls_us_per_layer", "sharded_mapped": "pla
 
 
 # ---- the models ---------------------------------------------------------------------------------------
-def _sharded_twin(model: str, comm: Communicator, **options: Any) -> tuple[torch.nn.Module, WeightSharding]:
+def sharded_twin(model: str, comm: Communicator, **options: Any) -> tuple[torch.nn.Module, WeightSharding]:
     """``model`` built on this rank and sharded over ``comm`` (``options``: WeightSharding's)."""
     if model in BLOCK_PRESETS:
         sharded = build_blocks(model, comm.device)
@@ -96,7 +96,7 @@ def _models(ctx: RankContext, model: str, comm: Communicator, fsdp: bool):
     dev = comm.device
     if model in BLOCK_PRESETS:
         replicated = build_blocks(model, dev)
-        sharded, ws = _sharded_twin(model, comm, map_own_chunk=False)  # plain: --mapped adds the mapped twin
+        sharded, ws = sharded_twin(model, comm, map_own_chunk=False)  # plain: --mapped adds the mapped twin
 
         def make_input(tokens: int, seed: int) -> torch.Tensor:
             return replicated.inputs(tokens, seed, dev)
@@ -129,7 +129,7 @@ def _fsdp2(model: torch.nn.Module, ctx: RankContext, device: torch.device) -> to
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
-def _timed(fn: Callable[[], Any], steps: int, device: torch.device) -> tuple[float, float]:
+def timed_steps(fn: Callable[[], Any], steps: int, device: torch.device) -> tuple[float, float]:
     """(device ms per call, host ms per call). On GPU the device time comes from CUDA events over
     ``steps`` calls back to back, and the host time from a second loop in which the GPU is drained
     before each call (outside the timing): back to back, a host that runs ahead ends up waiting for
@@ -207,7 +207,7 @@ def bus_bandwidth(ws: WeightSharding, comm: Communicator, iters: int = 10) -> fl
     try:
         for _ in range(3):
             once()
-        ms, _ = _timed(once, iters, dev)
+        ms, _ = timed_steps(once, iters, dev)
     finally:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -277,7 +277,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     graph_error = graph_unsupported(c) if graph else None
     graph = graph and graph_error is None
     replicated, sharded, ws, make_input, fsdp_model = _models(ctx, model, c, fsdp)
-    sharded_mapped, ws_mapped = _sharded_twin(model, c, map_own_chunk=True) if mapped else (None, None)
+    sharded_mapped, ws_mapped = sharded_twin(model, c, map_own_chunk=True) if mapped else (None, None)
     planner = ws.planner
     bw, floor_ms = link_floor(ws, c)
     planner_us = planner_host_us(ws)
@@ -312,7 +312,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             for variant in order:
                 switch(variant)
                 c.barrier()
-                ms, host = _timed(runs[variant], steps, dev)
+                ms, host = timed_steps(runs[variant], steps, dev)
                 samples[variant].append(ms)
                 hosts[variant].append(host)
         for variant in names:
