@@ -340,8 +340,11 @@ class WeightShardPlanner:
 
     def _take_ahead(self, capturing: bool) -> None:
         """The gathers issued for this step by the previous one (or before it): this step's now."""
-        if capturing:
-            first = next(iter(self._ahead))
+        pending = [layer for layer, slot in self._ahead.items() if self._inflight[slot] == layer]
+        if capturing and pending:
+            # joined ahead (a draft's first layer waited on before the graph) is fine: the graph reads a
+            # slot that already holds it; still in flight, the graph would have to join what it never issued
+            first = pending[0]
             raise CommError(
                 f"layer {first}: its gather for this step was issued ahead, before the capture, on rank "
                 f"{self.comm.rank}; a CUDA graph must hold every gather it waits on. Turn the prefetch off "
