@@ -149,6 +149,7 @@ def shard_blocks(
     load: Callable[[WeightSharding], Any] | None = None,
     plugins: Sequence[PlannerPlugin] = (),
     map_own_chunk: bool | Literal["auto"] = "auto",
+    verify_replicas: bool = True,
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
 
@@ -163,6 +164,9 @@ def shard_blocks(
     communicator, NCCL >= 2.30). ``"auto"`` (the default) maps where it can run and holds no more;
     ``ws.map_own_chunk_reason`` says which ([Note: map_own_chunk="auto"]).
 
+    ``verify_replicas``: finalize refuses ranks whose weights, kept as built, differ (no common seed),
+    naming the first such weight on every rank; False skips the check (:class:`WeightSharding`).
+
     ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
     row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
 
@@ -176,7 +180,7 @@ def shard_blocks(
         targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
         ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead,
                             trace=trace, keep_initial_weights=keep_initial_weights,
-                            plugins=plugins, map_own_chunk=map_own_chunk)
+                            plugins=plugins, map_own_chunk=map_own_chunk, verify_replicas=verify_replicas)
         ws.refuse_tied_to(model)  # a head or embedding tied to a target: only the whole model shows it
         ws.setup()
         if load is not None:
