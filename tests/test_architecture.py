@@ -53,6 +53,7 @@ FLOORS: dict[str, int] = {
     "wsharding.linear": 5,
     "wsharding.comm_by_name": 5,
     "wsharding.core.rowloaders": 1,
+    "wsharding.core.replicas": 1,
     "wsharding.core.bound": 6,
     "wsharding.core.guards": 6,
     "wsharding.core.redistribute": 6,

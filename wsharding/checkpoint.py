@@ -225,7 +225,7 @@ def _default_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
 
 
 def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList, patterns: Sequence[str],
-                 comm: Communicator, **kwargs: Any) -> WeightSharding:
+                 comm: Communicator, *, verify_replicas: bool = True, **kwargs: Any) -> WeightSharding:
     """:func:`~wsharding.core.runner.shard_blocks` with the weights read from checkpoint ``path``.
 
     The matching linears are shrunk to this rank's rows (their current values are not kept), the
@@ -233,6 +233,10 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
     read whole -- and the sharding is finalized. ``ws.load_result`` holds :func:`load_checkpoint`'s
     counts. Works for any model whose parameter names are the checkpoint's keys (a Hugging Face
     ``save_pretrained`` folder, or :func:`save_checkpoint`'s files).
+
+    ``verify_replicas`` is passed on as :func:`~wsharding.core.runner.shard_blocks` takes it, but finds
+    nothing to compare here: every row comes from the checkpoint (``keep_initial_weights=False``), and
+    the check compares weights kept as built.
     """
     # Checked first (a generator of patterns is read once, here): an argument mistake is named before
     # the checkpoint is opened.
@@ -246,4 +250,4 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
         abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
         raise error from e
     return shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
-                        load=lambda ws: load_checkpoint(model, path), **kwargs)
+                        verify_replicas=verify_replicas, load=lambda ws: load_checkpoint(model, path), **kwargs)

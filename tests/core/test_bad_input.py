@@ -10,6 +10,7 @@ The README's "Errors you may see" section is rendered from this table and the co
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 import warnings
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from wsharding.core.comm import Communicator
+from wsharding.core.comm import Communicator, DoneHandle
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,53 @@ def _shared_block(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     shared.fc = torch.nn.Linear(4, 4, bias=False)
     other.fc = torch.nn.Linear(4, 4, bias=False)
     return WeightSharding(_RankOfTwo(), [shared, other, shared], {i: ["fc"] for i in range(3)})
+
+
+def _strided_target(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.sharding import WeightSharding
+
+    block = torch.nn.Module()
+    block.fc = torch.nn.Linear(4, 6, bias=False)
+    block.fc.weight = torch.nn.Parameter(torch.randn(4, 6).t())  # a transposed weight: strides (1, 6)
+    return WeightSharding(_RankOfTwo(), [block], {0: ["fc"]})
+
+
+class _ThreadRank(Communicator):
+    """One of two ranks that are threads of this process, gathering through shared memory: enough
+    for finalize's agreement, which is all the case below reaches."""
+
+    world_size, device, mode = 2, torch.device("cpu"), "cpu-threads"
+
+    def __init__(self, rank: int, parts: list, meet: threading.Barrier) -> None:
+        self.rank, self.parts, self.meet = rank, parts, meet
+
+    def alloc(self, nbytes: int, *, tag: str = "") -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def all_gather_into(self, full: torch.Tensor, chunk: torch.Tensor, **_: object) -> DoneHandle:
+        self.parts[self.rank] = chunk.clone()
+        self.meet.wait()
+        full.copy_(torch.cat(self.parts))
+        self.meet.wait()
+        return DoneHandle()
+
+    def barrier(self) -> None:
+        self.meet.wait()
+
+
+def _replicas_differ(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.runner import shard_blocks
+
+    # Two ranks that built their models without one seed: rank 1 (a thread) and rank 0 (here).
+    parts: list = [None, None]
+    meet = threading.Barrier(2, timeout=60)
+    peer = threading.Thread(target=lambda: pytest.raises(Exception, shard_blocks, _blocks_model(), "layers", ["fc1"],
+                                                         _ThreadRank(1, parts, meet)), daemon=True)
+    peer.start()
+    try:
+        return shard_blocks(_blocks_model(), "layers", ["fc1"], _ThreadRank(0, parts, meet))
+    finally:
+        peer.join(60)
 
 
 class _CommOfTwo(_RankOfTwo):
@@ -416,6 +464,17 @@ CASES: dict[str, Case] = {
         "declared one block (or one tied weight) at two layers", "wsharding.core.sharding:ShardingError",
         ("layer 2 fc.weight", "rank 0", "same weight as layer 0 fc.weight"),
         "leave one of the layers out (sharded_layers=...) or untie the weights", _shared_block),
+    "strided target": Case(
+        "declared a weight that is not contiguous (a transpose, a strided view)", "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc.weight", "not contiguous", "strides (1, 6)", "p.data = p.data.contiguous()"),
+        "make the weights contiguous before sharding (sharded, a strided weight would round differently from the "
+        "replica): for p in model.parameters(): p.data = p.data.contiguous()", _strided_target),
+    "replicas differ": Case(
+        "built each rank's weights without one seed, then sharded them as built", "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc1.weight on rank 1 differs from layer 0 fc1.weight on rank 0", "torch.manual_seed",
+         "verify_replicas=False"),
+        "seed every rank the same before building the model, or load one checkpoint on every rank (load_sharded); "
+        "every rank raises it at finalize", _replicas_differ),
     "shard_blocks patterns str": Case(
         "gave shard_blocks (or load_sharded) one str as the patterns, \"fc*\"", "wsharding.core.sharding:ShardingError",
         ("patterns", "'fc*'", "character by character", "['fc*']"),

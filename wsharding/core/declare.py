@@ -5,7 +5,8 @@ package's own linears are decided by their group (the parallel contract of SGLan
 tp size 1 (byte-identical on every rank) -> a target, tp size > 1 -> left alone, as the weight-sharding
 design shards attention only when attn_tp_size == 1 and MoE peripherals only when replicated. Any
 other module with ``tp_size`` > 1 is an error naming it; a weight whose rows the group size does not
-divide is left replicated with a warning. A layer's targets form one
+divide is left replicated with a warning; one that is not contiguous (a transpose, a strided view)
+is refused, as sharded it would round differently from the replica. A layer's targets form one
 :class:`~wsharding.core.layout.FlatLayout`: one gather per layer.
 """
 
@@ -141,6 +142,20 @@ def validate_target(layer_id: int, layer: nn.Module, name: str, world_size: int,
         decisions.append(ShardDecision(layer_id, name, False,
                                        f"{rows} rows, not divisible by the group size {world_size}"))
         return rows
+    if not weight.is_contiguous():
+        # Sharded, a weight becomes a contiguous view of its slot (a layout holds row-major bytes).
+        # A transposed or strided weight would then reach the matmul in another memory order, which
+        # picks another kernel and another reduction order: outputs a few ulps away from the
+        # replica's, not bit for bit. Only a pure transpose could get its strides back over a dense
+        # range, and every reader of the layout's bytes would have to know it; a contiguous copy
+        # made before sharding costs nothing at run time.
+        dense = torch.empty(weight.shape, device="meta").stride()
+        raise ShardingError(
+            f"layer {layer_id} {name}.weight is not contiguous (shape {list(weight.shape)}, strides "
+            f"{tuple(weight.stride())}; contiguous: {dense}): sharded, it would be a contiguous view of its slot "
+            "and its matmul would round differently from the replicated model's. Make the weights contiguous "
+            "before sharding, in the model you shard and in any you compare it with: "
+            "for p in model.parameters(): p.data = p.data.contiguous()")
     decisions.append(ShardDecision(layer_id, name, True, why))
     return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, row_blocks(module, rows), mode)
 

@@ -7,9 +7,10 @@ allocated, and each full weight is rebuilt in slot B, in place: rows and chunks 
 beyond one layer's padding, and the design's temporary full weight costs nothing extra. The peak is
 ``R/N + padding/N + 2 slots`` plus one weight in flight (a transient of the backend or of loading).
 
-Before any of it the ranks agree (:func:`agree_or_raise`): the same layouts on every rank, and every
-rank able to finalize -- in buffers of their own, since a slot's size is one of the things that may
-differ.
+Before any of it the ranks agree (:func:`agree_or_raise`): the same layouts on every rank, every
+rank able to finalize, and the same bytes in every target kept as built ([Note: digest before the
+shrink] in :mod:`wsharding.core.replicas`) -- in buffers of their own, since a slot's size is one of
+the things that may differ.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 from wsharding.core.comm import Communicator
 from wsharding.core.contract import ParallelLinear, rebind_tensor
 from wsharding.core.layout import SUPPORTED_DTYPES, FlatLayout
+from wsharding.core.replicas import replica_difference, replicas_refusal
 from wsharding.core.rowloaders import ShardingError, ShardTarget
 from wsharding.core.slots import SlotPool
 
@@ -63,8 +65,11 @@ def process_full_weight(t: ShardTarget, weight: torch.Tensor) -> torch.Tensor:
 
 
 #: One rank's fixed-size record in the first exchange of :func:`agree_or_raise`: a load flag, the
-#: digest of its layout description and the description's length.
-_RECORD = struct.Struct("<B32sQ")
+#: digest of its layout description, the description's length, and the digest of its weights'
+#: digests (all zero on a rank with none to compare).
+_RECORD = struct.Struct("<B32sQ32s")
+#: One target's entry in the exchange of weight digests: whether the rank has one, and the digest.
+_DIGEST = struct.Struct("<BQ")
 
 
 def describe_layouts(layouts: Mapping[int, FlatLayout], world_size: int) -> dict[str, Any]:
@@ -130,9 +135,10 @@ def _gather_bytes(comm: Communicator, data: bytes, tag: str, what: str) -> list[
 
 
 def agree_or_raise(comm: Communicator, layouts: Mapping[int, FlatLayout], problems: list[str], *,
-                   tag: str = "agree") -> None:
-    """Every rank learns whether all ranks declared the same layouts and whether any rank cannot
-    finalize, so that all raise together rather than some waiting in a gather that never comes.
+                   tag: str = "agree", digests: Mapping[str, int] | None = None) -> None:
+    """Every rank learns whether all ranks declared the same layouts, whether any rank cannot
+    finalize, and whether their replicas hold the same bytes, so that all raise together rather
+    than some waiting in a gather that never comes.
 
     Collective, and it must come before anything whose size depends on the layouts (the slots,
     their registration, the gathers): ranks that declared different targets, shapes, blocks or
@@ -141,18 +147,27 @@ def agree_or_raise(comm: Communicator, layouts: Mapping[int, FlatLayout], proble
     gather of a fixed-size record per rank (load flag, digest of the layout description, its
     length); only when the digests differ, a gather of the descriptions padded to the longest, so
     every rank raises the same :class:`ShardingError` naming the first difference.
+
+    ``digests``: this rank's digest of each target kept as built, by label (``"layer 1 fc1.weight"``,
+    [Note: digest before the shrink]); None or empty where there is nothing to compare. The record
+    carries a digest of them; only when those differ between ranks that have digests, a gather of
+    every target's digest (the layouts agree by then, so it is the same size on every rank), and
+    every rank raises the same error naming the first weight that differs and which ranks hold what.
     """
     text = json.dumps(describe_layouts(layouts, comm.world_size), sort_keys=True, separators=(",", ":")).encode()
-    record = _RECORD.pack(1 if problems else 0, hashlib.sha256(text).digest(), len(text))
+    labels = [f"layer {i} {e.name}" for i, lay in sorted(layouts.items()) for e in lay.entries]
+    mine = b"".join(_DIGEST.pack(*((1, digests[k]) if digests and k in digests else (0, 0))) for k in labels)
+    held = hashlib.sha256(mine).digest() if digests else bytes(32)
+    record = _RECORD.pack(1 if problems else 0, hashlib.sha256(text).digest(), len(text), held)
     records = [_RECORD.unpack(r) for r in _gather_bytes(comm, record, tag, "finalize: every rank's layout and load check")]
-    bad = [r for r, (flag, _, _) in enumerate(records) if flag]
+    bad = [r for r, (flag, *_) in enumerate(records) if flag]
     # A rank that cannot finalize first: one that gave up before declaring (abandon_sharding) has no
     # layouts, and "it shards nothing" would hide its own error.
-    if not bad and len({digest for _, digest, _ in records}) > 1:
-        longest = max(length for _, _, length in records)
+    if not bad and len({digest for _, digest, _, _ in records}) > 1:
+        longest = max(length for _, _, length, _ in records)
         texts = _gather_bytes(comm, text.ljust(longest, b" "), f"{tag}.layouts", "finalize: every rank's layout")
         described = [json.loads(t) for t in texts]
-        other = next(r for r, (_, digest, _) in enumerate(records) if digest != records[0][1])
+        other = next(r for r, (_, digest, *_) in enumerate(records) if digest != records[0][1])
         raise ShardingError(
             "finalize refused on every rank: the ranks of this group declared different sharded layouts -- "
             f"{first_difference(described[0], described[other], 0, other)}. Every layer's gather pairs the same "
@@ -165,6 +180,13 @@ def agree_or_raise(comm: Communicator, layouts: Mapping[int, FlatLayout], proble
     if bad:
         raise ShardingError(f"finalize refused: rank(s) {bad} cannot finalize (see their errors); rank "
                             f"{comm.rank} stops too so that no rank waits in a gather")
+    if len({h for *_, h in records if h != bytes(32)}) > 1:
+        # Every rank decides this from the records alone, so all take part in this gather or none.
+        rows = _gather_bytes(comm, mine, f"{tag}.replicas", "finalize: every rank's weight digests")
+        per_rank = [{k: d for k, (has, d) in zip(labels, _DIGEST.iter_unpack(row), strict=True) if has} for row in rows]
+        differ = replica_difference(labels, per_rank)
+        if differ is not None:
+            raise ShardingError(replicas_refusal(*differ))
 
 
 def redistribute_layer(comm: Communicator, layout: FlatLayout, targets: list[ShardTarget], slots: SlotPool,

@@ -191,6 +191,10 @@ class CoveredLoader:
         self.target = target
         self.window = window
         self.coverage = _Coverage(*window)
+        #: The digest of the full weight as built, taken at setup before the shrink ([Note: digest
+        #: before the shrink] in ``wsharding/core/replicas.py``); None once any rows are loaded
+        #: over it, or when the weight was not kept.
+        self.digest: int | None = None
 
     @property
     def loaded_rows(self) -> int:
@@ -215,6 +219,7 @@ class RowShardLoader(CoveredLoader):
     def __call__(self, param: torch.Tensor, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
         t = self.target
         w0, w1 = self.window
+        self.digest = None  # these rows are no longer the weights as built
         for block in _blocks_for(t, loaded_shard_id):
             _check_tensor(t, param, loaded_weight, block)
             _, param_off, rows, ckpt_off = block
@@ -235,6 +240,7 @@ class FullShapeLoader(CoveredLoader):
 
     def __call__(self, param: torch.Tensor, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
         t = self.target
+        self.digest = None  # these rows are no longer the weights as built
         blocks = _blocks_for(t, loaded_shard_id)
         for block in blocks:
             _check_tensor(t, param, loaded_weight, block)

@@ -157,6 +157,7 @@ def shard_blocks(
     map_own_chunk: bool | Literal["auto"] = "auto",
     prefetch_depth: int = 1,
     on_miss: Literal["gather", "raise"] = "gather",
+    verify_replicas: bool = True,
 ) -> WeightSharding:
     """Shard the ``nn.Linear`` weights matching ``patterns`` in each block of ``model.<blocks>``.
 
@@ -176,6 +177,9 @@ def shard_blocks(
     (called out of order, on its own, after a peer failed): ``"gather"`` them now and warn once, or
     ``"raise"`` ([Note: checked at use] in ``wsharding/core/planner.py``).
 
+    ``verify_replicas``: finalize refuses ranks whose weights, kept as built, differ (no common seed),
+    naming the first such weight on every rank; False skips the check (:class:`WeightSharding`).
+
     ``load(ws)``, when given, runs between setup and finalize -- the moment to read a checkpoint
     row range by row range (:func:`wsharding.checkpoint.load_sharded` wires it up).
 
@@ -194,7 +198,7 @@ def shard_blocks(
         ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead,
                             trace=trace, keep_initial_weights=keep_initial_weights,
                             plugins=plugins, map_own_chunk=map_own_chunk, prefetch_depth=prefetch_depth,
-                            on_miss=on_miss)
+                            on_miss=on_miss, verify_replicas=verify_replicas)
         ws.refuse_tied_to(model)  # a head or embedding tied to a target: only the whole model shows it
         ws.setup()
         if load is not None:

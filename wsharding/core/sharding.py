@@ -36,6 +36,7 @@ from wsharding.core.layout import FlatLayout
 from wsharding.core.planner import ShardedLayer, WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.redistribute import agree_or_raise, redistribute_layer, set_weight_data
+from wsharding.core.replicas import weight_digest
 from wsharding.core.rowloaders import (
     FullShapeLoader,
     RowShardLoader,
@@ -86,6 +87,12 @@ class WeightSharding(ShardingBytes):
     must then come from a checkpoint (finalize refuses any that did not). A model built on the meta
     device always needs its rows loaded.
 
+    ``verify_replicas``: with weights kept as built, finalize refuses ranks whose targets hold
+    different bytes -- built without one seed, their rows would mix different models, silently --
+    naming the first such weight on every rank ([Note: digest before the shrink] in
+    :mod:`wsharding.core.replicas`: each target is digested at setup, before it shrinks). False
+    skips the digests; rows loaded from a checkpoint are not compared.
+
     ``plugins``: schedule policies (the next step's first gather:
     :class:`wsharding.accel.next_step.NextStepPrefetch`), attached at finalize.
 
@@ -115,6 +122,7 @@ class WeightSharding(ShardingBytes):
         map_own_chunk: bool | Literal["auto"] = "auto",
         prefetch_depth: int = 1,
         on_miss: Literal["gather", "raise"] = "gather",
+        verify_replicas: bool = True,
     ) -> None:
         self.comm = comm
         #: Gathers in flight ahead of the computing layer: ``prefetch_depth + 1`` slots.
@@ -132,6 +140,7 @@ class WeightSharding(ShardingBytes):
         self.plugins = list(plugins)
         self.trace = trace
         self.keep_initial_weights = keep_initial_weights
+        self.verify_replicas = verify_replicas
         indices = layer_indices(sharded_layers)
         self.sharded_range = None if indices is None else set(indices)
         self.stage = "declared"
@@ -204,6 +213,8 @@ class WeightSharding(ShardingBytes):
             else:
                 data = p.data.to(dev) if keep else torch.zeros(t.shape, dtype=t.dtype, device=dev)
                 loader = FullShapeLoader(t, inner)
+            if keep and self.verify_replicas:  # the full weight, before the shrink: [Note: digest before the shrink]
+                loader.digest = weight_digest(p.data)
             p = set_weight_data(t.module, data)  # the full storage is released when nothing else holds it
             if keep:
                 loader.coverage.mark_all()
@@ -228,9 +239,10 @@ class WeightSharding(ShardingBytes):
         """Redistribute row shards into flat chunks, run the after-loading step, bind the views.
 
         Collective: every rank calls it. First every rank checks its targets (every row loaded, shape
-        and dtype as declared) and the ranks agree on the verdict and on every layer's layout, so a bad
-        rank -- or ranks that declared different targets -- raise everywhere, naming the cause, instead
-        of leaving the others in a gather or pairing different weights. Then the two slots are
+        and dtype as declared) and the ranks agree on the verdict, on every layer's layout and on the
+        bytes of the weights kept as built, so a bad rank -- or ranks that declared different targets,
+        or built different weights -- raise everywhere, naming the cause, instead of leaving the
+        others in a gather or pairing different weights. Then the two slots are
         allocated (and registered, with a symmetric-memory backend), and layer by layer:
 
         1. this layer's row shards are packed into slot A and freed;
@@ -264,7 +276,9 @@ class WeightSharding(ShardingBytes):
         k = _next_sharding_number(comm)
         # Before the slots: their size, their registration and every gather below depend on the layouts,
         # so ranks that declared different ones (or a rank that cannot finalize) raise together here.
-        agree_or_raise(comm, self.layouts, problems, tag=f"ws{k}.agree")
+        digests = {t.label: self.loaders[(i, t.name)].digest for i, ts in self.targets.items() for t in ts}
+        agree_or_raise(comm, self.layouts, problems, tag=f"ws{k}.agree",
+                       digests={label: d for label, d in digests.items() if d is not None})
         self.slots = self.slot_policy.make_pool(comm, self.layouts, tag=f"ws{k}.slot", count=self.slot_count)
         comm.prepare_outside_steps()  # collective: the channel of gathers outside the schedule
         comm.register_all()  # collective, one order on every rank

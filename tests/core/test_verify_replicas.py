@@ -1,0 +1,149 @@
+"""Ranks must shard one model: the same bytes in every target, not only the same layouts.
+
+* Ranks whose weights, kept as built, differ (built without one seed) all raise the same
+  :class:`ShardingError` at finalize, naming the first weight that differs and which ranks hold
+  what -- before any gather, so no rank is left waiting.
+* ``verify_replicas=False`` skips the check, and shows what it guards against: every rank then runs
+  the same mixture of rows of different models, unequal to its own replica and to every other.
+* The same weights (one seed, or one checkpoint loaded over any weights) shard as before: bit for
+  bit equal to the replica.
+* The digest itself: exact on bytes, one changed word always changes it, the same for any view of
+  the same values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.core.test_rank_agreement import Stack
+from wsharding.checkpoint import load_checkpoint, load_sharded, save_checkpoint
+from wsharding.core.replicas import replica_difference, weight_digest
+from wsharding.core.runner import shard_blocks
+from wsharding.core.sharding import WeightSharding
+from wsharding.models import ToyDecoder, decoder_config
+
+
+def _ran(ws: WeightSharding, model: torch.nn.Module, ref: torch.nn.Module) -> tuple[str, float, list[int], list[int]]:
+    """``("ran", max |sharded - own replica| for one fixed input, digests of the sharded weights as
+    gathered, digests of the replica's)``."""
+    x = torch.randn(3, model.head.in_features, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        diff = (model(x) - ref(x)).abs().max().item()
+    gathered = [weight_digest(w) for w in ws.full_state_dict().values()]
+    own = [weight_digest(getattr(b, fc).weight) for b in ref.layers for fc in ("fc1", "fc2")]
+    ws.close()
+    return "ran", diff, gathered, own
+
+
+def shard_with_seeds(ctx, seeds: list[int], entry: str = "shard_blocks", verify: bool = True,
+                     folder: str = "", d: int = 16) -> tuple:
+    """Rank ``r`` builds its model with seed ``seeds[r]`` and shards it through ``entry``; returns the
+    error class and message, or what :func:`_ran` returns."""
+    seed = seeds[ctx.rank]
+    model, ref = Stack(d, seed=seed), Stack(d, seed=seed)
+    try:
+        if entry == "shard_blocks":
+            ws = shard_blocks(model, "layers", ["fc1", "fc2"], ctx.comm, verify_replicas=verify)
+        elif entry == "load_over_kept":  # weights kept as built, then one checkpoint loaded over them
+            ref = Stack(seed=0)
+            ws = shard_blocks(model, "layers", ["fc1", "fc2"], ctx.comm, load=lambda ws: load_checkpoint(model, folder))
+        else:  # load_sharded: every row from the checkpoint (seed 0)
+            ref = Stack(seed=0)
+            ws = load_sharded(model, folder, "layers", ["fc1", "fc2"], ctx.comm, verify_replicas=verify)
+    except Exception as e:  # noqa: BLE001 - the class and the text are what the tests check
+        return type(e).__name__, str(e)
+    return _ran(ws, model, ref)
+
+
+def test_ranks_that_built_different_weights_all_raise_naming_the_weight_and_the_ranks(cluster_of):
+    results = cluster_of(2).run(shard_with_seeds, [0, 1])
+    assert [kind for kind, _ in results] == ["ShardingError", "ShardingError"], results
+    assert results[0][1] == results[1][1], "every rank raises the same message"
+    msg = results[0][1]
+    assert "layer 0 fc1.weight on rank 1 differs from layer 0 fc1.weight on rank 0" in msg, msg
+    assert "torch.manual_seed" in msg and "load_sharded" in msg and "verify_replicas=False" in msg, msg
+
+
+def test_the_refusal_groups_the_ranks_by_what_they_hold(cluster_of):
+    results = cluster_of(3).run(shard_with_seeds, [0, 5, 0], d=24)  # 24 rows: divisible by 3
+    assert {kind for kind, _ in results} == {"ShardingError"}, results
+    assert "layer 0 fc1.weight on rank 1 differs from layer 0 fc1.weight on ranks 0, 2" in results[0][1]
+
+
+def test_without_the_check_different_weights_give_a_silently_wrong_model(cluster_of):
+    # What the guard prevents: every rank gathers the same mixture of both models' rows -- equal
+    # across ranks, so no later comparison between ranks notices -- which is neither rank's weights,
+    # and neither rank's output is its own replica's.
+    (k0, d0, gathered0, own0), (k1, d1, gathered1, own1) = cluster_of(2).run(shard_with_seeds, [0, 1],
+                                                                             "shard_blocks", False)
+    assert (k0, k1) == ("ran", "ran")
+    assert d0 > 0 and d1 > 0, (d0, d1)
+    assert gathered0 == gathered1
+    assert all(g not in (a, b) for g, a, b in zip(gathered0, own0, own1, strict=True))
+
+
+def test_ranks_with_the_same_weights_are_bitwise_equal_to_the_replica(cluster_of):
+    for verify in (True, False):
+        results = cluster_of(2).run(shard_with_seeds, [3, 3], "shard_blocks", verify)
+        assert [r[:2] for r in results] == [("ran", 0.0), ("ran", 0.0)], verify
+
+
+@pytest.mark.parametrize("entry", ["load_over_kept", "load_sharded"])
+def test_rows_loaded_from_one_checkpoint_are_not_compared_as_built(cluster_of, tmp_path, entry):
+    # Built with different seeds, then every target's rows read from one checkpoint: the bytes
+    # digested at setup are gone, so there is nothing to refuse, and the model is the checkpoint's.
+    save_checkpoint(Stack(seed=0), tmp_path / "ckpt")
+    results = cluster_of(2).run(shard_with_seeds, [0, 1], entry, True, str(tmp_path / "ckpt"))
+    assert [r[:2] for r in results] == [("ran", 0.0), ("ran", 0.0)], results
+
+
+def decoder_with_seed(ctx, verify: bool) -> tuple[str, str]:
+    """The toy decoder, whose layers shrink themselves as they are built (``setup_layer``), with a
+    seed that depends on the rank."""
+    ws = WeightSharding(ctx.comm, sharded_layers=range(1, 4), verify_replicas=verify)
+    ToyDecoder(decoder_config("tiny"), seed=ctx.rank, weight_sharding=ws)
+    try:
+        ws.finalize()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    ws.close()
+    return "ran", ""
+
+
+def test_a_model_that_shrinks_its_own_layers_is_checked_too(cluster_of):
+    results = cluster_of(2).run(decoder_with_seed, True)
+    assert [kind for kind, _ in results] == ["ShardingError", "ShardingError"], results
+    assert results[0][1].startswith("finalize refused on every rank: the ranks of this group built different "
+                                    "weights -- layer 1 attn."), results[0][1]
+    assert cluster_of(2).run(decoder_with_seed, False) == [("ran", ""), ("ran", "")]
+
+
+# ---- the digest -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("numel", [1, 7, 8, 1000, (1 << 21) + 3])
+def test_every_changed_byte_changes_the_digest(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    w = torch.randint(-100, 100, (numel,), generator=g).to(dtype)
+    d = weight_digest(w)
+    assert weight_digest(w.clone()) == d
+    raw = w.view(-1).view(torch.uint8)
+    for at in sorted({0, raw.numel() // 2, raw.numel() - 1}):
+        other = raw.clone()
+        other[at] ^= 1
+        assert weight_digest(other.view(dtype)) != d, at
+
+
+def test_the_digest_reads_values_in_row_major_order_from_any_view():
+    w = torch.randn(48, 64)
+    d = weight_digest(w)
+    assert weight_digest(w.t().contiguous().t()) == d  # the same values, another memory order
+    assert weight_digest(w.t()) != d  # other values in row-major order
+    assert weight_digest(torch.cat([torch.zeros(1), w.flatten()])[1:].view(48, 64)) == d  # at an odd offset
+    assert weight_digest(w.view(torch.int32)) == d  # the same bytes
+
+
+def test_the_first_difference_names_the_weight_and_groups_the_ranks():
+    held = [{"a": 1, "b": 2}, {"a": 1, "b": 3}, {"a": 1}, {"a": 1, "b": 2}]
+    assert replica_difference(["a", "b"], held) == ("b", [[0, 3], [1]])
+    assert replica_difference(["a"], held) is None
