@@ -267,3 +267,27 @@ def test_a_schedule_that_skips_a_layer_is_refused(cluster_of):
     for msg in cluster_of(2).run(bad_schedule):
         assert msg == "schedule: the step over blocks [0, 3) must gather each of its sharded layers [0, 1, 2] once; " \
                       "it gathers [0]"
+
+
+def edit_through_data(ctx) -> dict:
+    model, ref, ws = _shard(ctx)
+    w = model.layers[1].fc1.weight
+    raw = torch._C.TensorBase.data.__get__(w)  # what `.data` of a plain Parameter hands out
+    with torch.no_grad():
+        model(_x(0, ctx.rank))
+        v = w._version
+        raw.add_(0)  # its own version counter: an edit through it is invisible to the check
+        unseen = w._version == v
+        w.data.mul_(2)  # the guarded `.data`: the Parameter's counter moves
+        try:
+            model(_x(1, ctx.rank))
+            out = "ran"
+        except ShardingError as e:
+            out = str(e)
+    return {"unseen_without_guard": unseen, "refused": out}
+
+
+def test_an_edit_through_data_is_refused(cluster_of):
+    for r in cluster_of(2).run(edit_through_data):
+        assert r["unseen_without_guard"]
+        assert "layer 1 fc1.weight on rank" in r["refused"] and "was changed in place after finalize" in r["refused"]

@@ -11,7 +11,9 @@ planner gathers into before the layer runs. Two ordinary operations would silent
   overwrites it: the loaded values would be lost without a word.
 
 So each bound Parameter's class is swapped for a subclass whose ``.data`` setter refuses any tensor
-other than the one it has, and each target module refuses a state dict that names its weight. The
+other than the one it has (and whose getter hands out an alias that shares its version counter, so an
+in-place edit through ``.data`` is seen like any other), and each target module refuses a state dict
+that names its weight. The
 library rebinds through :func:`wsharding.core.contract.rebind_tensor`, which goes under the guard.
 """
 
@@ -26,7 +28,10 @@ _GUARDED: dict[type, type] = {}
 
 
 def _get_data(self: torch.Tensor) -> torch.Tensor:
-    return torch._C.TensorBase.data.__get__(self)
+    # ``.data`` would hand out an alias with a version counter of its own, so ``w.data.mul_(2)`` would
+    # edit the slot unseen by the check of in-place edits ([Note: in-place edits of bound weights]);
+    # ``detach()`` is the same alias sharing the Parameter's counter: the edit is refused at the next use.
+    return self.detach()
 
 
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
