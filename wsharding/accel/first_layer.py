@@ -127,10 +127,5 @@ class FirstLayerPrefetch(PlannerPlugin):
             self.prefetch()
         self.planner.join_ahead(self.first_layer)
 
-    def pre_dispatch(self, start_layer: int, end_layer: int | None = None) -> None:
-        """Start the draft's step (:meth:`~wsharding.core.planner.WeightShardPlanner.begin_step`): a first
-        layer handed over by :meth:`prefetch` is joined, not gathered again."""
-        self.planner.begin_step(start_layer, end_layer)
-
     def close(self, planner: WeightShardPlanner) -> None:
         self._handle = None  # the planner joined it before closing

@@ -138,7 +138,7 @@ class BoundWeightGuards:
         ws = self._ws()
         planner = ws.planner if ws is not None else None
         if planner is not None:
-            planner.join_pending()
+            planner.abort_step()
         raise ShardingError(
             f"{target.label} on rank {self.rank}: autograd would record this forward ({' and '.join(why)}), "
             "but a sharded weight is a view of a gather slot that the next layers' gathers overwrite before "

@@ -458,9 +458,6 @@ class WeightShardPlanner:
         except CommError:
             self._close_step()
 
-    #: Older name: a guard's refusal gives up the step the same way.
-    join_pending = abort_step
-
     def _close_step(self) -> None:
         self._held.clear()
         self._owner = None
@@ -550,7 +547,8 @@ class WeightShardPlanner:
             return False
         return all(p.enabled for p in self.plugins if p.claims_first_layer)
 
-    def _join_or_miss(self, layer: int, slot: int, why: str = "its gather was not where the schedule put it") -> None:
+    def _join_or_miss(self, layer: int, slot: int, why: str = "its gather was not where the schedule put it",
+                      kind: str = "missed") -> None:
         if self._inflight[slot] == layer:
             self._join_slot(slot, counted=True)
             if self._holds[slot] == layer:
@@ -558,7 +556,7 @@ class WeightShardPlanner:
         if self._owner is None or self._failed:
             raise ShardingError(f"layer {layer} on rank {self.comm.rank}: its slot does not hold its weights and "
                                 "no step is running to gather them")
-        self._miss(layer, slot, why)
+        self._miss(layer, slot, why, kind)
 
     def _join_slot(self, slot: int, *, counted: bool = False) -> None:
         layer = self._inflight[slot]
@@ -606,7 +604,8 @@ class WeightShardPlanner:
                     if self._inflight[slot] == block:
                         self._join_slot(slot)
                     if self._holds[slot] != block:
-                        self._miss(block, slot, "it was called outside a step and its slot holds another layer")
+                        self._miss(block, slot, "it was called outside a step and its slot holds another layer",
+                                   "outside a step")
                 except BaseException:
                     self.block_end(block)
                     raise
@@ -616,7 +615,7 @@ class WeightShardPlanner:
         if self._outside:  # a block inside a block outside any step: nothing to plan
             slot = self.slot_of.get(block)
             if slot is not None and self._holds[slot] != block:
-                self._miss(block, slot, "it was called outside a step and its slot holds another layer")
+                self._miss(block, slot, "it was called outside a step and its slot holds another layer", "outside a step")
             return
         # In a step, off the expected order: the schedule's order is gone for the rest of this step.
         why = f"block {block} ran where the schedule expected block {self._expect}"
@@ -624,9 +623,9 @@ class WeightShardPlanner:
         self._expect = block + 1
         slot = self.slot_of.get(block)
         if slot is not None and self._holds[slot] != block:
-            self._join_or_miss(block, slot, why)
+            self._join_or_miss(block, slot, why, "out of order")
 
-    def _miss(self, layer: int, slot: int, why: str) -> None:
+    def _miss(self, layer: int, slot: int, why: str, kind: str = "missed") -> None:
         """Gather ``layer`` now, synchronously, on the channel for gathers outside the steps."""
         where = f"layer {layer} on rank {self.comm.rank}"
         if self.on_miss == "raise":
@@ -637,7 +636,7 @@ class WeightShardPlanner:
         if self._owner is not None and not self._outside:
             self._missed = True
         self._warn(f"{where}: {why}; gathered it now, synchronously, outside the schedule (every rank must make "
-                   "the same call)", why.split(" ")[0] + why.split(" ")[-1])
+                   "the same call)", kind)
         for s in range(len(self._inflight)):
             if self._inflight[s] is not None:
                 self._join_slot(s)  # nothing may land in a slot after this

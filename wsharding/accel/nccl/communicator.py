@@ -267,7 +267,8 @@ class NcclCommunicator(Communicator):
         that a rank that makes this call alone cannot pair it with a peer's scheduled gather (a rare,
         warned path: [Note: checked at use] in ``wsharding/core/planner.py``)."""
         if self.world_size == 1:
-            full.copy_(chunk) if full.data_ptr() != chunk.data_ptr() else None
+            if full.data_ptr() != chunk.data_ptr():
+                full.copy_(chunk)
             return
         import torch.distributed as dist
 
