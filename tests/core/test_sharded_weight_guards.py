@@ -151,7 +151,7 @@ def test_an_in_place_edit_is_refused_at_once_between_steps_and_inside_a_forward_
             assert msg.startswith(f"layer 1 q_proj.weight on rank {rank}: Tensor.mul_ outside its linear's forward")
             assert "the edit would land in those bytes" in msg and "WeightSharding.full_state_dict(model)" in msg
         assert r["unchanged"] and r["edit_step"]
-        assert r["forward"] is not None, f"the edited model ran (equal to the edited replicated: {r['equal_to_edited']})"
+        assert r["forward"] is not None, f"the edited model ran (equal to the edited one: {r['equal_to_edited']})"
         for what in ("forward", "again", "full_state_dict"):
             cls, msg = r[what]
             assert cls == ShardingError.__name__, (what, msg)
