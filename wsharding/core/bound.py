@@ -122,6 +122,8 @@ def _refuse_use(t: torch.Tensor, func: Any, converted: torch.Tensor | None = Non
 
 
 def _torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """[Note: reads of a bound weight]: metadata answered, a no-op conversion returned, the rest refused
+    (never called inside a sharded linear's forward)."""
     kwargs = kwargs or {}
     if func in _METADATA:
         with raw_access():
