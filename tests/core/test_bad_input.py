@@ -448,6 +448,93 @@ def _ranks_negative(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return RankCluster(2, backend="nccl", ranks_per_gpu=-1)
 
 
+class _OneRank(_RankOfTwo):
+    """A group of one rank in this process: its gather copies the chunk into the slot."""
+
+    world_size, mode = 1, "cpu-one-rank (test)"
+
+    def alloc(self, nbytes: int, *, tag: str = "") -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "") -> object:
+        from wsharding.core.comm import PreparedGather
+
+        class Copy(PreparedGather):
+            def start(self, gate=None, marks=None, *, inline=False) -> None:
+                full.copy_(chunk)
+
+            def wait(self, stream=None) -> None:
+                pass
+
+        return Copy()
+
+    def all_gather_into(self, full, chunk, *, async_op=False, stream=None, what=""):
+        from wsharding.core.comm import DoneHandle
+
+        if full.data_ptr() != chunk.data_ptr():
+            full.copy_(chunk)
+        return DoneHandle()
+
+    def fork(self, event) -> None:
+        pass
+
+    def raise_if_failed(self, what: str) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+
+def _sharded(step: bool = True) -> torch.nn.Module:
+    """``_blocks_model()`` with ``fc1`` and ``fc2`` sharded over one rank, after one step (a block reads
+    ``x @ fc1 @ fc2``): its slots hold the last layer's weights."""
+    from wsharding.core.runner import shard_blocks
+
+    model = _blocks_model()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for block in model.layers:
+            x = block.fc2(block.fc1(x))
+        return x
+
+    model.forward = forward
+    shard_blocks(model, "layers", ["fc1", "fc2"], _OneRank())
+    if step:
+        with torch.no_grad():
+            model(torch.ones(1, 4))
+    return model
+
+
+def _bound_read(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _sharded().layers[0].fc1.weight.clone()  # layer 1's bytes
+
+
+def _bound_data_edit(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _sharded().layers[0].fc1.weight.data.mul_(2)  # torch's own .data: the version check missed it
+
+
+def _bound_converted(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _sharded().half()
+
+
+def _bound_to_meta(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return _sharded().to("meta")  # the Parameters were replaced: the forward computed on meta tensors
+
+
+def _bound_replaced(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    model = _sharded()
+    model.layers[1].fc2.weight = torch.nn.Parameter(torch.zeros(4, 4))  # full_state_dict saved the old one
+
+
+def _bound_weight_norm(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    return torch.nn.utils.parametrizations.weight_norm(_sharded().layers[0].fc2)
+
+
+def _bound_outside_linear(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    x = torch.ones(1, 4, requires_grad=True)
+    return x @ _sharded().layers[0].fc1.weight.t()
+
+
 _EXAMPLE_COMM = "ctx.shard_comm(group_size)"
 
 CASES: dict[str, Case] = {
@@ -522,6 +609,42 @@ CASES: dict[str, Case] = {
         ("another thread runs a step of it", "batching them into one forward"),
         "batch concurrent requests into one forward, or serialise the calls (one lock around model(...))",
         _second_thread),
+    "sharded weight read": Case(
+        "read a sharded weight's values between steps (p.clone(), p.detach().cpu(), torch.save, deepcopy)",
+        "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc1.weight on rank 0", "Tensor.clone outside its linear's forward", "full_state_dict(model)"),
+        "read or save the weights with ws.full_state_dict(model), on every rank of the shard group; metadata "
+        "(shape, numel) still answers", _bound_read),
+    "sharded weight data edit": Case(
+        "edited a sharded weight in place between steps (w.data.mul_(2), nn.init, an optimizer step)",
+        "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc1.weight on rank 0", "Tensor.mul_ outside its linear's forward", "the next gather"),
+        "change weights before finalize, or in a freshly built model that you shard again", _bound_data_edit),
+    "sharded weight converted": Case(
+        "converted a sharded model (model.half(), .to(dtype), .cuda())", "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc1.weight", "is a view of a weight-sharding slot", "Tensor.half", "torch.float16"),
+        "convert dtype and device before WeightSharding declares the model (a no-op .to() still runs)",
+        _bound_converted),
+    "sharded weight to meta": Case(
+        "moved a sharded model to the meta device", "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc1.weight", "Tensor.to", "on meta"),
+        "move the model before it is sharded (a model built on meta is sharded as it loads: load_sharded)",
+        _bound_to_meta),
+    "sharded weight replaced": Case(
+        "assigned a new Parameter as a sharded linear's weight", "wsharding.core.sharding:ShardingError",
+        ("layer 1 fc2.weight on rank 0", "a new Parameter assigned as the weight", "full_state_dict"),
+        "assign or load weights before finalize; or change ws.full_state_dict(model) and shard a fresh model",
+        _bound_replaced),
+    "sharded weight reparametrized": Case(
+        "re-parametrized a sharded weight (weight_norm, register_parametrization)",
+        "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc2.weight on rank 0", "outside its linear's forward"),
+        "re-parametrize the model before it is sharded", _bound_weight_norm),
+    "sharded weight outside its linear": Case(
+        "computed with a sharded weight outside its linear (x @ lin.weight.t())",
+        "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc1.weight on rank 0", "Tensor.t outside its linear's forward", "call its linear"),
+        "call the linear (lin(x)), whose forward reads its own layer's weight", _bound_outside_linear),
     "old nccl": Case(
         "used our NCCL communicator with an NCCL older than 2.28.3", "wsharding.accel.nccl.library:NcclLibraryError",
         ("NCCL >= 2.28.3", "NCCL 2.28.2", "WSHARDING_NCCL_LIBRARY"),

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from wsharding.cluster import RankCluster
+from wsharding.core.bound import raw_access
 from wsharding.core.comm import CommError
 from wsharding.core.errors import ShardingError
 from wsharding.core.planner import ConcurrentStepError, ScheduleMissWarning
@@ -272,22 +273,24 @@ def test_a_schedule_that_skips_a_layer_is_refused(cluster_of):
 def edit_through_data(ctx) -> dict:
     model, ref, ws = _shard(ctx)
     w = model.layers[1].fc1.weight
-    raw = torch._C.TensorBase.data.__get__(w)  # what `.data` of a plain Parameter hands out
+    with raw_access():
+        raw = torch._C.TensorBase.data.__get__(w)  # what `.data` of a plain Parameter hands out
     with torch.no_grad():
         model(_x(0, ctx.rank))
         v = w._version
         raw.add_(0)  # its own version counter: an edit through it is invisible to the check
         unseen = w._version == v
-        w.data.mul_(2)  # the guarded `.data`: the Parameter's counter moves
         try:
-            model(_x(1, ctx.rank))
+            w.data.mul_(2)  # the guarded `.data`: refused at once, between steps
             out = "ran"
         except ShardingError as e:
             out = str(e)
-    return {"unseen_without_guard": unseen, "refused": out}
+        same = torch.equal(model(_x(1, ctx.rank)), ref(_x(1, ctx.rank)))
+    return {"unseen_without_guard": unseen, "refused": out, "then_exact": same}
 
 
 def test_an_edit_through_data_is_refused(cluster_of):
     for r in cluster_of(2).run(edit_through_data):
         assert r["unseen_without_guard"]
-        assert "layer 1 fc1.weight on rank" in r["refused"] and "was changed in place after finalize" in r["refused"]
+        assert "layer 1 fc1.weight on rank" in r["refused"] and "Tensor.mul_ outside its linear's forward" in r["refused"]
+        assert r["then_exact"]

@@ -4,8 +4,9 @@ clear error on every rank that names the weight and the rank and says what to do
 
 * autograd through a sharded weight (its backward would read a slot other layers have overwritten)
   is refused at the forward that would record it;
-* an in-place edit of a sharded weight (the next gather would undo it) is refused at the layer's
-  next gather, and by ``full_state_dict``;
+* an in-place edit of a sharded weight (the next gather would undo it) is refused at once between
+  steps, and, made inside a forward (through the weight or its ``.data``), at the layer's next gather
+  and by ``full_state_dict``;
 * ``state_dict()`` (slot bytes of whichever layer was gathered last; zero-element weights after
   ``close()``) is refused and points to ``WeightSharding.full_state_dict``, which stays exact;
 * ``save_checkpoint`` of a sharded model says at once, on the rank that calls it and without any
@@ -19,7 +20,9 @@ from __future__ import annotations
 import copy
 import time
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.core.gpt_blocks import TinyGPT
 from wsharding.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -29,11 +32,14 @@ from wsharding.core.sharding import ShardingError
 PATTERNS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]
 
 
-def _pair(ctx):
-    """The replicated model and its sharded twin (the same weights on every rank)."""
+def _pair(ctx, prepare=None):
+    """The replicated model and its sharded twin (the same weights on every rank); ``prepare(model)``,
+    when given, changes both before the sharding."""
     torch.manual_seed(0)
     ref = TinyGPT().eval()
     model = copy.deepcopy(ref)
+    for m in (ref, model) if prepare is not None else ():
+        prepare(m)
     ws = shard_blocks(model, "blocks", PATTERNS, ctx.comm)
     x = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(ctx.rank))
     return ref, model, ws, x
@@ -96,17 +102,36 @@ def test_autograd_through_sharded_weights_is_refused_at_the_forward(cluster_of):
 
 
 # ---- in-place edits --------------------------------------------------------------------------------
-def in_place_edit(ctx):
-    ref, model, ws, x = _pair(ctx)
+def in_place_edit(ctx, via: str):
+    pending: set[int] = set()
+
+    def prepare(m):  # layer 1's q_proj edits its own weight in its forward, once asked (through ``via``)
+        lin = m.blocks[1].q_proj
+
+        def forward(h):
+            if id(m) in pending:
+                pending.discard(id(m))
+                (lin.weight.data if via == "data" else lin.weight).mul_(2)
+            return F.linear(h, lin.weight, lin.bias)
+
+        lin.forward = forward
+
+    ref, model, ws, x = _pair(ctx, prepare)
     out = {"rank": ctx.rank}
+    w = model.blocks[1].q_proj.weight
     with torch.no_grad():
-        model(x)  # a step, so that the edit lands between two gathers
-        model.blocks[1].q_proj.weight.mul_(2)
-        ref.blocks[1].q_proj.weight.mul_(2)
+        model(x)
+        # between steps: refused at once, through the weight or its .data, and nothing changed
+        out["outside"] = _error(lambda: w.mul_(2))
+        out["outside_data"] = _error(lambda: w.data.mul_(2))
+        out["unchanged"] = torch.equal(model(x), ref(x))
+        pending.update((id(model), id(ref)))
+        out["edit_step"] = torch.equal(model(x), ref(x))  # the step that edits computes with the edit
 
         def step():
             y = model(x)
-            # without the guard: the edit is undone by the gather and the output ignores it
+            # without the guard: the edit is undone by the gather and the output ignores it (through
+            # torch's own .data, whose fresh version counter the wait's check would not see)
             out["equal_to_edited"] = torch.equal(y, ref(x))
 
         out["forward"] = _error(step)
@@ -116,10 +141,17 @@ def in_place_edit(ctx):
     return out
 
 
-def test_an_in_place_edit_after_finalize_is_refused_at_the_layers_next_gather(cluster_of):
-    for r in cluster_of(2).run(in_place_edit):
+@pytest.mark.parametrize("via", ["weight", "data"])
+def test_an_in_place_edit_is_refused_at_once_between_steps_and_inside_a_forward_at_the_next_gather(cluster_of, via):
+    for r in cluster_of(2).run(in_place_edit, via):
         rank = r["rank"]
-        assert r["forward"] is not None, f"the edited model ran (equal to the edited replicated: {r['equal_to_edited']})"
+        for what in ("outside", "outside_data"):
+            cls, msg = r[what]
+            assert cls == ShardingError.__name__, (what, msg)
+            assert msg.startswith(f"layer 1 q_proj.weight on rank {rank}: Tensor.mul_ outside its linear's forward")
+            assert "the edit would land in those bytes" in msg and "WeightSharding.full_state_dict(model)" in msg
+        assert r["unchanged"] and r["edit_step"]
+        assert r["forward"] is not None, f"the edited model ran (equal to the edited one: {r['equal_to_edited']})"
         for what in ("forward", "again", "full_state_dict"):
             cls, msg = r[what]
             assert cls == ShardingError.__name__, (what, msg)

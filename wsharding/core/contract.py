@@ -41,7 +41,9 @@ def rebind_tensor(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """
     param = layer._parameters.get(name)
     if param is not None:
-        # Under a subclass's own ``data`` property (weight sharding guards bound weights with one).
-        torch._C.TensorBase.data.__set__(param, tensor)
+        # Under a subclass's own ``data`` property and its ``__torch_function__`` (weight sharding guards
+        # bound weights with both: [Note: reads of a bound weight]).
+        with torch._C.DisableTorchFunctionSubclass():
+            torch._C.TensorBase.data.__set__(param, tensor)
     else:
         setattr(layer, name, tensor)

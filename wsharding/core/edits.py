@@ -5,8 +5,11 @@ A sharded weight is a view of its slot, and every gather of its layer refills th
 chunks: an in-place edit after finalize (``weight.mul_(2)``, an optimizer step) is silently undone
 by the layer's next gather -- and, made while the slot holds another layer, lands in that layer's
 bytes. It cannot be written back to the chunks in general (the bytes it reached may be another
-layer's), so it is refused. The Parameter keeps its own version counter, which only in-place ops
-through it (or its views) move -- a gather writes the slot buffer, never the Parameter -- so each
+layer's), so it is refused: outside its linear's forward at once, by the guard of [Note: reads of a
+bound weight] in ``wsharding/core/bound.py``; inside a forward (where the weight is readable) by the
+check here. The Parameter keeps its own version counter, which only in-place ops through it, its
+views or its ``.data`` (for a bound weight a detached alias; torch's own ``.data`` has a fresh
+counter) move -- a gather writes the slot buffer, never the Parameter -- so each
 layer's wait compares its weights' versions with those at finalize: one C-level map over the
 layer's few weights per layer and step. The first computation that would use (or lose) the edit
 is the layer's next one, which always goes through that wait: the refusal comes before it, on

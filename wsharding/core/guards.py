@@ -1,12 +1,14 @@
 """After finalize: the ordinary uses of a sharded weight that would give silently wrong results, refused.
 
 A sharded weight is a view of one of two gather slots, and the slot is refilled by every gather
-into it (see [Note: bound weights] in ``wsharding/core/bound.py`` for ``.to()`` and ``load_state_dict``,
-which that module refuses). Three more uses read or write the slot at the wrong time:
+into it (see [Note: bound weights] in ``wsharding/core/bound.py`` for ``.to()``, ``load_state_dict``
+and a replaced ``weight``, which that module refuses, and [Note: reads of a bound weight] there for
+every use of its values outside its linear's forward). Three more uses read or write the slot at the
+wrong time:
 
 * **autograd** ([Note: autograd through a bound weight]): refused at the forward that would record it;
-* **in-place edits**: refused at the layer's next gather ([Note: in-place edits of bound weights]
-  in ``wsharding/core/planner.py``, where the check is, on the hot path);
+* **in-place edits** inside a forward: refused at the layer's next gather ([Note: in-place edits of
+  bound weights] in ``wsharding/core/edits.py``; the planner's wait checks, on the hot path);
 * **state_dict()**: refused, pointing to :meth:`~wsharding.core.sharding.WeightSharding.full_state_dict`
   (a collective: a state dict read on one rank cannot gather). The refusal stays after ``close()``,
   when the weights hold nothing. :func:`wsharding.checkpoint.save_checkpoint` asks
@@ -21,10 +23,11 @@ buffer. A weight that itself requires grad would also collect a full-size gradie
 apply (an optimizer step is an in-place edit). So the sharded weights get ``requires_grad=False`` at
 finalize (no rank holds them whole: they cannot be trained), and each sharded linear's ``forward`` is
 wrapped with one flag check, ``torch.is_grad_enabled()``: false under ``torch.no_grad()`` and
-``torch.inference_mode()`` -- the inference path pays that check and one Python call per linear, no
-hook, so ``nn.Module.__call__`` keeps its fast path. Under grad mode the wrapper looks at what the
-forward would record: an input or the weight that requires grad is refused, naming the weight and the
-rank; a plain forward with nothing that requires grad runs.
+``torch.inference_mode()`` -- the inference path pays that check, one Python call per linear and the
+context that lets the forward read its weight ([Note: reads of a bound weight] in
+``wsharding/core/bound.py``), no hook, so ``nn.Module.__call__`` keeps its fast path. Under grad mode
+the wrapper looks at what the forward would record: an input or the weight that requires grad is
+refused, naming the weight and the rank; a plain forward with nothing that requires grad runs.
 
 Why at the forward, not at backward: the forward is the first use that makes a later result wrong,
 and the last point at which nothing wrong has been computed -- by backward the slot was refilled and
@@ -43,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsharding.core.bound import raw_access
 from wsharding.core.rowloaders import ShardingError, ShardTarget
 
 
@@ -116,13 +120,15 @@ class BoundWeightGuards:
         ws = self._ws()
         # [Note: checked at use]: a linear called on its own (outside its block) finds its slot checked too
         ensure, layer = (ws.planner.ensure, target.layer) if ws is not None and ws.planner is not None else (None, 0)
+        compute = raw_access  # [Note: reads of a bound weight]: the weight is readable inside the forward only
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if grad_enabled():
                 refuse(module, target, args, kwargs)
             if ensure is not None:
                 ensure(layer)
-            return inner(*args, **kwargs)
+            with compute():
+                return inner(*args, **kwargs)
 
         module.forward = forward
         return forward

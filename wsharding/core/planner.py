@@ -109,6 +109,15 @@ class ScheduleMissWarning(UserWarning):
     checked at use])."""
 
 
+#: Why a sharded model cannot be pickled, deep-copied or ``torch.save``d whole, and the way out.
+NOT_COPIED = (
+    "a sharded model cannot be copied or saved whole (copy.deepcopy, torch.save(model), pickle): its sharded "
+    "weights are views of slots that every step refills with another layer, and it holds its shard group's "
+    "planner and communicator, which belong to this process. To save or copy its weights, take "
+    "WeightSharding.full_state_dict(model) on every rank of the shard group (or wsharding.checkpoint."
+    "save_checkpoint); to have a second copy of the model, build it and shard it again")
+
+
 class WeightShardPlanner:
     """Replays one model's gather schedule and checks every layer's slot before it computes."""
 
@@ -171,6 +180,7 @@ class WeightShardPlanner:
         self._lock = threading.Lock()
         self._outside = False  # a block runs outside any step
         self._expect = -1  # the block the schedule expects next
+        self._computing: int | None = None  # the block between its block_start and block_end
         self._missed = False  # the step left its schedule ([Note: checked at use])
         self._failed = False  # a gather of the step failed: nothing more is issued
         self._warned: set[str] = set()
@@ -200,6 +210,11 @@ class WeightShardPlanner:
         self._taken: set[int] = set()  # layers whose gather of this step was issued ahead of it
         for plugin in plugins:
             self.add_plugin(plugin)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A sharded model is not copied or saved whole: ``pickle``, ``copy.deepcopy`` and
+        ``torch.save(model)`` reach its planner through its hooks and blocks, and are refused here."""
+        raise ShardingError(NOT_COPIED)
 
     def _new_event(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
@@ -365,6 +380,7 @@ class WeightShardPlanner:
     def block_start(self, block: int) -> None:
         """Block ``block`` is about to compute: its own layer's bytes are in its slot when this
         returns ([Note: checked at use]); then the gathers this hook issues are issued."""
+        self._computing = block
         if self._owner != threading.get_ident() or block != self._expect or self._outside:
             self._irregular_start(block)
             return
@@ -393,6 +409,7 @@ class WeightShardPlanner:
     def block_end(self, block: int) -> None:
         """Block ``block`` finished computing: record its end (a gate), issue what this hook issues
         and what was held behind this block."""
+        self._computing = None
         if self._outside and self._owner == threading.get_ident():
             self._outside = False
             self._owner = None
@@ -429,6 +446,14 @@ class WeightShardPlanner:
             self._refuse_thread(f"runs layer {layer}")
         self._join_or_miss(layer, slot)
 
+    def reads_own_layer(self, layer: int) -> bool:
+        """True while block ``layer`` computes on this thread with its own bytes in its slot: its
+        weights may then be read directly (``F.linear(x, self.fc.weight)`` in a block's forward;
+        [Note: reads of a bound weight] in ``wsharding/core/bound.py``)."""
+        slot = self.slot_of.get(layer)
+        return (self._computing == layer and self._owner == threading.get_ident() and slot is not None
+                and self._holds[slot] == layer and not self._failed)
+
     def end_step(self) -> None:
         """End the step: issue every gather of the schedule not yet issued (a block skipped or given
         up: the peers issue them) and join every gather of this step nobody joined, so that none
@@ -463,6 +488,7 @@ class WeightShardPlanner:
         self._owner = None
         self._outside = False
         self._expect = -1
+        self._computing = None
         if self._lock.locked():
             self._lock.release()
 

@@ -18,6 +18,7 @@ A sharded weight goes through four stages (SGLang's weight sharding for Kimi K3,
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -26,14 +27,14 @@ import torch
 from torch import nn
 
 from wsharding.core.accounting import ShardingBytes
-from wsharding.core.bound import guard_bound_weight
+from wsharding.core.bound import bound_parameter, guard_bound_weight
 from wsharding.core.comm import CommError, Communicator
 from wsharding.core.contract import rebind_tensor
 from wsharding.core.declare import ShardDecision, declare_layer, layer_indices
 from wsharding.core.edits import refuse_edits
 from wsharding.core.guards import BoundWeightGuards
 from wsharding.core.layout import FlatLayout
-from wsharding.core.planner import ShardedLayer, WeightShardPlanner
+from wsharding.core.planner import NOT_COPIED, ShardedLayer, WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.redistribute import agree_or_raise, redistribute_layer, set_weight_data
 from wsharding.core.replicas import weight_digest
@@ -303,12 +304,16 @@ class WeightSharding(ShardingBytes):
         comm.on_close(self.close)  # the communicator closes us before it frees the memory we view
         for ts in self.targets.values():
             for t in ts:
-                guard_bound_weight(t)
+                guard_bound_weight(t, comm.rank, functools.partial(self.planner.reads_own_layer, t.layer))
         # autograd, state_dict() and save_checkpoint refused on the bound weights (wsharding/core/guards.py)
         self.guards = BoundWeightGuards(self)
         self.guards.install()
         self.stage = "finalized"
         return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused, like the planner's: a sharded model is not copied or saved whole."""
+        raise ShardingError(NOT_COPIED)
 
     # ---- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -380,22 +385,33 @@ class WeightSharding(ShardingBytes):
         Saving the result (:func:`wsharding.checkpoint.save_checkpoint`) loses nothing.
 
         A weight edited in place since finalize is refused (its edit is not in the chunks, [Note:
-        in-place edits of bound weights] in ``wsharding/core/planner.py``) -- after the gathers, so that a
+        in-place edits of bound weights] in ``wsharding/core/edits.py``), and so is a weight no longer
+        the module's (replaced behind the guard of [Note: bound weights]) -- after the gathers, so that a
         rank that refuses leaves no peer waiting in one.
         """
         self._expect("finalized", "full_state_dict")
         full: dict[int, torch.Tensor] = {}
         self.planner.lend_slots()  # nothing lands in a slot while these gathers fill them
+        bound = {(t.layer, t.entry): bound_parameter(t.module) for ts in self.targets.values() for t in ts}
         for i in sorted(self.targets):
             buf = self.slots.full_buffer(i)
             self.comm.all_gather_into(buf, self.slots.gather_chunk(i, self.chunks[i]), what=f"full_state_dict: layer {i}")
             self.planner.filled(i)
             views = self.layouts[i].views(buf)
             for t in self.targets[i]:
-                full[id(t.module.weight)] = views[t.entry].to(device, copy=True)
+                full[id(bound[(t.layer, t.entry)])] = views[t.entry].to(device, copy=True)
         refuse_edits(self.planner.versions.edited(), "full_state_dict: ")
+        # A weight replaced behind the registration hook ([Note: bound weights]): the chunks hold the old one.
+        replaced = [t.label for ts in self.targets.values() for t in ts
+                    if t.module._parameters.get("weight") is not bound[(t.layer, t.entry)]]
+        if replaced:
+            raise ShardingError(
+                f"full_state_dict on rank {self.comm.rank}: {', '.join(replaced)} is no longer the Parameter that "
+                "finalize bound to its slot (the module's weight was replaced or deleted), and the resident chunks "
+                "hold the old weight. Change weights before finalize, or in a freshly built model that you shard again")
         if model is None:
-            return {f"{t.layer}.{t.entry}": full[id(t.module.weight)] for ts in self.targets.values() for t in ts}
+            return {f"{t.layer}.{t.entry}": full[id(bound[(t.layer, t.entry)])]
+                    for ts in self.targets.values() for t in ts}
         with self.guards.reading_state_dict():  # its sharded weights are replaced below
             state = model.state_dict(keep_vars=True)
         return {k: full[id(v)] if id(v) in full else v.detach().to(device, copy=True) for k, v in state.items()}

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from wsharding.core.bound import raw_access
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.runner import aligned_forward, run_layers
@@ -176,10 +177,12 @@ class ReadTwiceBlock(nn.Module):
     """Reads its weight, pauses, reads it again: a long compute that keeps using its slot. A gather
     that lands in the slot during the pause changes the second read, and so the output.
 
-    Both reads go straight to the weight (``F.linear``), as GPU kernels queued at the layer's start
-    read the slot long after the host checked it: the check at use ([Note: checked at use] in
-    ``wsharding/core/planner.py``) runs where the runner starts the block (``block_start``); inside a
-    running layer only the gate keeps a gather out of its slot. Run it through
+    Both reads go straight to the slot, as GPU kernels queued at the layer's start read it long after
+    the host checked it: the check at use ([Note: checked at use] in ``wsharding/core/planner.py``)
+    runs where the runner starts the block (``block_start``), and the forward runs under
+    :data:`~wsharding.core.bound.raw_access`, so that the host-side guard of a direct read ([Note:
+    reads of a bound weight] in ``wsharding/core/bound.py``) does not stand in for the GPU's order:
+    inside a running layer only the gate keeps a gather out of its slot. Run it through
     :func:`~wsharding.core.runner.run_layers` (it is not checked when called on its own).
 
     ``between`` (optional) runs in the pause: the gate experiment uses it to let every gather in
@@ -195,12 +198,13 @@ class ReadTwiceBlock(nn.Module):
         self.between = between
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.linear(x, self.fc.weight)
-        if self.pause:
-            time.sleep(self.pause)
-        if self.between is not None:
-            self.between()
-        return torch.tanh(h + nn.functional.linear(x, self.fc.weight))
+        with raw_access():
+            h = nn.functional.linear(x, self.fc.weight)
+            if self.pause:
+                time.sleep(self.pause)
+            if self.between is not None:
+                self.between()
+            return torch.tanh(h + nn.functional.linear(x, self.fc.weight))
 
 
 class LandingComm:
