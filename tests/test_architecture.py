@@ -49,7 +49,6 @@ FLOORS: dict[str, int] = {
     "wsharding.core.plugins": 4,
     "wsharding.core.ties": 6,
     "wsharding.core.declare": 6,
-    "wsharding.core.accounting": 6,
     "wsharding.linear": 5,
     "wsharding.comm_by_name": 5,
     "wsharding.core.rowloaders": 1,

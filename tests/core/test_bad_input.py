@@ -69,6 +69,16 @@ def _tp_target(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return WeightSharding(_RankOfTwo(), [block], {0: ["proj"]})
 
 
+def _weight_normed_target(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.sharding import WeightSharding
+
+    # A weight computed from others at each forward: bound to a slot, the next forward would recompute
+    # it from the replicated originals (and with grad on, guards.install failed with "leaf variables").
+    block = torch.nn.Module()
+    block.fc = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 8, bias=False))
+    return WeightSharding(_RankOfTwo(), [block], {0: ["fc"]})
+
+
 def _shared_block(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.core.sharding import WeightSharding
 
@@ -535,6 +545,46 @@ def _bound_outside_linear(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return x @ _sharded().layers[0].fc1.weight.t()
 
 
+def _forward_after_destroy(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    import torch.distributed as dist
+
+    from wsharding.core.runner import shard_blocks
+    from wsharding.core.torch_backend import TorchDistComm
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 1), rank=0, world_size=1)
+    model = _blocks_model()
+    model.forward = lambda x: model.layers[1].fc1(model.layers[0].fc1(x))
+    shard_blocks(model, "layers", ["fc1"], TorchDistComm())
+    with torch.no_grad():
+        model(torch.ones(1, 4))
+        dist.destroy_process_group()
+        return model(torch.ones(1, 4))
+
+
+def _export(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = _blocks_model().layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.layers:
+                x = block.fc2(block.fc1(x))
+            return x
+
+    from wsharding.core.runner import shard_blocks
+
+    model = Model()
+    shard_blocks(model, "layers", ["fc1", "fc2"], _OneRank())
+    return torch.export.export(model, (torch.ones(1, 4),))
+
+
+def _pickled(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    import io
+
+    return torch.save(_sharded(), io.BytesIO())
+
+
 _EXAMPLE_COMM = "ctx.shard_comm(group_size)"
 
 CASES: dict[str, Case] = {
@@ -551,6 +601,27 @@ CASES: dict[str, Case] = {
         "declared one block (or one tied weight) at two layers", "wsharding.core.sharding:ShardingError",
         ("layer 2 fc.weight", "rank 0", "same weight as layer 0 fc.weight"),
         "leave one of the layers out (sharded_layers=...) or untie the weights", _shared_block),
+    "forward after destroy_process_group": Case(
+        "ran a sharded model after torch.distributed.destroy_process_group()", "wsharding.core.comm:CommError",
+        ("step 1 on rank 0", "process group of this weight sharding was destroyed", "ws.close()"),
+        "close the sharding (ws.close()) before destroying the group; shard a freshly built model to run again",
+        _forward_after_destroy),
+    "torch.export": Case(
+        "exported a sharded model (torch.export.export)", "wsharding.core.sharding:ShardingError",
+        ("torch.export of a sharded model", "Export the model before it is sharded"),
+        "export the model before it is sharded; run the sharded model eagerly (strict=True export wraps this "
+        "error in torch's Unsupported)", _export),
+    "torch.save(model)": Case(
+        "saved or deep-copied a sharded model whole (torch.save(model), copy.deepcopy, pickle)",
+        "wsharding.core.sharding:ShardingError",
+        ("cannot be copied or saved whole", "WeightSharding.full_state_dict(model)"),
+        "save its weights with ws.full_state_dict(model) (or save_checkpoint) on every rank; build and shard "
+        "a second copy anew", _pickled),
+    "re-parametrized target": Case(
+        "declared a weight under weight_norm or another parametrization", "wsharding.core.sharding:ShardingError",
+        ("layer 0 fc.weight", "a parametrization", "recomputed from other parameters", "remove_parametrizations"),
+        "fold it into a plain weight before sharding (remove_weight_norm / remove_parametrizations(..., "
+        "leave_parametrized=True)), or leave it out of the targets", _weight_normed_target),
     "strided target": Case(
         "declared a weight that is not contiguous (a transpose, a strided view)", "wsharding.core.sharding:ShardingError",
         ("layer 0 fc.weight", "not contiguous", "strides (1, 6)", "p.data = p.data.contiguous()"),

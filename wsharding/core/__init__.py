@@ -14,7 +14,7 @@ computes, while the previous layer computes from the other slot. Read in this or
 5. ``declare``, ``ties``, ``rowloaders`` -- which weights are targets, and reading only this rank's rows.
 6. ``replicas``, ``redistribute``, ``sharding`` -- finalize: the ranks agree (layouts, and the bytes
    of weights kept as built), row shards go into chunks, weights are bound to slot views;
-   ``guards``/``bound`` refuse what would silently go wrong on them; ``accounting`` counts the bytes.
+   ``guards``/``bound`` refuse what would silently go wrong on them; ``sharding`` also counts its bytes.
 7. ``runner``, ``context`` -- the layer loop and ``shard_blocks`` around any model; a rank's context
    in a ``torchrun`` job.
 

@@ -80,7 +80,8 @@ _METADATA = frozenset(
         "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
         "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "data_ptr",
         "untyped_storage", "storage", "_typed_storage", "is_inference", "is_shared", "is_pinned", "requires_grad_",
-        "_is_view", "is_same_size", "__len__", "__dir__", "__sizeof__")]
+        "_is_view", "is_same_size", "__len__", "__dir__", "__sizeof__", "is_conj", "is_neg", "_is_zerotensor")
+        if hasattr(_T, n)]
     + [torch.numel, torch.is_floating_point, torch.is_complex, torch._has_compatible_shallow_copy_type])
 #: Conversions: a no-op when they return the weight itself, refused otherwise.
 _CONVERSIONS = frozenset(getattr(_T, n) for n in (
@@ -132,6 +133,10 @@ def _readable(t: torch.Tensor) -> bool:
 
 def _refuse_use(t: torch.Tensor, func: Any, converted: torch.Tensor | None = None) -> ShardingError:
     """[Note: reads of a bound weight]: the refusal of ``func`` on ``t`` outside its linear's forward."""
+    if torch.compiler.is_exporting():  # torch.export reads every parameter before the forward runs
+        from wsharding.core.planner import EXPORT_REFUSED
+
+        return ShardingError(f"{_label(t)}: {EXPORT_REFUSED}")
     name = (torch.overrides.resolve_name(func) or getattr(func, "__name__", repr(func))).removeprefix("torch.")
     if converted is not None:
         with raw_access():

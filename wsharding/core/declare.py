@@ -13,19 +13,15 @@ is refused, as sharded it would round differently from the replica. A layer's ta
 from __future__ import annotations
 
 import operator
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from wsharding.core.contract import ParallelLinear
 from wsharding.core.errors import ShardingError
-from wsharding.core.layout import FlatLayout
 from wsharding.core.rowloaders import RowBlock, ShardTarget
-from wsharding.core.ties import by_storage, refuse_ties, tensor_places
 
 SHARD_MODES = ("rows", "requant_then_shard")
 
@@ -137,6 +133,18 @@ def validate_target(layer_id: int, layer: nn.Module, name: str, world_size: int,
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ShardingError(f"layer {layer_id}: target {name!r} has no 2-D weight to shard")
+    if not isinstance(module._parameters.get("weight"), nn.Parameter):
+        # A re-parametrized weight (weight_norm, register_parametrization, spectral_norm) is computed
+        # from other parameters at each forward: binding it to a slot would bind a value that the next
+        # forward recomputes from the replicated originals (and with grad on, it is not a leaf).
+        how = ("a parametrization (register_parametrization, parametrizations.weight_norm)"
+               if torch.nn.utils.parametrize.is_parametrized(module, "weight")
+               else "an attribute computed by a hook (torch.nn.utils.weight_norm, spectral_norm), not a Parameter")
+        raise ShardingError(
+            f"layer {layer_id} {name}.weight is {how}: weight sharding binds a linear's own weight Parameter to a "
+            "slot, and this weight is recomputed from other parameters at every forward. Fold it into a plain "
+            "weight before sharding (torch.nn.utils.remove_weight_norm(m), or torch.nn.utils.parametrize."
+            "remove_parametrizations(m, 'weight', leave_parametrized=True)), or leave it out of the targets")
     rows = weight.shape[0]
     if rows % world_size:
         decisions.append(ShardDecision(layer_id, name, False,
@@ -158,82 +166,3 @@ def validate_target(layer_id: int, layer: nn.Module, name: str, world_size: int,
             "for p in model.parameters(): p.data = p.data.contiguous()")
     decisions.append(ShardDecision(layer_id, name, True, why))
     return ShardTarget(layer_id, name, module, tuple(weight.shape), weight.dtype, row_blocks(module, rows), mode)
-
-
-def declare_layer(ws: Any, layer_id: int, layer: nn.Module,
-                  names: Sequence[str | nn.Module] | None = None) -> list[ShardTarget]:
-    """Decide layer ``layer_id``'s targets for ``ws``, the :class:`~wsharding.core.sharding.WeightSharding`
-    being declared (``names`` -- attribute paths, or the package's own linears
-    themselves -- or the layer's own ``weight_shard_targets``) and fix its flat layout, while every
-    weight still has its full shape. Layers outside the sharded range are left alone.
-
-    A package linear (:class:`~wsharding.core.contract.ParallelLinear`) is decided by its group (the Linear
-    contract): tp size 1 -> a target; tp size > 1 -> left alone, tensor parallelism already splits
-    it. Each decision is kept, with its one-line reason, in :attr:`decisions` (:meth:`report`)."""
-    if ws.stage != "declared":
-        raise ShardingError(f"declare() after {ws.stage}: declare every layer before finalize")
-    if layer_id in ws.shrunk:
-        raise ShardingError(f"layer {layer_id}: declare() after setup_layer(): its targets already hold 1/N "
-                            "rows, and a layout needs the full shapes. Declare a layer before it shrinks")
-    # Every block is indexed, sharded or not: a target whose storage a block left replicated also
-    # holds is as wrong as one tied between sharded blocks (refuse_ties).
-    places = by_storage(tensor_places(layer))
-    ws.declared_blocks[layer_id] = (layer, places)
-    earlier = [t for i, ts in ws.targets.items() if i != layer_id for t in ts]
-    if ws.sharded_range is not None and layer_id not in ws.sharded_range:
-        refuse_ties(earlier, places, f"layer {layer_id} ", ws.comm.rank)
-        return []
-    if getattr(layer, "_weight_shard", None) is not None:
-        # Its weights are views of another sharding's slot: sharded again, the two planners would
-        # gather into each other's slots and the outputs would be silently wrong.
-        raise ShardingError(
-            f"layer {layer_id} on rank {ws.comm.rank}: this module is already sharded by a WeightSharding that is "
-            "still open (its weights are views of that sharding's slots). Use that sharding, or close it "
-            "(ws.close()) and shard a freshly built model")
-    if getattr(layer, "_weight_shard_closed", False):
-        raise ShardingError(
-            f"layer {layer_id} on rank {ws.comm.rank}: this module's weight sharding was closed and its sharded "
-            "weights freed; nothing is left to shard. Shard a freshly built model (or load its checkpoint into one)")
-    names = getattr(layer, "weight_shard_targets", []) if names is None else names
-    chosen, left = [], []
-    for n in names:
-        name = target_name(layer_id, layer, n)
-        t = validate_target(layer_id, layer, name, ws.comm.world_size, ws.decisions)
-        if isinstance(t, ShardTarget):
-            chosen.append(t)
-        elif t is not None:
-            ws.skipped.append(f"{layer_id}:{name}")
-            left.append(f"{name}.weight ({t} rows)")
-    # One warning per layer, on rank 0 only: every rank skips the same weights, and a model of
-    # 60 layers x 4 weights x 8 ranks would otherwise print 1920 lines for one decision.
-    if left and ws.comm.rank == 0:
-        warnings.warn(f"layer {layer_id}: {len(left)} weight{'s' * (len(left) > 1)} left replicated, rows not "
-                      f"divisible by the group size {ws.comm.world_size}: {', '.join(left)}",
-                      ShardingSkipWarning, stacklevel=4)
-    for t in chosen:
-        # A weight tied between two layers (or one block at two places of the list) would be shrunk,
-        # bound to a slot and gathered once per place: each sharded layer needs weights of its own.
-        for other, ts in [*ws.targets.items(), (layer_id, chosen[:chosen.index(t)])]:
-            same = next((o for o in ts if o.module.weight is t.module.weight), None)
-            if same is not None:
-                raise ShardingError(
-                    f"layer {layer_id} {t.name}.weight on rank {ws.comm.rank} is the same weight as layer {other} "
-                    f"{same.name}.weight (a block or weight shared between layers): each sharded layer needs "
-                    "weights of its own. Leave one of the layers out (sharded_layers=...), or untie the weights")
-    # Then every other holder of a target's storage: of this layer's targets in this block and in
-    # the blocks declared before, of earlier layers' targets in this block.
-    refuse_ties(chosen, places, f"layer {layer_id} ", ws.comm.rank, own_layer=True)
-    for other, (_, elsewhere) in ws.declared_blocks.items():
-        if other != layer_id:
-            refuse_ties(chosen, elsewhere, f"layer {other} ", ws.comm.rank, recheck=True)
-    refuse_ties(earlier, places, f"layer {layer_id} ", ws.comm.rank)
-    if chosen:
-        ws.layers[layer_id] = layer
-        ws.targets[layer_id] = chosen
-        for t in chosen:
-            # Loading reads this: the linear's own after-loading step runs at finalize instead.
-            t.module.weight_shard_target = t
-        # Attention and MoE targets of a layer share one layout: one gather per layer.
-        ws.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], ws.comm.world_size,
-                                            chunk_alignment=ws.slot_policy.chunk_alignment)
-    return chosen

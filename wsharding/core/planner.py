@@ -118,6 +118,13 @@ NOT_COPIED = (
     "save_checkpoint); to have a second copy of the model, build it and shard it again")
 
 
+#: Why a sharded model cannot be exported.
+EXPORT_REFUSED = (
+    "torch.export of a sharded model: its forward gathers each layer's weights into slots that the next "
+    "gather overwrites, collectives with every rank of the shard group that no exported graph can hold. Export "
+    "the model before it is sharded (or export one block, unsharded); run the sharded model eagerly")
+
+
 class WeightShardPlanner:
     """Replays one model's gather schedule and checks every layer's slot before it computes."""
 
@@ -304,6 +311,11 @@ class WeightShardPlanner:
         if self.closed:
             raise PlannerClosedError("this weight sharding was closed (WeightSharding.close()): its slots and "
                                      "chunks are freed; build and shard the model again to run it")
+        if torch.compiler.is_exporting():
+            # A step is a sequence of collectives into slots that the next step overwrites: there is no
+            # graph of it to export, and torch's own failure ("Can't remap async version of inplace op",
+            # a skipped builtin) names neither the cause nor the way out.
+            raise ShardingError(EXPORT_REFUSED)
         me = threading.get_ident()
         if self._owner == me and not self._outside:
             self.end_step()

@@ -19,6 +19,7 @@ A sharded weight goes through four stages (SGLang's weight sharding for Kimi K3,
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -26,11 +27,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from wsharding.core.accounting import ShardingBytes
 from wsharding.core.bound import bound_parameter, guard_bound_weight
 from wsharding.core.comm import CommError, Communicator
 from wsharding.core.contract import rebind_tensor
-from wsharding.core.declare import ShardDecision, declare_layer, layer_indices
+from wsharding.core.declare import ShardDecision, ShardingSkipWarning, layer_indices, target_name, validate_target
 from wsharding.core.edits import refuse_edits
 from wsharding.core.guards import BoundWeightGuards
 from wsharding.core.layout import FlatLayout
@@ -38,6 +38,7 @@ from wsharding.core.planner import NOT_COPIED, ShardedLayer, WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.redistribute import agree_or_raise, redistribute_layer, set_weight_data
 from wsharding.core.replicas import weight_digest
+from wsharding.core.resident import resident_formula
 from wsharding.core.rowloaders import (
     FullShapeLoader,
     RowShardLoader,
@@ -46,9 +47,10 @@ from wsharding.core.rowloaders import (
     format_rows,
     row_window,
 )
-from wsharding.core.schedule import check_depth
+from wsharding.core.schedule import check_depth, slot_name
 from wsharding.core.slots import SlotPolicy, SlotPool, plain_slot_policy
 from wsharding.core.ties import Place, by_storage, refuse_ties, tensor_places
+from wsharding.core.units import align_up
 
 #: How many shardings were finalized on each communicator: numbers the window tags of the next one.
 _SHARDINGS_ON: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
@@ -74,7 +76,7 @@ def abandon_sharding(comm: Communicator, why: str) -> None:
         pass
 
 
-class WeightSharding(ShardingBytes):
+class WeightSharding:
     """Weight sharding of one model over a shard group.
 
     ``layers`` are the model's blocks in execution order (index = layer id); ``targets`` maps a
@@ -171,8 +173,81 @@ class WeightSharding(ShardingBytes):
 
     def declare(self, layer_id: int, layer: nn.Module,
                 names: Sequence[str | nn.Module] | None = None) -> list[ShardTarget]:
-        """Decide layer ``layer_id``'s targets and fix its flat layout (:func:`~wsharding.core.declare.declare_layer`)."""
-        return declare_layer(self, layer_id, layer, names)
+        """Decide layer ``layer_id``'s targets (``names`` -- attribute paths, or the package's own
+        linears themselves -- or the layer's own ``weight_shard_targets``) and fix its flat layout,
+        while every weight still has its full shape. Layers outside the sharded range are left alone.
+
+        A package linear (:class:`~wsharding.core.contract.ParallelLinear`) is decided by its group
+        (the Linear contract): tp size 1 -> a target; tp size > 1 -> left alone, tensor parallelism
+        already splits it. Each decision is kept, with its one-line reason, in :attr:`decisions`
+        (:meth:`report`); the rules of one weight are in :mod:`wsharding.core.declare`."""
+        if self.stage != "declared":
+            raise ShardingError(f"declare() after {self.stage}: declare every layer before finalize")
+        if layer_id in self.shrunk:
+            raise ShardingError(f"layer {layer_id}: declare() after setup_layer(): its targets already hold 1/N "
+                                "rows, and a layout needs the full shapes. Declare a layer before it shrinks")
+        # Every block is indexed, sharded or not: a target whose storage a block left replicated also
+        # holds is as wrong as one tied between sharded blocks (refuse_ties).
+        places = by_storage(tensor_places(layer))
+        self.declared_blocks[layer_id] = (layer, places)
+        earlier = [t for i, ts in self.targets.items() if i != layer_id for t in ts]
+        if self.sharded_range is not None and layer_id not in self.sharded_range:
+            refuse_ties(earlier, places, f"layer {layer_id} ", self.comm.rank)
+            return []
+        if getattr(layer, "_weight_shard", None) is not None:
+            # Its weights are views of another sharding's slot: sharded again, the two planners would
+            # gather into each other's slots and the outputs would be silently wrong.
+            raise ShardingError(
+                f"layer {layer_id} on rank {self.comm.rank}: this module is already sharded by a WeightSharding that is "
+                "still open (its weights are views of that sharding's slots). Use that sharding, or close it "
+                "(ws.close()) and shard a freshly built model")
+        if getattr(layer, "_weight_shard_closed", False):
+            raise ShardingError(
+                f"layer {layer_id} on rank {self.comm.rank}: this module's weight sharding was closed and its sharded "
+                "weights freed; nothing is left to shard. Shard a freshly built model (or load its checkpoint into one)")
+        names = getattr(layer, "weight_shard_targets", []) if names is None else names
+        chosen, left = [], []
+        for n in names:
+            name = target_name(layer_id, layer, n)
+            t = validate_target(layer_id, layer, name, self.comm.world_size, self.decisions)
+            if isinstance(t, ShardTarget):
+                chosen.append(t)
+            elif t is not None:
+                self.skipped.append(f"{layer_id}:{name}")
+                left.append(f"{name}.weight ({t} rows)")
+        # One warning per layer, on rank 0 only: every rank skips the same weights, and a model of
+        # 60 layers x 4 weights x 8 ranks would otherwise print 1920 lines for one decision.
+        if left and self.comm.rank == 0:
+            warnings.warn(f"layer {layer_id}: {len(left)} weight{'s' * (len(left) > 1)} left replicated, rows not "
+                          f"divisible by the group size {self.comm.world_size}: {', '.join(left)}",
+                          ShardingSkipWarning, stacklevel=3)
+        for t in chosen:
+            # A weight tied between two layers (or one block at two places of the list) would be shrunk,
+            # bound to a slot and gathered once per place: each sharded layer needs weights of its own.
+            for other, ts in [*self.targets.items(), (layer_id, chosen[:chosen.index(t)])]:
+                same = next((o for o in ts if o.module.weight is t.module.weight), None)
+                if same is not None:
+                    raise ShardingError(
+                        f"layer {layer_id} {t.name}.weight on rank {self.comm.rank} is the same weight as layer {other} "
+                        f"{same.name}.weight (a block or weight shared between layers): each sharded layer needs "
+                        "weights of its own. Leave one of the layers out (sharded_layers=...), or untie the weights")
+        # Then every other holder of a target's storage: of this layer's targets in this block and in
+        # the blocks declared before, of earlier layers' targets in this block.
+        refuse_ties(chosen, places, f"layer {layer_id} ", self.comm.rank, own_layer=True)
+        for other, (_, elsewhere) in self.declared_blocks.items():
+            if other != layer_id:
+                refuse_ties(chosen, elsewhere, f"layer {other} ", self.comm.rank, recheck=True)
+        refuse_ties(earlier, places, f"layer {layer_id} ", self.comm.rank)
+        if chosen:
+            self.layers[layer_id] = layer
+            self.targets[layer_id] = chosen
+            for t in chosen:
+                # Loading reads this: the linear's own after-loading step runs at finalize instead.
+                t.module.weight_shard_target = t
+            # Attention and MoE targets of a layer share one layout: one gather per layer.
+            self.layouts[layer_id] = FlatLayout([(t.entry, t.shape, t.dtype) for t in chosen], self.comm.world_size,
+                                                chunk_alignment=self.slot_policy.chunk_alignment)
+        return chosen
 
     def refuse_tied_to(self, model: nn.Module) -> None:
         """Raise :class:`ShardingError` when a target's storage is shared with any parameter or buffer
@@ -415,6 +490,97 @@ class WeightSharding(ShardingBytes):
         with self.guards.reading_state_dict():  # its sharded weights are replaced below
             state = model.state_dict(keep_vars=True)
         return {k: full[id(v)] if id(v) in full else v.detach().to(device, copy=True) for k, v in state.items()}
+
+    # ---- bytes: every number is arithmetic on the layouts (the formula, the cost model's own:
+    # resident_formula) or read from the storages themselves, so that the two can be checked against
+    # each other ----------------------------------------------------------------------------------------
+    def _expect(self, stage: str, what: str) -> None:
+        if self.stage != stage:
+            raise ShardingError(f"{what}() needs stage {stage!r}, the sharding is at {self.stage!r}")
+
+    @property
+    def map_own_chunk(self) -> bool:
+        """Whether the layers gather into views mapped over their chunks (tentative until setup)."""
+        return self.slot_policy.mapped
+
+    @property
+    def sharded_layer_ids(self) -> list[int]:
+        return sorted(self.targets)
+
+    def replicated_bytes(self) -> int:
+        """R: bytes of the target weights that every rank would hold when replicated."""
+        return sum(t.nbytes for ts in self.targets.values() for t in ts)
+
+    @property
+    def slot_count(self) -> int:
+        """Slots the sharding gathers into: ``prefetch_depth + 1``."""
+        return self.prefetch_depth + 1
+
+    def formula_bytes(self) -> int:
+        """``R/N + padding/N + (k+1) * max_l |T_l|`` for lookahead depth ``k`` (two slots at the default
+        depth 1): what each rank must hold after finalize.
+
+        A backend that allocates in units (our NCCL binding rounds every window to 4096 B, its
+        ``alloc_granularity``) rounds each chunk and slot up to that unit. With ``map_own_chunk`` a
+        slot keeps only the peers' pages after finalize: ``(k+1) * (N-1)/N * max_l |T_l|``.
+        """
+        return resident_formula(self.layouts.values(), self.comm.world_size, self.comm.alloc_granularity,
+                                mapped=self.map_own_chunk, slots=self.slot_count)
+
+    def _slot_page_bytes(self) -> int:
+        """With ``map_own_chunk``: one rank's page of a slot, the largest chunk in allocation units."""
+        return align_up(max(lay.chunk_bytes for lay in self.layouts.values()), self.comm.alloc_granularity)
+
+    def finalize_bound_bytes(self) -> int:
+        """The most this rank should hold while :meth:`finalize` runs: :meth:`formula_bytes` plus the
+        largest weight (one layer's row shards on their way into its chunk). With ``map_own_chunk``
+        also this rank's own page of each slot: finalize gathers through whole slots, and only the
+        trim at its end gives those pages back."""
+        own_pages = self.slot_count * self._slot_page_bytes() if self.map_own_chunk else 0
+        return self.formula_bytes() + self.largest_weight_bytes() + own_pages
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of sharded weights this rank holds now, from the storages: ``"weights"`` (row shards,
+        or full weights of requant-then-shard targets, still outside the slots), ``"chunks"``,
+        ``"slots"``."""
+        slot_ptrs = self.slots.bound_storage_ptrs() if self.slots else set()
+        weights: dict[int, int] = {}
+        for ts in self.targets.values():
+            for t in ts:
+                st = t.module.weight.untyped_storage()
+                if st.data_ptr() not in slot_ptrs and not t.module.weight.is_meta:
+                    weights[st.data_ptr()] = st.nbytes()
+        return {
+            "weights": sum(weights.values()),
+            "chunks": sum(c.untyped_storage().nbytes() for c in self.chunks.values()),
+            "slots": sum(b.untyped_storage().nbytes() for b in self.slots.resident_buffers()) if self.slots else 0,
+        }
+
+    def largest_weight_bytes(self) -> int:
+        """The largest single target weight: the transient of a load or of one finalize gather."""
+        return max(t.nbytes for ts in self.targets.values() for t in ts)
+
+    def resident_bytes(self) -> int:
+        """Bytes actually allocated for sharded weights on this rank (chunks + slots), measured
+        from the storages, not from the layout."""
+        self._expect("finalized", "resident_bytes")
+        # keyed by address: a storage's Python object is made anew per call, so its id() can repeat
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*self.chunks.values(), *self.slots.resident_buffers()]}
+        return sum(storages.values())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per sharded layer: targets, layout bytes, chunk bytes and slot."""
+        return [
+            {
+                "layer": i,
+                "targets": [t.name for t in self.targets[i]],
+                "layout_bytes": self.layouts[i].total_bytes,
+                "chunk_bytes": self.layouts[i].chunk_bytes,
+                "slot": slot_name(self.slots.slot_of(i) if self.slots else k % self.slot_count),
+            }
+            for k, i in enumerate(self.sharded_layer_ids)
+        ]
 
     @property
     def map_own_chunk_reason(self) -> str:

@@ -207,7 +207,18 @@ class TorchDistComm(Communicator):
         """Nothing to order: gathers are issued from the compute stream itself."""
 
     def raise_if_failed(self, what: str) -> None:
-        """torch.distributed reports its errors from ``work.wait()``: nothing is pending here."""
+        """torch.distributed reports its errors from ``work.wait()``; what is checked here, once per
+        step, is that the process group still exists: after ``destroy_process_group`` a gather would
+        end in torch's "Default process group has not been initialized", which names neither the
+        sharding nor the way out."""
+        gone = not dist.is_initialized() or (
+            self.group is not None and self.group not in dist.distributed_c10d._world.pg_map)
+        if gone:
+            raise CommError(
+                f"{what} on rank {self.rank}: the process group of this weight sharding was destroyed "
+                "(torch.distributed.destroy_process_group) while the sharded model still uses it, so no layer "
+                "can be gathered. Close the sharding (ws.close()) before destroying the group; to run again, "
+                "initialise a process group and shard a freshly built model")
 
     def trace_stream(self) -> torch.cuda.Stream:
         if self._trace_stream is None:
