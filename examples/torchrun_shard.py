@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks per shard group (default: the ranks of one node)")
     args = parser.parse_args(argv)
     ctx = init_from_env()
-    group_size = args.group_size or ctx.node_group_size
-    comm = ctx.shard_comm(group_size)
+    # `or` would take --group-size 0 as "not given": shard_comm refuses it (and a group the world cannot hold)
+    comm = ctx.shard_comm(args.group_size)  # None: the ranks of one node
     cfg = PRESETS["tiny"]
     replica = ToyDecoder(cfg, seed=0, device=ctx.device).eval()
     model = ToyDecoder(cfg, seed=0, device=ctx.device).eval()

@@ -65,7 +65,7 @@ import torch
 
 from wsharding.core.context import ClusterError, current_context, make_context, seconds_arg, set_current_context
 from wsharding.core.emulation import CPU_EMULATION_NOTE, SHARED_GPU_NOTE
-from wsharding.core.errors import WshardingError
+from wsharding.core.errors import WshardingError, require_int
 from wsharding.core.units import ceil_div
 from wsharding.fatal import add_last_words
 
@@ -218,6 +218,14 @@ def _worker_main(
 # ------------------------------------------------------------------------------------------------
 # The caller side
 # ------------------------------------------------------------------------------------------------
+#: RankCluster starts every rank as a process of this host, and gloo connects each to every other:
+#: past this many the ranks' sockets outgrow the usual open-file limit (1024) -- a job that size is a
+#: torchrun job over several nodes (init_from_env), not a RankCluster.
+MAX_LOCAL_RANKS = 1024
+_RANKS_TODO = (f"ask for 1 rank or more, at most {MAX_LOCAL_RANKS} processes on this host (larger jobs: torchrun "
+               "--nproc-per-node N on each node, with init_from_env())")
+
+
 def choose_backend(world_size: int, backend: str = "auto", ranks_per_gpu: int = 1) -> tuple[str, list[int | None]]:
     """Pick the backend and each rank's device index.
 
@@ -226,8 +234,10 @@ def choose_backend(world_size: int, backend: str = "auto", ranks_per_gpu: int = 
     with ``NCCL_MULTI_RANK_GPU_ENABLE=1``): then the ranks' control group is gloo by itself, since
     NCCL's process group refuses two ranks on one device, and the devices are still GPUs.
     """
-    if not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1:
-        raise ClusterError(f"ranks_per_gpu must be an integer >= 1, got {ranks_per_gpu!r}")
+    world_size = require_int(world_size, "world_size", minimum=1, maximum=MAX_LOCAL_RANKS, error=ClusterError,
+                             todo=_RANKS_TODO)
+    ranks_per_gpu = require_int(ranks_per_gpu, "ranks_per_gpu", minimum=1, maximum=world_size, error=ClusterError,
+                                todo=f"pass 1 (a GPU per rank) up to the {world_size} ranks (all on one GPU)")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         backend = "nccl" if gpus and gpus * ranks_per_gpu >= world_size else "gloo"
@@ -321,10 +331,13 @@ class RankCluster:
         threads_per_rank: int = 1,
         env: dict[str, str] | None = None,
     ) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ClusterError(f"world_size must be an integer >= 1, got {world_size!r}")
-        if not isinstance(threads_per_rank, int) or isinstance(threads_per_rank, bool) or threads_per_rank < 1:
-            raise ClusterError(f"threads_per_rank must be an integer >= 1, got {threads_per_rank!r}")
+        world_size = require_int(world_size, "world_size", minimum=1, maximum=MAX_LOCAL_RANKS, where="RankCluster",
+                                 error=ClusterError, todo=_RANKS_TODO)
+        cores = os.cpu_count() or 1
+        threads_per_rank = require_int(threads_per_rank, "threads_per_rank", minimum=1, maximum=cores,
+                                       where="RankCluster", error=ClusterError,
+                                       todo=f"pass an integer >= 1, at most this machine's {cores} cores (more "
+                                            "only make a rank's threads take turns)")
         task_timeout = seconds_arg("task_timeout", task_timeout)
         collective_timeout = seconds_arg("collective_timeout", collective_timeout)
         start_timeout = seconds_arg("start_timeout", start_timeout)

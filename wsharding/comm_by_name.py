@@ -14,6 +14,7 @@ import torch
 
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument
+from wsharding.core.groups import check_group_size
 
 
 def ours_supported() -> bool:
@@ -57,7 +58,9 @@ def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None
     """
     if comm == "auto":
         comm = "nccl" if ours_supported() else "torch"
-    g = ctx.world_size if group_size is None else min(group_size, ctx.world_size)
+    # never clipped to the world: a group the world cannot hold is refused, naming the world size
+    g = ctx.world_size if group_size is None else check_group_size(ctx.world_size, group_size,
+                                                                   where=f"rank {ctx.rank}: shard_comm_for")
     if comm == "torch":
         return ctx.shard_comm(g)
     if comm != "nccl":

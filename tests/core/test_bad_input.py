@@ -585,6 +585,34 @@ def _pickled(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return torch.save(_sharded(), io.BytesIO())
 
 
+def _group_larger_than_world(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from datetime import timedelta
+
+    from wsharding.core.context import RankContext
+
+    # a script written for torchrun --nproc-per-node 8, launched with 2: the group of 8 became one of 2
+    ctx = RankContext(0, 2, torch.device("cpu"), "gloo", "cpu-gloo", "", timedelta(seconds=1))
+    return ctx.shard_comm(8)
+
+
+def _group_not_dividing_world(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from datetime import timedelta
+
+    from wsharding.core.context import RankContext
+
+    ctx = RankContext(0, 6, torch.device("cpu"), "gloo", "cpu-gloo", "", timedelta(seconds=1))
+    return ctx.shard_comm(4)  # groups (rank // 4) * 4: ranks 4 and 5 would be a group of 2
+
+
+def _yaml_ranks_word(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.costmodel import load_model_file
+
+    path = tmp / "model.yaml"
+    path.write_text("name: toy\nkinds: {a: {groups: [{name: w, dtype: bf16, bytes: 64}]}}\nsequence: [[a, 2]]\n"
+                    "defaults: {ranks: eight}\n")  # a ValueError from int() once the plan read it
+    return load_model_file(path)
+
+
 _EXAMPLE_COMM = "ctx.shard_comm(group_size)"
 
 CASES: dict[str, Case] = {
@@ -667,6 +695,19 @@ CASES: dict[str, Case] = {
     "sharded_layers int": Case(
         "gave sharded_layers one int instead of a list", "wsharding.core.sharding:ShardingError",
         ("sharded_layers", "int 1", "[1]"), "pass a list or range: [1], range(1, 8)", _sharded_layers_int),
+    "group larger than world": Case(
+        "asked shard_comm (or from_context, shard_comm_for) for a shard group larger than the world launched",
+        "wsharding.core.errors:InvalidArgument", ("group_size 8", "world of 2", "torchrun --nproc-per-node 8"),
+        "launch as many processes as the group size (torchrun --nproc-per-node N) or pass a group size that "
+        "divides the world; it is never clipped to the world", _group_larger_than_world),
+    "group not dividing world": Case(
+        "asked for a shard group size that does not divide the world", "wsharding.core.errors:InvalidArgument",
+        ("shard group size 4", "world size 6", "1, 2, 3, 6"), "pass a group size that divides the world size",
+        _group_not_dividing_world),
+    "model file ranks word": Case(
+        "wrote a whole-number field of a model file as a word or a fraction (defaults: {ranks: eight})",
+        "wsharding.costmodel:CostModelError", ("toy.defaults.ranks", "'eight'", "expected an integer"),
+        "write whole numbers (ranks: 8); a number is never rounded or read from text", _yaml_ranks_word),
     "prefetch depth": Case(
         "gave prefetch_depth=0", "wsharding.core.errors:InvalidArgument",
         ("prefetch_depth", "got 0", "depth + 1 slots"), "pass an int >= 1 (1: the design's two slots); "

@@ -120,11 +120,12 @@ def test_shard_groups():
     assert shard_group_ranks(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert shard_group_ranks(8) == [list(range(8))]
     assert shard_group_ranks(16) == [list(range(8)), list(range(8, 16))]
-    assert shard_group_ranks(3, 8) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="group_size 8 is larger than the world of 3 rank"):
+        shard_group_ranks(3, 8)  # never clipped to the world
     assert shard_group_of(6, 8, 4) == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="shard group size 4 does not divide world size 6"):
         shard_group_ranks(6, 4)
-    with pytest.raises(ValueError, match="world_size must be >= 1"):
+    with pytest.raises(ValueError, match="world_size: must be >= 1, got 0"):
         shard_group_ranks(0, 4)
 
 
@@ -228,7 +229,7 @@ def test_context_manager_leaves_no_process():
 
 
 def test_bad_cluster_arguments():
-    with pytest.raises(ClusterError, match="world_size must be an integer >= 1"):
+    with pytest.raises(ClusterError, match="world_size: must be >= 1, got 0"):
         RankCluster(0)
     with pytest.raises(ClusterError, match="unknown backend 'mpi'"):
         RankCluster(2, backend="mpi")

@@ -198,7 +198,7 @@ def test_ranks_outnumbering_gpus_get_a_gloo_control_group(monkeypatch):
     assert (c.backend, c.on_gpus, c.shared_gpu) == ("gloo", True, True)
     assert c.emulation.startswith("emulated: several ranks time-slice one GPU")
     assert c.env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
-    with pytest.raises(ClusterError, match="ranks_per_gpu must be an integer >= 1, got 0"):
+    with pytest.raises(ClusterError, match="ranks_per_gpu: must be >= 1, got 0"):
         choose_backend(2, "nccl", 0)
     assert "cannot run with several ranks per GPU" in SHARED_GPU_TORCH_NOTE and "\n" not in SHARED_GPU_TORCH_NOTE
 

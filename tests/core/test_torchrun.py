@@ -120,10 +120,11 @@ def test_group_across_nodes_warns_unless_asked_for(monkeypatch):
         assert two_nodes.node_group_size == 2
         two_nodes.shard_comm(2)
         assert caught == []
-        two_nodes.shard_comm(8)  # clipped to the world of 4: both nodes
+        two_nodes.shard_comm(4)  # the world of 4: both nodes
         assert [w.category for w in caught] == [ShardGroupAcrossNodesWarning]
         assert caught[0].filename == __file__  # points at the caller's line
-        two_nodes.shard_comm(8)  # made once, said once
+        two_nodes.shard_comm(4)  # made once, said once
+        assert two_nodes.shard_comm() == "comm of 2"  # the default: the largest group inside one node
         assert len(caught) == 1
         _context((0, 0, 1, 1)).shard_comm(4, across_nodes=True)  # meant: silent
         _context((0, 0, 0, 0)).shard_comm(4)  # one node: nothing to say

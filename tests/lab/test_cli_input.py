@@ -69,6 +69,23 @@ BAD = [
     (["bench", "draft", "--commit-ms", "-1"], "argument --commit-ms: must be at least 0, got -1"),
     (["bench", "draft", "--json", "/etc/passwd/x"], "--json /etc/passwd/x.json: /etc/passwd is a file"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "0"], "ranks: must be >= 1, got 0"),
+    # every whole-number option: 0 and -1 where they cannot work, a fraction never rounded
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "-1"], "ranks: must be >= 1, got -1"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "2.5"], "argument --ranks: invalid int value: '2.5'"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--tokens", "-1"], "tokens: must be >= 0, got -1"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--context", "0"], "context: must be >= 1, got 0"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-bytes-per-token", "0"], "kv_bytes_per_token: must be >= 1, got 0"),
+    (["bench", "step", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["bench", "step", "--repeats", "-1"], "argument --repeats: must be at least 1, got -1"),
+    (["bench", "schedule", "--depths", "1,0"], "argument --depths: '0': every value must be at least 1 depths"),
+    (["bench", "schedule", "--ranks", "2.5"], "argument --ranks: '2.5' is not a whole number"),
+    (["bench", "allgather", "--ranks-per-gpu", "0"], "argument --ranks-per-gpu: must be at least 1, got 0"),
+    (["bench", "allgather", "--reps", "0"], "argument --reps: must be at least 1, got 0"),
+    (["bench", "draft", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["bench", "profile", "--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+    (["bench", "serve", "--layers", "1"], "argument --layers: must be at least 2, got 1"),
+    (["bench", "serve", "--requests", "0"], "argument --requests: must be at least 1, got 0"),
+    (["bench", "serve", "--rows", "-1"], "argument --rows: must be at least 1, got -1"),
     # nan passes every comparison and inf every lower bound: both ended in a traceback after parsing
     (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-pool-gib", "nan"], "argument --kv-pool-gib: 'nan' is not a finite"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-pool-gib", "inf"], "argument --kv-pool-gib: 'inf' is not a finite"),
@@ -105,6 +122,22 @@ def test_bad_input_is_one_line_before_any_work(argv, message, capsys, no_ranks):
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith(f"wsharding {argv[0]}") and ": error: " in lines[0] and message in lines[0], lines[0]
+
+
+HUGE = str(10**18)
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["soak"], ["bench", "step"], ["bench", "schedule"], ["bench", "draft"],
+                                  ["bench", "profile"], ["bench", "serve"], ["bench", "allgather"]],
+                         ids=" ".join)
+def test_a_huge_number_of_ranks_is_one_line_before_any_rank(argv, capsys):
+    """``--ranks 10**18`` passes argparse (a whole number >= 1); the command's bound, or RankCluster's
+    (:data:`wsharding.cluster.MAX_LOCAL_RANKS`), refuses it in one line before a process starts --
+    not a MemoryError from a list of 10**18 devices."""
+    rc, out, err = run_cli([*argv, "--ranks", HUGE], capsys)
+    lines = err.strip().splitlines()
+    assert rc in (1, 2) and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"wsharding {argv[0]}") and HUGE in lines[0], lines[0]
 
 
 @CPU_ONLY

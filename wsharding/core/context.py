@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from wsharding.core.emulation import CPU_EMULATION_NOTE, SHARED_GPU_NOTE, SHARED_GPU_TORCH_NOTE
-from wsharding.core.errors import WshardingError
-from wsharding.core.groups import fitting_group_size, warn_if_group_spans_nodes
+from wsharding.core.errors import WshardingError, require_int
+from wsharding.core.groups import check_group_size, fitting_group_size, warn_if_group_spans_nodes
 
 
 class ClusterError(WshardingError, RuntimeError):
@@ -60,6 +60,12 @@ class RankContext:
     nodes: tuple[int, ...] | None = None
     _comms: dict[int, Any] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        # a context of 2.0 ranks or of rank True would reach the groups' arithmetic as it was given
+        self.world_size = require_int(self.world_size, "world_size", minimum=1, where="RankContext")
+        self.rank = require_int(self.rank, "rank", maximum=self.world_size - 1, where="RankContext",
+                                todo=f"ranks of a world of {self.world_size} are 0 .. {self.world_size - 1}")
+
     @property
     def node_group_size(self) -> int:
         """The largest shard group size whose groups ``(rank // g) * g`` each sit inside one node
@@ -71,17 +77,23 @@ class RankContext:
         """A communicator over the whole world."""
         return self.shard_comm(self.world_size)
 
-    def shard_comm(self, group_size: int = 8, *, across_nodes: bool = False):
+    def shard_comm(self, group_size: int | None = None, *, across_nodes: bool = False):
         """A communicator over this rank's shard group (``(rank // g) * g``), created once.
+
+        ``group_size``: the ranks that share one copy of the weights; it must divide the world and is
+        never clipped to it (a group of 8 in a world of 2 is refused, naming the world size and how to
+        launch more ranks: :func:`~wsharding.core.groups.check_group_size`). ``None``: the largest group
+        that sits inside one node (:attr:`node_group_size`; the whole world on one node).
 
         The first call for a group size is collective: every rank must make it. A group that spans
         nodes warns (:class:`~wsharding.core.groups.ShardGroupAcrossNodesWarning`) unless ``across_nodes=True`` says it is meant.
         """
         from wsharding.core.torch_backend import new_shard_comms
 
+        g = self.node_group_size if group_size is None else check_group_size(
+            self.world_size, group_size, where=f"rank {self.rank}: shard_comm")
         if self.device.type == "cuda" and self.backend != "nccl":
             raise ClusterError(f"rank {self.rank}: {SHARED_GPU_TORCH_NOTE}; use comm='nccl' (ours) for the gathers")
-        g = min(group_size, self.world_size)
         if g not in self._comms:
             if not across_nodes:
                 warn_if_group_spans_nodes(self, g, opt_in=f"pass shard_comm({g}, across_nodes=True)", stacklevel=2)

@@ -11,29 +11,51 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from wsharding.core.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument, require_int
+
+
+def check_group_size(world_size: int, group_size: object, *, where: str = "shard_group_ranks") -> int:
+    """``group_size`` as an int that the world can hold and divides, or :class:`InvalidArgument` /
+    :class:`InvalidType` naming it, the world size and what to do.
+
+    Never clipped: a group of 8 asked for in a world of 2 used to become a group of 2 without a word
+    (a script written for ``torchrun --nproc-per-node 8`` launched with fewer processes), which shards
+    the weights 2 ways instead of 8 -- four times the memory the script was sized for."""
+    world = require_int(world_size, "world_size", minimum=1, where=where)
+    g = require_int(group_size, "group_size", minimum=1, where=where,
+                    todo=f"pass a number of ranks that divides the world of {world} ({_divisors(world)})")
+    if g > world:
+        raise InvalidArgument(
+            f"{where}: group_size {g} is larger than the world of {world} rank(s): a shard group is made of this "
+            f"job's ranks. Launch {g} processes or more (torchrun --nproc-per-node {g} script.py, or "
+            f"RankCluster({g})), or pass a group size that divides {world} ({_divisors(world)})"
+        )
+    if world % g:
+        raise InvalidArgument(
+            f"{where}: shard group size {g} does not divide world size {world}: every group (rank // g) * g must "
+            f"be complete; choose a group size that divides {world} ({_divisors(world)})"
+        )
+    return g
+
+
+def _divisors(n: int) -> str:
+    """The group sizes a world of ``n`` ranks can be cut into, as ``"1, 2, 4"`` (cut short past a few)."""
+    found = [d for d in range(1, min(n, 4096) + 1) if n % d == 0]
+    return ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 or n > 4096 else "")
 
 
 def shard_group_ranks(world_size: int, group_size: int = 8) -> list[list[int]]:
-    """All shard groups of a world, in order. ``group_size`` is clipped to the world size."""
-    if world_size < 1:
-        raise InvalidArgument(f"world_size must be >= 1, got {world_size}")
-    if group_size < 1:
-        raise InvalidArgument(f"shard group size must be >= 1, got {group_size}")
-    g = min(group_size, world_size)
-    if world_size % g:
-        raise InvalidArgument(
-            f"shard group size {g} does not divide world size {world_size}: every group must be "
-            f"complete; choose a group size that divides {world_size}"
-        )
+    """All shard groups of a world, in order; ``group_size`` must fit the world and divide it
+    (:func:`check_group_size`)."""
+    g = check_group_size(world_size, group_size)
     return [list(range(start, start + g)) for start in range(0, world_size, g)]
 
 
 def shard_group_of(rank: int, world_size: int, group_size: int = 8) -> list[int]:
     """The ranks of ``rank``'s shard group: ``(rank // g) * g`` up to the next multiple of g."""
     groups = shard_group_ranks(world_size, group_size)
-    g = len(groups[0])
-    return groups[rank // g]
+    rank = require_int(rank, "rank", maximum=world_size - 1, where="shard_group_of")
+    return groups[rank // len(groups[0])]
 
 
 class ShardGroupAcrossNodesWarning(UserWarning):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wsharding.core.errors import WshardingError
+from wsharding.core.errors import WshardingError, require_int
 from wsharding.core.units import align_up
 
 #: Byte alignment of every entry offset and of every chunk border.
@@ -112,12 +112,24 @@ class OwnedPiece:
         return self.entry_stop - self.entry_start
 
 
-def _check_chunk_alignment(chunk_alignment: int | None, alignment: int) -> None:
+def _check_sizes(group_size: object, alignment: object, chunk_alignment: object, where: str) -> tuple[int, int, int | None]:
+    """The layout's three whole numbers checked ([Note: whole numbers only] in ``core/errors.py``): both
+    constructors call it, so that ``from_entries`` refuses a group of 0 as ``FlatLayout`` does instead of
+    dividing by it."""
+    group_size = require_int(group_size, "group_size", minimum=1, where=where, error=LayoutError,
+                             todo="pass the number of ranks that share the layer, an int >= 1")
+    alignment = require_int(alignment, "alignment", minimum=ALIGNMENT, where=where, error=LayoutError,
+                            todo=f"pass a power of two >= {ALIGNMENT}")
+    if alignment & (alignment - 1):
+        raise LayoutError(f"{where}: alignment must be a power of two >= {ALIGNMENT}, got {alignment}")
     if chunk_alignment is None:
-        return
-    if (not isinstance(chunk_alignment, int) or chunk_alignment < alignment
-            or chunk_alignment & (chunk_alignment - 1)):
-        raise LayoutError(f"chunk_alignment must be a power of two >= alignment ({alignment}), got {chunk_alignment!r}")
+        return group_size, alignment, None
+    chunk_alignment = require_int(chunk_alignment, "chunk_alignment", minimum=alignment, where=where,
+                                  error=LayoutError, todo=f"pass a power of two >= alignment ({alignment}), or None")
+    if chunk_alignment & (chunk_alignment - 1):
+        raise LayoutError(f"{where}: chunk_alignment must be a power of two >= alignment ({alignment}), "
+                          f"got {chunk_alignment}")
+    return group_size, alignment, chunk_alignment
 
 
 class FlatLayout:
@@ -139,14 +151,7 @@ class FlatLayout:
         alignment: int = ALIGNMENT,
         chunk_alignment: int | None = None,
     ) -> None:
-        # a bool is an int in Python: FlatLayout(..., True) would be a group of one rank
-        whole = isinstance(group_size, int) and not isinstance(group_size, bool)
-        if not whole or group_size < 1:
-            kind = "" if whole else f" (a {type(group_size).__name__}, not a number of ranks)"
-            raise LayoutError(f"group_size must be an integer >= 1, got {group_size!r}{kind}")
-        if alignment < ALIGNMENT or alignment & (alignment - 1):
-            raise LayoutError(f"alignment must be a power of two >= {ALIGNMENT}, got {alignment}")
-        _check_chunk_alignment(chunk_alignment, alignment)
+        group_size, alignment, chunk_alignment = _check_sizes(group_size, alignment, chunk_alignment, "FlatLayout")
         entries: list[LayoutEntry] = []
         seen: set[str] = set()
         cursor = 0
@@ -160,9 +165,15 @@ class FlatLayout:
             if name in seen:
                 raise LayoutError(f"duplicate entry name {name!r}: names in one layout must be unique")
             seen.add(name)
-            shape = tuple(int(d) for d in shape)
-            if any(d < 0 for d in shape):
-                raise LayoutError(f"entry {name!r}: negative dimension in shape {shape}")
+            try:
+                dims = tuple(shape) if not isinstance(shape, (str, bytes)) else None
+            except TypeError:
+                dims = None
+            if dims is None:
+                raise LayoutError(f"entry {name!r}: shape must be a sequence of ints, got {shape!r}")
+            # int(d) would take a dimension of 2.5 as 2: a shape is whole numbers or refused
+            shape = tuple(require_int(d, f"entry {name!r}: shape {dims!r}: dimension", error=LayoutError,
+                                      todo="pass whole numbers >= 0") for d in dims)
             dtype = parse_dtype(dtype, what=f"entry {name!r}")
             numel = 1
             for d in shape:
@@ -180,7 +191,8 @@ class FlatLayout:
     ) -> FlatLayout:
         """Rebuild a layout from explicit entries (e.g. read back from a report), checking every
         invariant: aligned offsets, no overlap, a total divisible by ``chunk_alignment * N``."""
-        _check_chunk_alignment(chunk_alignment, alignment)
+        group_size, alignment, chunk_alignment = _check_sizes(group_size, alignment, chunk_alignment,
+                                                              "FlatLayout.from_entries")
         self = cls.__new__(cls)
         self._init_from_entries(list(entries), group_size, alignment, chunk_alignment)
         return self
@@ -265,6 +277,7 @@ class FlatLayout:
 
     def owner_of(self, byte: int) -> int:
         """Rank that owns byte ``byte`` of ``T``."""
+        byte = require_int(byte, "byte", minimum=None, where="FlatLayout.owner_of", error=LayoutError)
         if not 0 <= byte < self.total_bytes:
             raise LayoutError(f"byte {byte} is outside the layout [0, {self.total_bytes})")
         return byte // self.chunk_bytes
@@ -360,6 +373,9 @@ class FlatLayout:
 
     # ---- presentation ----------------------------------------------------------------------
     def _check_rank(self, rank: int) -> None:
+        # a float rank would slice at fractional bytes, a bool take rank 1: whole numbers only
+        require_int(rank, "rank", minimum=None, error=LayoutError,
+                    todo=f"pass a rank of the group, an int in 0 .. {self.group_size - 1}")
         if not 0 <= rank < self.group_size:
             raise LayoutError(f"rank {rank} is outside the group [0, {self.group_size})")
 

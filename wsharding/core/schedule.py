@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from wsharding.core.errors import InvalidArgument
+from wsharding.core.errors import require_int
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,18 @@ def slot_binding(sharded: Sequence[int], slots: int) -> dict[int, int]:
     return {layer: k % slots for k, layer in enumerate(sorted(sharded))}
 
 
-def check_depth(depth: object) -> int:
-    """``prefetch_depth`` as an int >= 1, or :class:`InvalidArgument` naming the value."""
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise InvalidArgument(f"prefetch_depth: gathers issued ahead of the computing layer, an int >= 1 (it keeps "
-                              f"depth + 1 slots), got {depth!r}")
-    return depth
+def check_depth(depth: object, sharded_layers: int | None = None) -> int:
+    """``prefetch_depth`` as an int >= 1 -- and, once the ``sharded_layers`` are known, at most one less
+    than their count (``L - 1`` gathers ahead already keep every sharded layer in its own slot; a deeper
+    one would allocate slots that no layer is ever gathered into) -- or :class:`InvalidArgument` naming
+    the value ([Note: whole numbers only] in ``core/errors.py``)."""
+    todo = "pass an int >= 1 (1: the design's two slots); it keeps depth + 1 slots"
+    if sharded_layers is None:
+        return require_int(depth, "prefetch_depth", minimum=1, todo=todo)
+    most = max(1, sharded_layers - 1)
+    return require_int(depth, "prefetch_depth", minimum=1, maximum=most,
+                       todo=f"{todo}; {sharded_layers} sharded layer(s) fill at most {most + 1} slots, so at most "
+                            f"depth {most}")
 
 
 def lookahead_schedule(sharded: Sequence[int], slot_of: Mapping[int, int], depth: int, start: int = 0,

@@ -302,6 +302,8 @@ class WeightSharding:
         """:meth:`setup_layer` for every declared layer (after settling ``map_own_chunk="auto"``: every
         layer is declared now)."""
         self._expect("declared", "setup")
+        if self.targets:  # every layer is declared: the depth's bound is known ([Note: whole numbers only])
+            check_depth(self.prefetch_depth, len(self.targets))
         # every layer is declared now: a policy may go back to plain slots ([Note: map_own_chunk="auto"])
         self.layouts = self.slot_policy.settle(self.layouts, self.comm.world_size, self.comm.alloc_granularity,
                                                slots=self.slot_count)
@@ -345,6 +347,7 @@ class WeightSharding:
         self._expect("setup", "finalize")
         if not self.targets:
             raise ShardingError("no layer has a shardable target: nothing to shard")
+        check_depth(self.prefetch_depth, len(self.targets))  # before the depth + 1 slots are allocated
         comm = self.comm
         problems = self.check_loaded()
         # Buffer tags name symmetric windows and must be unique on a communicator that outlives one

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from wsharding.core.errors import WshardingError
+from wsharding.core.errors import require_int as require_whole
 from wsharding.core.layout import LayoutError, parse_dtype
 
 
@@ -18,14 +19,12 @@ class CostModelError(WshardingError, ValueError):
     """A model description or deployment that the cost model cannot price; names the bad field."""
 
 
-def require_int(value: Any, what: str, *, minimum: int = 0) -> int:
-    """``value`` if it is an integer ``>= minimum``; else a :class:`CostModelError` naming ``what``."""
-    # bool is an int in Python; a `true` in a JSON file is a typo, not a size.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CostModelError(f"{what}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise CostModelError(f"{what}: must be >= {minimum}, got {value}")
-    return value
+def require_int(value: Any, what: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` if it is an integer in ``[minimum, maximum]``; else a :class:`CostModelError` naming ``what``.
+
+    The check is :func:`wsharding.core.errors.require_int` ([Note: whole numbers only]), answered with
+    the cost model's one error class."""
+    return require_whole(value, what, minimum=minimum, maximum=maximum, error=CostModelError)
 
 
 def require_dtype(value: Any, what: str) -> torch.dtype:

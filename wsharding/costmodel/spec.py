@@ -107,6 +107,13 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(parts)]
 
 
+#: The most sharded layers a model file may describe: each is listed and priced one by one, so a
+#: count of 10**18 (a typo) would otherwise fill the memory instead of saying so.
+MAX_LAYERS = 100_000
+#: The whole-number fields of a model's ``defaults`` and their least values.
+DEFAULT_INTS = {"ranks": 1, "tokens": 0, "context": 1, "kv_pool_bytes": 0}
+
+
 def model_from_dict(d: Mapping[str, Any]) -> ModelSpec:
     """Build a :class:`ModelSpec` from a plain description (the format of ``presets/*.json``).
 
@@ -129,7 +136,7 @@ def model_from_dict(d: Mapping[str, Any]) -> ModelSpec:
     sequence = d.get("sequence")
     if not isinstance(sequence, list) or not sequence:
         raise CostModelError(f"{name}.sequence: expected a non-empty list of [kind, count]")
-    repeat = require_int(d.get("repeat", 1), f"{name}.repeat", minimum=1)
+    repeat = require_int(d.get("repeat", 1), f"{name}.repeat", minimum=1, maximum=MAX_LAYERS)
     first = require_int(d.get("first_layer", 0), f"{name}.first_layer")
 
     order: list[str] = []
@@ -139,7 +146,10 @@ def model_from_dict(d: Mapping[str, Any]) -> ModelSpec:
         kind, count = item
         if kind not in kinds:
             raise CostModelError(f"{name}.sequence[{i}]: unknown kind {kind!r}; kinds: {sorted(kinds)}")
-        order += [kind] * require_int(count, f"{name}.sequence[{i}].count", minimum=1)
+        order += [kind] * require_int(count, f"{name}.sequence[{i}].count", minimum=1, maximum=MAX_LAYERS)
+    if len(order) * repeat > MAX_LAYERS:  # every layer is listed and priced one by one
+        raise CostModelError(f"{name}.sequence: {len(order)} layers x repeat {repeat} = {len(order) * repeat} layers, "
+                             f"more than the {MAX_LAYERS} a model file may describe; check the counts")
     order *= repeat
     counts = {k: order.count(k) for k in kinds}
 
@@ -205,6 +215,13 @@ def model_from_dict(d: Mapping[str, Any]) -> ModelSpec:
     defaults = d.get("defaults", {})
     if not isinstance(defaults, Mapping):
         raise CostModelError(f"{name}.defaults: expected a mapping")
+    # read later as numbers (int(d["ranks"]) took "ranks: eight" as a ValueError and 2.5 as 2): checked
+    # here, where the file's field can still be named
+    for key, low in DEFAULT_INTS.items():
+        if defaults.get(key) is not None:
+            require_int(defaults[key], f"{name}.defaults.{key}", minimum=low)
+    if defaults.get("device") is not None and not isinstance(defaults["device"], str):
+        raise CostModelError(f"{name}.defaults.device: expected a device name (b200, h200), got {defaults['device']!r}")
     return ModelSpec(
         name=name,
         layers=tuple(layers),

@@ -70,9 +70,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         model = model.with_dtype(args.dtype)
     d = model.defaults
     deployment = Deployment(
-        ranks=args.ranks if args.ranks is not None else int(d.get("ranks", 8)),
+        ranks=args.ranks if args.ranks is not None else d.get("ranks", 8),
         device=get_device(args.device or d.get("device", "b200")),
-        tokens=args.tokens if args.tokens is not None else int(d.get("tokens", 256)),
+        tokens=args.tokens if args.tokens is not None else d.get("tokens", 256),
         link_bandwidth=None if args.bandwidth is None else args.bandwidth * GB,
         efficiency=args.efficiency,
         collective_latency=args.latency_us * 1e-6,

@@ -50,6 +50,7 @@ from wsharding.accel.nccl.policy import (
     GATHER_LAUNCHES,
     check_cta_policy,
     check_cta_policy_env,
+    check_device_arg,
     check_gather_launch,
     parse_cta_policy,
 )
@@ -67,6 +68,7 @@ from wsharding.accel.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
 from wsharding.accel.nccl.watchdog import Watchdog
 from wsharding.core.comm import CommError, Communicator
 from wsharding.core.emulation import SHARED_GPU_NOTE
+from wsharding.core.groups import check_group_size
 from wsharding.core.torch_backend import mode_label
 
 if TYPE_CHECKING:
@@ -136,6 +138,8 @@ class NcclCommunicator(Communicator):
     ) -> None:
         self.handle: int | None = None
         check_gather_launch(gather_launch)
+        cta_policy = check_cta_policy(cta_policy)
+        check_device_arg(device)
         #: How a prepared gather reaches NCCL per layer ([Note: a gather launched as a graph]).
         self.gather_launch = gather_launch
         #: Every graph captured on this communicator: destroyed before it (NCCL waits for them).
@@ -150,7 +154,6 @@ class NcclCommunicator(Communicator):
         self._on_close: list[weakref.WeakMethod] = []
         self.pool = SymmetricPool(self)
         self.timeout_s = float(timeout_s)
-        check_cta_policy(cta_policy)
         self.cta_policy = cta_policy
         self.blocking = bool(blocking)
         # Checks that need no GPU come first, so CPU machines get the real reason.
@@ -404,6 +407,8 @@ def from_context(ctx: Any, *, device: torch.device | str | None = None, group_si
 
     On gloo clusters (several ranks on one GPU) each rank takes ``cuda:(rank % gpus)``.
     """
+    if group_size is not None:  # refused before any group is made, never clipped to the world
+        group_size = check_group_size(ctx.world_size, group_size, where=f"rank {ctx.rank}: from_context")
     if device is None:
         device = ctx.device if ctx.device.type == "cuda" else torch.device("cuda", ctx.rank % max(1, torch.cuda.device_count()))
     cpu_group = gloo_group_for(ctx) if group_size is None else gloo_shard_group_for(ctx, group_size)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from wsharding.accel.nccl.binding import CTA_POLICY_NAMES
 from wsharding.core.comm import CommError
+from wsharding.core.errors import require_int
 
 #: "graph": each prepared gather's ncclAllGather is captured once and launched as a CUDA graph
 #: (one driver call per layer); "direct": ncclAllGather is called per layer.
@@ -26,10 +29,32 @@ def check_gather_launch(how: str) -> None:
         raise CommError(f"gather_launch must be one of {GATHER_LAUNCHES}, got {how!r}")
 
 
-def check_cta_policy(policy: int) -> None:
-    """Refuse a CTA policy NCCL does not define."""
+def check_cta_policy(policy: int) -> int:
+    """``policy`` when NCCL defines it; else refused. A bool or a float would pass the lookup below
+    (``True == 1``, ``2.0 == 2``) and reach NCCL's config as something else than an int: whole numbers
+    only ([Note: whole numbers only] in ``wsharding/core/errors.py``)."""
+    policy = require_int(policy, "cta_policy", minimum=None, where="NcclCommunicator", error=CommError,
+                         todo=f"pass one of {sorted(CTA_POLICY_NAMES)} ({CTA_POLICY_ZERO}: the copy engine)")
     if policy not in CTA_POLICY_NAMES:
         raise CommError(f"cta_policy must be one of {sorted(CTA_POLICY_NAMES)}, got {policy!r}")
+    return policy
+
+
+def check_device_arg(device: object) -> None:
+    """Refuse, before any GPU is touched, a device index that is not a whole number >= 0 (``True``
+    would be ``cuda:1``, ``1.0`` a TypeError deep in torch) or a name torch does not know (``"2"``);
+    ``torch.device`` passes on."""
+    if device is None or isinstance(device, torch.device):
+        return
+    if isinstance(device, str):
+        try:
+            torch.device(device)
+        except RuntimeError:  # torch's words name no argument: "Invalid device string: '2'"
+            hint = f"'cuda:{device.strip()}' or {device.strip()}" if device.strip().isdigit() else "'cuda:N' or N"
+            raise CommError(f"NcclCommunicator: device {device!r} is not a device name; pass {hint}") from None
+        return
+    require_int(device, "device", where="NcclCommunicator", error=CommError,
+                todo="pass a CUDA device index >= 0, 'cuda:N' or a torch.device")
 
 
 def parse_cta_policy(value: str) -> int:

@@ -68,6 +68,10 @@ def cuda_device(device: torch.device | str | int | None) -> torch.device:
         raise CommError(f"NcclCommunicator needs a CUDA device, got {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if device.index >= count:
+        raise CommError(f"NcclCommunicator: device {device} does not exist: this process sees {count} GPU(s), "
+                        f"cuda:0 .. cuda:{count - 1}")
     torch.cuda.set_device(device)
     return device
 
