@@ -56,7 +56,7 @@ BAD = [
     (["demo", "--ranks", "x"], "argument --ranks: 'x' is not a whole number"),
     (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["demo", "--timed-steps", "0"], "argument --timed-steps: must be at least 1, got 0"),
-    (["demo", "--figures-from", "/no/such/report.json"], "--figures-from /no/such/report.json: no such file"),
+    (["demo", "--figures-from", "/no/such/report.json"], "--figures-from /no/such/report.json does not exist"),
     (["bench", "allgather", "--sizes", "abc"], "argument --sizes: 'abc' is not a number of MiB"),
     (["bench", "allgather", "--sizes", "1,-4"], "argument --sizes: '-4': every value must be more than 0 MiB"),
     (["bench", "allgather", "--ranks", "0"], "argument --ranks: must be at least 1, got 0"),
