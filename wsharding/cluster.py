@@ -68,6 +68,7 @@ from wsharding.core.emulation import CPU_EMULATION_NOTE, SHARED_GPU_NOTE
 from wsharding.core.errors import WshardingError, require_int
 from wsharding.core.units import ceil_div
 from wsharding.fatal import add_last_words
+from wsharding.io_checks import read_regular_file
 
 
 class RemoteError(ClusterError):
@@ -267,6 +268,10 @@ def _is_main_guard(test: ast.expr) -> bool:
     return False
 
 
+#: The largest ``__main__`` script parsed to find its ``if __name__ == "__main__":`` block.
+MAX_SCRIPT_BYTES = 16 << 20
+
+
 def _unguarded_main_line() -> tuple[str, int] | None:
     """``(file, line)`` when the ``__main__`` script's top-level code is running a statement outside an
     ``if __name__ == "__main__":`` block -- a statement spawn's children run again when they re-import the
@@ -288,9 +293,12 @@ def _unguarded_main_line() -> tuple[str, int] | None:
         return None
     filename, line = frame.f_code.co_filename, frame.f_lineno
     try:
-        with open(filename, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename)
-    except (OSError, SyntaxError, ValueError):
+        # A script run from a pipe (python <(...), python /dev/stdin) is a FIFO: reading it again would
+        # wait for a writer ([Note: only regular files] in wsharding.io_checks), so only a regular file
+        # of a script's size is read; anything else cannot tell.
+        text = read_regular_file(filename, "__main__ script", max_bytes=MAX_SCRIPT_BYTES, todo="")
+        tree = ast.parse(text.decode("utf-8"), filename)
+    except (WshardingError, SyntaxError, ValueError):
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and node.body and _is_main_guard(node.test):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from wsharding.core.errors import InvalidArgument, WshardingError
+from wsharding.io_checks import open_regular_file, read_regular_file
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -57,6 +58,10 @@ INDEX_NAME = "model.safetensors.index.json"
 #: What to do about a file that breaks the format.
 REMEDY = ("the file is damaged, or was not written by safetensors: copy or download it again, or write it again "
           "from its source with safetensors.torch.save_file (save_pretrained writes the same format)")
+#: What to pass instead of a path that is not a regular file ([Note: only regular files] in
+#: :mod:`wsharding.io_checks`).
+PATH_REMEDY = ("pass a .safetensors file, or a folder holding model.safetensors or a model.safetensors.index.json "
+               "and the files it names (as save_pretrained writes them)")
 #: What to do about an index that does not match its files.
 INDEX_REMEDY = ("the index and the files do not belong together: download or copy the whole checkpoint folder "
                 "again, or write it again with save_pretrained")
@@ -143,7 +148,11 @@ class SafetensorsFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.bytes_read = 0
-        self._fd = os.open(self.path, os.O_RDONLY)
+        # Checked before it is opened: a FIFO or a device given as a checkpoint blocked os.open (or
+        # never ended) on this rank, outside every collective timeout ([Note: only regular files]).
+        # No size limit: the file holds the weights; parse_header bounds what the header may cost.
+        self._fd = open_regular_file(self.path, "checkpoint file", max_bytes=None, todo=PATH_REMEDY,
+                                     error=SafetensorsError)
         try:
             self.metadata, infos = parse_header(self.path, self._fd)
         except BaseException:
@@ -196,11 +205,11 @@ class Checkpoint:
         try:
             if p.is_dir():
                 index = p / INDEX_NAME
-                if index.exists():
+                if index.exists():  # os.stat: answers for a FIFO too, which read_index then refuses
                     weight_map = read_index(index)
                     names = sorted(set(weight_map.values()))
                     for name in names:
-                        if not (p / name).is_file():
+                        if not (p / name).exists():  # there but not a regular file: SafetensorsFile says so
                             keys = sorted(k for k, v in weight_map.items() if v == name)
                             raise SafetensorsError(
                                 f"{index} names {name} for tensor(s) {_few(keys)}, but {p / name} does not exist; "
@@ -365,9 +374,11 @@ def read_index(index: Path) -> dict[str, str]:
     def bad(what: str) -> SafetensorsError:
         return SafetensorsError(f"{index}: {what}; {INDEX_REMEDY}")
 
-    if index.stat().st_size > MAX_HEADER_BYTES:
-        raise bad(f"is {index.stat().st_size} bytes, over the {MAX_HEADER_BYTES} bytes an index may take")
-    doc = _json_object(index.read_bytes(), "the index", bad)
+    # A regular file of at most MAX_HEADER_BYTES, checked before it is opened: a FIFO named like the
+    # index blocked here, and an index of gigabytes would be parsed whole.
+    raw = read_regular_file(index, "checkpoint index", max_bytes=MAX_HEADER_BYTES, todo=PATH_REMEDY,
+                            error=SafetensorsError)
+    doc = _json_object(raw, "the index", bad)
     if "weight_map" not in doc:
         raise bad("has no 'weight_map' (the tensor name -> file name map save_pretrained writes)")
     weight_map = doc["weight_map"]

@@ -9,7 +9,11 @@ The README's "Errors you may see" section is rendered from this table and the co
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import io
+import os
+import struct
 import threading
 import types
 import warnings
@@ -274,7 +278,25 @@ def _cta_policy_env(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return NcclCommunicator(cta_policy=2)
 
 
-def _checkpoint(tmp: Path, edit: Callable[[dict, Path], None], quant: str | None = None) -> object:
+def refuse_opening(mp: pytest.MonkeyPatch, path: str | os.PathLike) -> None:
+    """Make opening ``path`` (or a symlink to what it names) fail the test with an AssertionError: a path
+    that is not a regular file must be refused before it is opened -- and should that check go, the
+    case fails here instead of waiting on a FIFO for a writer or reading /dev/zero until killed."""
+    target = os.path.realpath(path)
+
+    def guard(real: Callable) -> Callable:
+        def opener(file: object, *args: object, **kwargs: object) -> object:
+            if isinstance(file, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(file)) == target:
+                raise AssertionError(f"{path} was opened before it was checked")
+            return real(file, *args, **kwargs)
+        return opener
+
+    for module in (os, io, builtins):  # os.open; io.open (pathlib's); open
+        mp.setattr(module, "open", guard(module.open))
+
+
+def _checkpoint(tmp: Path, edit: Callable[[dict, Path], None], quant: str | None = None,
+                read: str | None = None) -> object:
     from wsharding.checkpoint import load_checkpoint, save_checkpoint
     from wsharding.core.sharding import WeightSharding
     from wsharding.models import PRESETS, ToyDecoder
@@ -284,7 +306,7 @@ def _checkpoint(tmp: Path, edit: Callable[[dict, Path], None], quant: str | None
     save_checkpoint(ToyDecoder(cfg), path)
     edit(load_file(path), path)
     model = ToyDecoder(cfg, seed=1, weight_sharding=WeightSharding(_RankOfTwo(), sharded_layers=range(1, cfg.layers)))
-    return load_checkpoint(model, path)
+    return load_checkpoint(model, read or path)
 
 
 def _ckpt_missing(tmp: Path, mp: pytest.MonkeyPatch) -> object:
@@ -331,6 +353,28 @@ def _ckpt_truncated(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 
 def _ckpt_absent(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return _checkpoint(tmp, lambda t, path: path.unlink())
+
+
+def _ckpt_fifo(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    def edit(t: dict, path: Path) -> None:  # a named pipe where the file was: os.open waited for a writer
+        path.unlink()
+        os.mkfifo(path)
+        refuse_opening(mp, path)
+
+    return _checkpoint(tmp, edit)
+
+
+def _ckpt_device(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    refuse_opening(mp, "/dev/zero")
+    return _checkpoint(tmp, lambda t, path: None, read="/dev/zero")
+
+
+def _ckpt_header_length(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    def edit(t: dict, path: Path) -> None:  # the first 8 bytes claim a header of 1 TiB
+        data = path.read_bytes()
+        path.write_bytes(struct.pack("<Q", 2**40) + data[8:])
+
+    return _checkpoint(tmp, edit)
 
 
 def _layout_group(tmp: Path, mp: pytest.MonkeyPatch) -> object:
@@ -388,6 +432,24 @@ def _binary_model_file(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 
     path = tmp / "model.bin"
     path.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))  # a UnicodeDecodeError before
+    return load_model_file(path)
+
+
+def _device_model_file(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.costmodel import load_model_file
+
+    refuse_opening(mp, "/dev/zero")  # read_text read it until the process was killed
+    return load_model_file("/dev/zero")
+
+
+def _yaml_alias_bomb(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.costmodel import load_model_file
+
+    # nine aliases nine deep: a few hundred bytes that expand to 9**7 values
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 7)]
+    path = tmp / "model.yaml"
+    path.write_text("\n".join(["name: laughs", *lines, "kinds: {a: {groups: *l6}}", "sequence: [[a, 1]]"]) + "\n")
     return load_model_file(path)
 
 
@@ -797,6 +859,22 @@ CASES: dict[str, Case] = {
     "checkpoint absent": Case(
         "loaded a checkpoint path that does not exist", "wsharding.checkpoint:CheckpointError",
         ("tiny.safetensors", "No such file or directory"), "check the path", _ckpt_absent),
+    "checkpoint fifo": Case(
+        "gave a FIFO (named pipe) as the checkpoint, or as a file of its folder or index",
+        "wsharding.checkpoint:CheckpointError",
+        ("tiny.safetensors", "a FIFO (named pipe)", "not a regular file", "only regular files are read"),
+        "pass a regular file: only regular files are read, checked before they are opened (opening a FIFO waited for "
+        "a writer, on that rank alone, forever); load_sharded refuses it on every rank", _ckpt_fifo),
+    "checkpoint device": Case(
+        "gave a device as the checkpoint (/dev/zero, /dev/null)", "wsharding.checkpoint:CheckpointError",
+        ("/dev/zero", "a character device", "not a regular file"),
+        "pass the .safetensors file or the checkpoint folder", _ckpt_device),
+    "checkpoint header length": Case(
+        "loaded a file whose header length claims more than safetensors allows (2**40 bytes)",
+        "wsharding.checkpoint:CheckpointError",
+        ("tiny.safetensors", "header length 1099511627776", "over the format's limit of 100000000 bytes"),
+        "the file is damaged or not safetensors: write it again (save_checkpoint); nothing is allocated for the "
+        "header it claims", _ckpt_header_length),
     "layout group size": Case(
         "built a layout for a group of 0 ranks", "wsharding.core.layout:LayoutError",
         ("group_size", "got 0"), "the group size is a whole number >= 1", _layout_group),
@@ -825,6 +903,16 @@ CASES: dict[str, Case] = {
         "gave wsharding plan --model (load_model_file) a binary file", "wsharding.costmodel:CostModelError",
         ("model.bin", "not a JSON/YAML model description", "binary file"),
         "pass a .json or .yaml file in the format of costmodel.model_from_dict", _binary_model_file),
+    "device model file": Case(
+        "gave wsharding plan --model (load_model_file) a device or a FIFO, /dev/zero", "wsharding.costmodel:CostModelError",
+        ("model file /dev/zero", "a character device", "not a regular file", "only regular files are read"),
+        "pass a .json or .yaml file (a regular file of at most 1 MiB); /dev/zero was read until the process was "
+        "killed, a FIFO waited for a writer", _device_model_file),
+    "yaml alias bomb": Case(
+        "gave wsharding plan --model a YAML file whose aliases expand it past 100,000 values",
+        "wsharding.costmodel:CostModelError", ("model.yaml", "YAML aliases", "more than 100000 values"),
+        "write the repeated parts out, or repeat layers with the sequence's counts (it is read with yaml.safe_load)",
+        _yaml_alias_bomb),
     "unknown group": Case(
         "built a linear on a parallel group that does not exist", "wsharding.linear.groups:GroupError",
         ("'dp_attn'", "attn_tp"), "use one of the group names the message lists", _unknown_group),

@@ -298,7 +298,7 @@ def test_model_files_yaml_json_and_malformed(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(CostModelError, match=r"model file .*bad.json: not valid json"):
         load_model_file(bad)
-    with pytest.raises(CostModelError, match=r"model file .*missing.json: cannot read"):
+    with pytest.raises(CostModelError, match=r"model file .*missing.json does not exist"):
         load_model_file(tmp_path / "missing.json")
     lst = tmp_path / "list.yaml"
     lst.write_text("- 1\n- 2\n")

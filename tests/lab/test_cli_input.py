@@ -56,7 +56,7 @@ BAD = [
     (["demo", "--ranks", "x"], "argument --ranks: 'x' is not a whole number"),
     (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["demo", "--timed-steps", "0"], "argument --timed-steps: must be at least 1, got 0"),
-    (["demo", "--figures-from", "/no/such/report.json"], "--figures-from /no/such/report.json: no such file"),
+    (["demo", "--figures-from", "/no/such/report.json"], "--figures-from /no/such/report.json does not exist"),
     (["bench", "allgather", "--sizes", "abc"], "argument --sizes: 'abc' is not a number of MiB"),
     (["bench", "allgather", "--sizes", "1,-4"], "argument --sizes: '-4': every value must be more than 0 MiB"),
     (["bench", "allgather", "--ranks", "0"], "argument --ranks: must be at least 1, got 0"),
@@ -394,3 +394,26 @@ def test_the_documented_command_line_names_every_option():
     assert "--" in section, "the command line section lists no option"
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", section)) - {"--help"}
     assert named <= shown, f"docs/design.md names options no command has: {named - shown}"
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["plan", "--model", "/dev/zero"], "a character device"),  # read until killed, after about 70 s
+    (["plan", "--model", "{fifo}"], "a FIFO (named pipe)"),  # waited for a writer, forever
+    (["demo", "--figures-from", "{fifo}"], "a FIFO (named pipe)"),
+    (["demo", "--figures-from", "/dev/zero"], "a character device"),
+], ids=["plan --model /dev/zero", "plan --model FIFO", "demo --figures-from FIFO", "demo --figures-from /dev/zero"])
+def test_a_path_that_is_not_a_regular_file_is_refused_not_read(tmp_path, argv, kind):
+    """The command itself, in a process of its own (a timeout that fails the test, should the check go,
+    rather than a hung or killed test run): one line, exit status 2, before any work."""
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "fifo")
+    argv = [a.format(fifo=tmp_path / "fifo") for a in argv]
+    done = subprocess.run([sys.executable, "-m", "wsharding", *argv], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"wsharding {argv[0]}: error: "), done.stderr
+    assert f"{argv[-1]}: {kind}, not a regular file" in lines[0] and "only regular files are read" in lines[0], lines[0]

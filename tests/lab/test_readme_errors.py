@@ -5,13 +5,14 @@ README's section, and a test checks that it matches.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.core.test_bad_input import CASES as LIBRARY_CASES
-from tests.core.test_bad_input import Case, check_case
+from tests.core.test_bad_input import Case, check_case, refuse_opening
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -33,6 +34,15 @@ def _report_under_proc(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return cliargs.check_output_path("/proc/wsharding/soak.json", "--json")
 
 
+def _figures_from_fifo(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.lab.demo import load_report
+
+    fifo = tmp / "report.json"
+    os.mkfifo(fifo)  # open() waited for a writer: the command hung before drawing anything
+    refuse_opening(mp, fifo)
+    return load_report(str(fifo))
+
+
 COMMAND_CASES: dict[str, Case] = {
     "report path": Case(
         "asked for a report under a path that is a file", "wsharding.lab.cliargs:InputError",
@@ -42,6 +52,10 @@ COMMAND_CASES: dict[str, Case] = {
         "asked for a report where nothing can be created (under /proc, even as root)",
         "wsharding.lab.cliargs:InputError", ("--json", "/proc/wsharding", "cannot create"),
         "choose another path; the check creates the folders and the file, then removes them", _report_under_proc),
+    "figures-from fifo": Case(
+        "gave wsharding demo --figures-from a FIFO or a device (/dev/zero)", "wsharding.lab.cliargs:InputError",
+        ("--figures-from", "report.json", "a FIFO (named pipe)", "not a regular file"),
+        "pass the JSON file 'wsharding demo --json PATH' wrote (a regular file of at most 64 MiB)", _figures_from_fifo),
 }
 CASES = LIBRARY_CASES | COMMAND_CASES
 
@@ -55,7 +69,8 @@ def test_every_kind_of_mistake_has_a_row():
     wanted = {"non-divisible rows", "tp target", "old nccl", "cta policy", "checkpoint missing tensor",
               "checkpoint extra tensor", "checkpoint misshapen tensor", "checkpoint wrong dtype",
               "checkpoint truncated", "layout group size", "layout rank", "outside window", "unknown decoder preset",
-              "unknown group", "ranks zero", "report path"}
+              "unknown group", "ranks zero", "report path", "checkpoint fifo", "checkpoint device",
+              "checkpoint header length", "device model file", "figures-from fifo"}
     assert wanted <= set(CASES)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from wsharding.core.layout import FlatLayout
 from wsharding.costmodel.checks import CostModelError, require_dtype, require_int
+from wsharding.io_checks import read_regular_file
 
 
 @dataclass(frozen=True)
@@ -245,19 +246,37 @@ def _parse_weights(value: Any, where: str) -> tuple[tuple[str, tuple[int, ...]],
     return tuple(out)
 
 
+#: The largest model file read. A description lists a few kinds of layers and their weights (the
+#: presets are a few KB); the limit keeps a file given by mistake -- or made to be expensive -- from
+#: being parsed whole (pure-Python YAML parses about a MB a second).
+MAX_MODEL_FILE_BYTES = 1 << 20
+#: The most values (every mapping key and value, every list item) a YAML model file may expand to.
+#: YAML aliases repeat a node without repeating its text: nine aliases nine deep (a "billion laughs")
+#: are a few hundred bytes that expand to 9**9 values, which model_from_dict would walk (and repr, in
+#: its messages) one by one; an alias of a node inside itself never ends.
+MAX_MODEL_VALUES = 100_000
+_MODEL_TODO = "pass a .json or .yaml file in the format of costmodel.model_from_dict"
+
+
 def load_model_file(path: str | Path) -> ModelSpec:
-    """A :class:`ModelSpec` from a JSON or YAML file in the :func:`model_from_dict` format."""
+    """A :class:`ModelSpec` from a JSON or YAML file in the :func:`model_from_dict` format.
+
+    The file is untrusted input: a regular file of at most :data:`MAX_MODEL_FILE_BYTES`, checked
+    before it is opened (a FIFO or a device given as ``--model`` hung or was killed for memory), read
+    as YAML with ``yaml.safe_load`` (no Python objects) and refused when its aliases expand it past
+    :data:`MAX_MODEL_VALUES` values.
+    """
     path = Path(path)
+    raw = read_regular_file(path, "model file", max_bytes=MAX_MODEL_FILE_BYTES, todo=_MODEL_TODO,
+                            error=CostModelError)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise CostModelError(f"model file {path}: cannot read it ({e.strerror})") from None
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:  # a binary file (a program, a checkpoint) given by mistake
         raise CostModelError(f"model file {path}: not a JSON/YAML model description (a binary file: byte "
-                             f"{e.object[e.start]:#04x} at offset {e.start} is not UTF-8 text); pass a .json or "
-                             ".yaml file in the format of costmodel.model_from_dict") from None
+                             f"{e.object[e.start]:#04x} at offset {e.start} is not UTF-8 text); {_MODEL_TODO}") from None
+    yaml_file = path.suffix.lower() in (".yaml", ".yml")
     try:
-        if path.suffix.lower() in (".yaml", ".yml"):
+        if yaml_file:
             import yaml
 
             data = yaml.safe_load(text)
@@ -265,6 +284,33 @@ def load_model_file(path: str | Path) -> ModelSpec:
             data = json.loads(text)
     except Exception as e:  # noqa: BLE001 -- any parse error becomes one clear message
         raise CostModelError(f"model file {path}: not valid {path.suffix.lstrip('.') or 'JSON'} ({e})") from None
+    if yaml_file and not _within_values(data, MAX_MODEL_VALUES):
+        raise CostModelError(f"model file {path}: its YAML aliases (*name) expand it to more than {MAX_MODEL_VALUES} "
+                             "values (an alias repeats a whole node; nested, they multiply, and one inside its own "
+                             f"anchor never ends); write the repeated parts out, or use the sequence's counts; "
+                             f"{_MODEL_TODO}")
     return model_from_dict(data)
+
+
+def _within_values(data: Any, budget: int) -> bool:
+    """Whether ``data`` -- as a reader walking it sees it, every alias expanded -- holds at most
+    ``budget`` values. Stops as soon as the count passes ``budget``: the cost is bounded by it, not by
+    what the aliases expand to (nor by a cycle)."""
+    stack, seen = [data], 1
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        # Counted as they are pushed, not as they are popped: the stack never holds more than the
+        # budget (a list aliased into itself would otherwise push its whole length on every visit).
+        seen += len(children)
+        if seen > budget:
+            return False
+        stack.extend(children)
+    return True
 
 

@@ -39,6 +39,7 @@ from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE
 from wsharding.core.runner import aligned_forward
 from wsharding.core.units import ceil_div
 from wsharding.cuda_graph import capture_graph
+from wsharding.io_checks import MAX_REPORT_BYTES, read_regular_file
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import link_floor
@@ -437,6 +438,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default="", help="prefix of the figure file names")
 
 
+_REPORT_TODO = "pass a file written by 'wsharding demo --json PATH'"
 REPORT_KEYS = ("mode", "emulation", "world_size", "preset", "communicator", "layers", "sharded_layers",
                "replicated_bytes_per_rank", "sharded_resident_bytes_per_rank", "formula_bytes_per_rank",
                "slot_bytes", "outputs_equal", "max_abs_diff", "gathers_per_step", "step_ms",
@@ -445,26 +447,26 @@ REPORT_KEYS = ("mode", "emulation", "world_size", "preset", "communicator", "lay
 
 def load_report(path: str) -> dict[str, Any]:
     """A saved demo report, checked: a missing, unreadable, non-JSON or wrong-shaped file is an
-    :class:`InputError` that says which, before anything is drawn."""
+    :class:`InputError` that says which, before anything is drawn. A FIFO or a device (``/dev/zero``)
+    is refused before it is opened -- reading one hung -- and so is a file over
+    :data:`~wsharding.io_checks.MAX_REPORT_BYTES` ([Note: only regular files] in :mod:`wsharding.io_checks`)."""
+    raw = read_regular_file(path, "--figures-from", max_bytes=MAX_REPORT_BYTES, todo=_REPORT_TODO, error=InputError)
     try:
-        with open(path) as f:
-            report = json.load(f)
-    except FileNotFoundError:
-        raise InputError(f"--figures-from {path}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"--figures-from {path}: this is a folder, not a report file") from None
+        report = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as e:
         raise InputError(f"--figures-from {path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-                         "pass a file written by 'wsharding demo --json PATH'") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"--figures-from {path}: cannot read it ({e})") from None
+                         f"{_REPORT_TODO}") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"--figures-from {path}: not JSON (byte {e.start} is not UTF-8 text); {_REPORT_TODO}") from None
+    except RecursionError:  # [[[[...]]]] nested deeper than Python's stack: a traceback before
+        raise InputError(f"--figures-from {path}: not a demo report (JSON nested too deep); {_REPORT_TODO}") from None
     if not isinstance(report, dict):
         raise InputError(f"--figures-from {path}: holds a JSON {type(report).__name__}, not a demo report")
     missing = [k for k in REPORT_KEYS if k not in report]
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         raise InputError(f"--figures-from {path}: not a demo report (missing {', '.join(missing[:4])}{more}); "
-                         "pass a file written by 'wsharding demo --json PATH'")
+                         f"{_REPORT_TODO}")
     if not isinstance(report["step_ms"], dict) or not isinstance(report["trace"], list):
         raise InputError(f"--figures-from {path}: step_ms must be an object and trace a list")
     return report

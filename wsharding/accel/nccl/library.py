@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from wsharding.core.errors import WshardingError
+from wsharding.io_checks import require_regular_file
 
 ENV_VAR = "WSHARDING_NCCL_LIBRARY"
 #: Symmetric windows with NCCL_WIN_COLL_SYMMETRIC and CTA policy "zero" (copy engine).
@@ -186,8 +187,11 @@ def load_library(path: str | None = None, source: str | None = None) -> NcclLibr
     if path is None:
         choice = find_library()
         path, source = choice.path, choice.source
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise NcclLibraryError(f"NCCL library {path!r} does not exist; {how_to_upgrade()}")
+    # dlopen opens the path: a FIFO there (WSHARDING_NCCL_LIBRARY=/some/fifo) would wait for a writer
+    # ([Note: only regular files] in wsharding.io_checks); a folder or a device is said as such.
+    require_regular_file(path, "NCCL library", max_bytes=None, todo=how_to_upgrade(), error=NcclLibraryError)
     try:
         handle = ctypes.CDLL(path)
     except OSError as e:

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from wsharding.core.errors import WshardingError
+from wsharding.io_checks import open_regular_file
+
 POLICY_LINE = re.compile(r"CTA policy flags set to (\d+)")
 
 
@@ -40,9 +43,13 @@ def own_log_text() -> str:
         return ""
     path = pattern.replace("%h", os.uname().nodename).replace("%p", str(os.getpid()))
     try:
-        with open(path, errors="replace") as f:
+        # NCCL_DEBUG_FILE may name a FIFO that streams the log elsewhere: reading it would wait for
+        # NCCL to close its end ([Note: only regular files] in wsharding.io_checks). The log is ours and
+        # may be long, so it is not bounded; only its kind is checked.
+        fd = open_regular_file(path, "NCCL_DEBUG_FILE", max_bytes=None, todo="")
+        with os.fdopen(fd, errors="replace") as f:
             return f.read()
-    except OSError:
+    except (OSError, WshardingError):
         return ""
 
 

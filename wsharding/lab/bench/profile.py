@@ -39,6 +39,7 @@ import torch
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
+from wsharding.io_checks import read_saved_report
 from wsharding.lab.bench.planner_calls import CALLS
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
@@ -350,7 +351,7 @@ def newest_saved(folder: str | Path, pattern: str = "profile_*.json") -> dict[st
     per-machine-and-day folders, or None when there is none."""
     found = []
     for path in Path(folder).rglob(pattern):
-        report = json.loads(path.read_text())
+        report = read_saved_report(path)
         if report.get("bench") == "profile":
             found.append((report.get("date", ""), path.name, report))
     return max(found, key=lambda f: (f[0], f[1]))[2] if found else None

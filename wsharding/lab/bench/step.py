@@ -24,7 +24,6 @@ and printed as median (min-max), so that noise is seen as noise.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ from wsharding.core.runner import shard_blocks
 from wsharding.core.sharding import WeightSharding
 from wsharding.core.units import ceil_div
 from wsharding.cuda_graph import capture_graph
+from wsharding.io_checks import read_saved_report
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired
 from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
@@ -566,7 +566,7 @@ def saved_reports(folder: str | Path = MEASUREMENTS, pattern: str = "bench_step_
     """The ``bench step`` reports kept under ``folder`` -- in it or in its per-machine-and-day folders;
     each file is named after its machine and date -- by file stem."""
     paths = sorted(Path(folder).rglob(pattern), key=lambda p: p.name)
-    return {p.stem: json.loads(p.read_text()) for p in paths}
+    return {p.stem: read_saved_report(p) for p in paths}
 
 
 def pick_report(reports: dict[str, dict[str, Any]], *, holding: tuple[str, ...] = (),

@@ -10,7 +10,6 @@ figure kept in ``figures/`` can never pass for something it is not.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -22,6 +21,7 @@ import plotly.graph_objects as go
 
 from wsharding.core.errors import InvalidArgument, NotFound
 from wsharding.core.units import MiB
+from wsharding.io_checks import read_saved_report
 
 #: Bytes in a megabyte (10**6): the design gives its layer sizes in MB ("367 MB").
 MB = 10**6
@@ -200,7 +200,7 @@ def saved_allgather_reports(folder: str | Path | None = None) -> dict[str, dict[
     """The saved ``bench allgather`` reports under ``folder`` (default: :func:`repository_measurements`),
     in any of its per-machine-and-day folders, by file stem."""
     paths = sorted(Path(folder or repository_measurements()).rglob("bench_allgather_*.json"), key=lambda p: p.name)
-    return {p.stem: json.loads(p.read_text()) for p in paths}
+    return {p.stem: read_saved_report(p) for p in paths}
 
 
 def multi_gpu_allgather(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -265,8 +265,8 @@ def binding_table_figure(rows: Sequence[dict[str, str]]) -> go.Figure:
 
 
 def load_result(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
+    """A saved ``bench allgather`` result (see :func:`read_saved_report`)."""
+    return read_saved_report(path)
 
 
 def save_allgather_figures(json_path: str, out_dir: str = "figures") -> list[str]:
