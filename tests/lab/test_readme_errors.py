@@ -33,6 +33,14 @@ def _report_under_proc(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return cliargs.check_output_path("/proc/wsharding/soak.json", "--json")
 
 
+def _serve_rate_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.serve.workload import Workload
+
+    # what `wsharding bench serve --rate 0` asks for: the command prints it as one line, exit status 2
+    # (tests/lab/test_cli_input.py runs the command); a traceback before
+    return Workload(rate=0.0)
+
+
 COMMAND_CASES: dict[str, Case] = {
     "report path": Case(
         "asked for a report under a path that is a file", "wsharding.lab.cliargs:InputError",
@@ -42,6 +50,11 @@ COMMAND_CASES: dict[str, Case] = {
         "asked for a report where nothing can be created (under /proc, even as root)",
         "wsharding.lab.cliargs:InputError", ("--json", "/proc/wsharding", "cannot create"),
         "choose another path; the check creates the folders and the file, then removes them", _report_under_proc),
+    "serve rate zero": Case(
+        "gave wsharding bench serve --rate 0", "wsharding.core.errors:InvalidArgument",
+        ("rate", "must be > 0", "inf: all at once", "got 0.0"),
+        "a rate > 0 requests per second, or inf (the default: all at once); every command answers the package's "
+        "errors in one line, exit status 2 for a value refused", _serve_rate_zero),
 }
 CASES = LIBRARY_CASES | COMMAND_CASES
 
