@@ -26,7 +26,7 @@ planner plug-ins (``shard_blocks(..., plugins=[NextStepPrefetch()])``).
 from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
 from wsharding.core.comm import CommError
 from wsharding.core.context import ClusterError, RankContext, init_from_env
-from wsharding.core.declare import ShardingSkipWarning
+from wsharding.core.declare import ShardingSkipWarning, UnmatchedPatternWarning
 from wsharding.core.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
 from wsharding.core.groups import ShardGroupAcrossNodesWarning
 from wsharding.core.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
@@ -51,6 +51,7 @@ __all__ = [
     "ShardGroupAcrossNodesWarning",
     "ShardingError",
     "ShardingSkipWarning",
+    "UnmatchedPatternWarning",
     "WeightSharding",
     "__version__",
     "init_from_env",

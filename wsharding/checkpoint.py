@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from wsharding.core.comm import Communicator
-from wsharding.core.errors import WshardingError
+from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.guards import bound_weights
-from wsharding.core.rowloaders import CheckpointShapeError
+from wsharding.core.rowloaders import CheckpointShapeError, check_dtype
 from wsharding.core.runner import check_shard_blocks_args, shard_blocks
 from wsharding.core.sharding import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
 from wsharding.linear.base import process_weights
@@ -149,14 +149,23 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
     through each parameter's weight loader, then (``process``) run the after-loading step of every
     linear that is not a sharding target.
 
-    Returns ``{"tensors", "row_shard_tensors", "bytes_read", "sharded_bytes_read"}``: sharded weights
-    account for ``sharded_bytes_read``, exactly this rank's rows. Raises :class:`CheckpointError`
-    naming the tensor when one is missing, unexpected (with ``strict``), misshapen or of the wrong
-    dtype. ``progress``: a tqdm bar (default: :func:`show_progress`).
+    Returns ``{"tensors", "row_shard_tensors", "bytes_read", "sharded_bytes_read", "skipped_tensors"}``:
+    sharded weights account for ``sharded_bytes_read``, exactly this rank's rows; ``skipped_tensors``
+    counts the checkpoint's tensors the model does not know, left unread (only with ``strict=False``).
+    Raises :class:`CheckpointError` naming the tensor when one is missing, unexpected (with
+    ``strict``), misshapen or of a dtype that cannot be converted.
+
+    ``strict=False`` skips only the checkpoint's extra tensors. Unlike ``load_state_dict(strict=False)``
+    it never leaves a parameter unloaded: a tensor the model needs and the checkpoint lacks is still an
+    error (a sharded weight's rows would be zeros, and its peers would shard them).
+
+    A float tensor loads into a float parameter of another dtype converted as ``tensor.to(dtype)``
+    converts it (an F16 checkpoint into F32 weights); quantized bytes (FP8, integers) never convert
+    (:func:`wsharding.core.rowloaders.check_dtype`). ``progress``: a tqdm bar (default: :func:`show_progress`).
     """
     params = dict(model.named_parameters())
     plan = list(checkpoint_layout(model))
-    counts = {"tensors": 0, "row_shard_tensors": 0, "bytes_read": 0, "sharded_bytes_read": 0}
+    counts = {"tensors": 0, "row_shard_tensors": 0, "bytes_read": 0, "sharded_bytes_read": 0, "skipped_tensors": 0}
     try:
         ckpt = Checkpoint(path)
     except (SafetensorsError, OSError) as e:
@@ -166,13 +175,17 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
         missing = [k for k, _, _ in plan if k not in keys]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            lenient = "" if strict else " (strict=False skips only the checkpoint's extra tensors, never the model's)"
             raise CheckpointError(
                 f"checkpoint {path} is missing tensor(s) {missing[:3]}{more} needed by the model; "
-                "was it written for another model or preset?"
+                f"was it written for another model or preset?{lenient}"
             )
         unexpected = sorted(keys - {k for k, _, _ in plan})
         if strict and unexpected:
-            raise CheckpointError(f"checkpoint {path} has tensor(s) the model does not know: {unexpected[:3]}")
+            more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
+            raise CheckpointError(f"checkpoint {path} has tensor(s) the model does not know: {unexpected[:3]}{more}; "
+                                  "check the model matches the checkpoint, or pass strict=False to leave them unread")
+        counts["skipped_tensors"] = len(unexpected)  # never read: the plan lists only the model's tensors
         bar = _progress(plan, f"loading {Path(path).name}", show_progress() if progress is None else progress)
         for key, pname, shard_id in bar:
             param = params[pname]
@@ -190,7 +203,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
                                               "be built on meta (their rows are allocated by WeightSharding.setup)")
                     tensor = lazy.read().to(param.device)
                     if loader is None:
-                        _default_loader(param, tensor)
+                        _default_loader(param, tensor, pname)
                     elif shard_id is None:
                         loader(param, tensor)
                     else:
@@ -218,14 +231,19 @@ def _progress(items: list, desc: str, show: bool):
     return tqdm(items, desc=desc, unit="tensor")
 
 
-def _default_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
+def _default_loader(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """A parameter without a weight loader (an embedding, a norm, a plain ``nn.Linear`` left
+    replicated): the same shape, and the dtype rule of every loader (float to float converted as
+    ``.to`` does, integers or FP8 into floats refused)."""
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(f"shape {list(tensor.shape)} does not match the parameter's {list(param.shape)}")
+    check_dtype(param, tensor.dtype, name=name)
     param.data.copy_(tensor)
 
 
 def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList, patterns: Sequence[str],
-                 comm: Communicator, *, verify_replicas: bool = True, **kwargs: Any) -> WeightSharding:
+                 comm: Communicator, *, strict: bool = True, verify_replicas: bool = True,
+                 **kwargs: Any) -> WeightSharding:
     """:func:`~wsharding.core.runner.shard_blocks` with the weights read from checkpoint ``path``.
 
     The matching linears are shrunk to this rank's rows (their current values are not kept), the
@@ -234,12 +252,18 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
     counts. Works for any model whose parameter names are the checkpoint's keys (a Hugging Face
     ``save_pretrained`` folder, or :func:`save_checkpoint`'s files).
 
+    ``strict``: as :func:`load_checkpoint` takes it -- ``False`` leaves the checkpoint's tensors that the
+    model does not know unread (``ws.load_result["skipped_tensors"]`` counts them); every tensor the
+    model has must still be in the checkpoint.
+
     ``verify_replicas`` is passed on as :func:`~wsharding.core.runner.shard_blocks` takes it, but finds
     nothing to compare here: every row comes from the checkpoint (``keep_initial_weights=False``), and
-    the check compares weights kept as built.
+    the check compares weights kept as built. ``keep_initial_weights=True`` is refused (see
+    :func:`_refuse_kept_weights`); every other keyword goes to ``shard_blocks``.
     """
     # Checked first (a generator of patterns is read once, here): an argument mistake is named before
     # the checkpoint is opened.
+    _refuse_kept_weights(kwargs)
     blocks, patterns, layers = check_shard_blocks_args(model, blocks, patterns, comm, kwargs.pop("sharded_layers", None))
     try:
         # Opened (every header and the index checked) before anything is shrunk: a missing or damaged
@@ -250,4 +274,22 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
         abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
         raise error from e
     return shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
-                        verify_replicas=verify_replicas, load=lambda ws: load_checkpoint(model, path), **kwargs)
+                        verify_replicas=verify_replicas, load=lambda ws: load_checkpoint(model, path, strict=strict),
+                        **kwargs)
+
+
+def _refuse_kept_weights(kwargs: dict[str, Any]) -> None:
+    """Take ``keep_initial_weights`` out of ``kwargs``: False (what load_sharded sets) is accepted,
+    anything else is refused with :class:`~wsharding.core.errors.InvalidArgument`.
+
+    Why not honour True: every row of every sharded weight is read from the checkpoint, so weights
+    kept as built would be overwritten row for row -- and, counted as loaded at setup, they would hide
+    a row the checkpoint failed to fill, which finalize refuses only with ``keep_initial_weights=False``.
+    """
+    keep = kwargs.pop("keep_initial_weights", False)
+    if keep is not False:
+        raise InvalidArgument(
+            f"keep_initial_weights={keep!r}: load_sharded reads every row of every sharded weight from the "
+            "checkpoint and sets keep_initial_weights=False, so that finalize refuses a row the checkpoint did not "
+            "fill (kept weights would count as loaded and hide it). Leave keep_initial_weights out; to shard the "
+            "weights the model holds, call shard_blocks(model, blocks, patterns, comm) instead")

@@ -220,6 +220,31 @@ def _on_miss_unknown(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return _shard_blocks(on_miss="skip")  # a layer would compute with another layer's bytes
 
 
+def _pattern_typo(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from tests.core.test_library_edges import Loopback
+    from wsharding.core.runner import shard_blocks
+
+    # "fc_2" for "fc2": it matched nothing, and fc2 stayed whole on every rank without a word
+    return shard_blocks(_blocks_model(), "layers", ["fc1", "fc_2"], Loopback())
+
+
+def _declared_name_typo(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.sharding import WeightSharding
+
+    block = torch.nn.Module()
+    block.fc1 = torch.nn.Linear(4, 4, bias=False)
+    block.fc2 = torch.nn.Linear(4, 4, bias=False)
+    return WeightSharding(_RankOfTwo(), [block], {0: ["fc1", "fc_2"]})
+
+
+def _load_sharded_keep(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.checkpoint import load_sharded
+
+    # a TypeError before: shard_blocks() got multiple values for keyword argument 'keep_initial_weights'
+    return load_sharded(_blocks_model(), tmp / "absent.safetensors", "layers", ["fc1"], _CommOfTwo(),
+                        keep_initial_weights=True)
+
+
 def _second_thread(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     import threading
 
@@ -341,6 +366,14 @@ def _ckpt_dtype(tmp: Path, mp: pytest.MonkeyPatch) -> object:
         save_file(t, path)
 
     return _checkpoint(tmp, edit, quant="fp8")
+
+
+def _ckpt_int_into_float(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    def edit(t: dict, path: Path) -> None:  # the embedding has no weight loader: copy_ made floats of the ints
+        t["embed.weight"] = t["embed.weight"].to(torch.int32)
+        save_file(t, path)
+
+    return _checkpoint(tmp, edit)
 
 
 def _ckpt_truncated(tmp: Path, mp: pytest.MonkeyPatch) -> object:
@@ -778,6 +811,20 @@ CASES: dict[str, Case] = {
         "gave on_miss a value other than 'gather' or 'raise'", "wsharding.core.sharding:ShardingError",
         ("on_miss", "'skip'"), "pass 'gather' (the default: such a layer is gathered now, warned) or 'raise'",
         _on_miss_unknown),
+    "pattern matches nothing": Case(
+        "gave shard_blocks (or load_sharded) a pattern that matches no linear (a typo, \"fc_2\")",
+        "wsharding.core.declare:UnmatchedPatternWarning", ("patterns", "'fc_2'", "matches no linear", "'fc2'"),
+        "a warning: that pattern shards nothing; fix it (the message names the nearest linears) or leave it out",
+        _pattern_typo, warning=True),
+    "declared name typo": Case(
+        "declared a target name that the layer does not have", "wsharding.core.sharding:ShardingError",
+        ("layer 0", "'fc_2'", "does not exist", "'fc2'"), "use the attribute path the message suggests",
+        _declared_name_typo),
+    "load_sharded keep_initial_weights": Case(
+        "gave load_sharded keep_initial_weights=True", "wsharding.core.errors:InvalidArgument",
+        ("keep_initial_weights=True", "load_sharded", "every row", "shard_blocks(model, blocks, patterns, comm)"),
+        "leave it out: every row comes from the checkpoint; to shard the weights as built, call shard_blocks",
+        _load_sharded_keep),
     "second thread": Case(
         "ran a sharded model from a second thread while a step of it runs", "wsharding.core.planner:ConcurrentStepError",
         ("another thread runs a step of it", "batching them into one forward"),
@@ -843,8 +890,9 @@ CASES: dict[str, Case] = {
         _ckpt_missing),
     "checkpoint extra tensor": Case(
         "loaded a checkpoint with a tensor the model does not know", "wsharding.checkpoint:CheckpointError",
-        ("layers.9.extra.weight",), "check the model matches the checkpoint, or pass strict=False",
-        _ckpt_extra),
+        ("layers.9.extra.weight", "strict=False"),
+        "check the model matches the checkpoint, or pass strict=False (load_checkpoint, load_sharded) to leave "
+        "such tensors unread; every tensor the model has must still be there", _ckpt_extra),
     "checkpoint misshapen tensor": Case(
         "loaded a tensor of the wrong shape", "wsharding.checkpoint:CheckpointError",
         ("layers.1.attn.k_proj.weight", "[48, 95]"), "load the checkpoint written for this model or preset",
@@ -852,7 +900,12 @@ CASES: dict[str, Case] = {
     "checkpoint wrong dtype": Case(
         "loaded a tensor whose dtype does not fit a quantized (FP8/int) weight", "wsharding.checkpoint:CheckpointError",
         ("layers.1.attn.o_proj.weight", "torch.bfloat16", "torch.float8_e4m3fn"),
-        "load the checkpoint made for this quant method (float dtypes are converted, like any loader)", _ckpt_dtype),
+        "load the checkpoint made for this quant method (a float checkpoint into float weights of another dtype "
+        "is converted, as tensor.to(dtype) converts it)", _ckpt_dtype),
+    "checkpoint int into float": Case(
+        "loaded an integer tensor into a float weight", "wsharding.checkpoint:CheckpointError",
+        ("embed.weight", "torch.int32", "torch.bfloat16", "integer values are not converted"),
+        "load a float checkpoint, or build the model with the quant method the checkpoint uses", _ckpt_int_into_float),
     "checkpoint truncated": Case(
         "loaded a truncated (or non-safetensors) file", "wsharding.checkpoint:CheckpointError",
         ("tiny.safetensors", "file ends at byte"), "write the checkpoint again (save_checkpoint)", _ckpt_truncated),
@@ -1025,3 +1078,55 @@ def test_weight_sharding_built_directly_refuses_what_is_not_a_layer_index(layers
     with pytest.raises(ShardingError, match="sharded_layers"):
         WeightSharding(_RankOfTwo(), [block], {0: ["fc"]}, sharded_layers=layers)
 
+
+
+def _unmatched_warnings(patterns: list[str], comm: object, model: torch.nn.Module | None = None) -> tuple:
+    """``shard_blocks`` of ``patterns``: the sharding and the messages of its UnmatchedPatternWarnings."""
+    from wsharding.core.declare import UnmatchedPatternWarning
+    from wsharding.core.runner import shard_blocks
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ws = shard_blocks(model or _blocks_model(), "layers", patterns, comm)
+    return ws, [str(w.message) for w in caught if w.category is UnmatchedPatternWarning]
+
+
+def test_a_pattern_that_matches_no_linear_is_named_with_its_nearest_linears():
+    """A typo shards nothing and used to say nothing: the sharding holds only fc1 (fc2 stays whole,
+    0 of its bytes saved), and now one warning names the pattern and what it most likely meant."""
+    from tests.core.test_library_edges import Loopback
+
+    ws, said = _unmatched_warnings(["fc1", "fc_2"], Loopback())
+    assert {i: [e.name for e in lay.entries] for i, lay in ws.layouts.items()} == {0: ["fc1.weight"], 1: ["fc1.weight"]}
+    assert said == ["patterns: 'fc_2' matches no linear in any of the 2 blocks, so it shards nothing and those "
+                    "weights stay whole on every rank: no submodule has that name (did you mean 'fc2'?); fix "
+                    "the pattern or leave it out"]
+
+
+def test_a_pattern_of_a_module_that_is_not_a_linear_says_so():
+    from tests.core.test_library_edges import Loopback
+
+    model = _blocks_model()
+    for block in model.layers:
+        block.mlp = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+    _, said = _unmatched_warnings(["fc1", "mlp", "zzz_proj"], Loopback(), model)
+    assert len(said) == 2, said
+    assert "'mlp' matches no linear" in said[0] and "it matches 'mlp', not a linear" in said[0] and "'mlp.*'" in said[0]
+    assert "'zzz_proj'" in said[1] and "(the blocks' linears: 'fc1', 'fc2', 'mlp.0')" in said[1], said[1]
+
+
+def test_a_pattern_matched_in_one_block_only_is_not_warned_and_rank_1_stays_quiet():
+    """Matching in some block is enough (blocks differ: a dense block 0 beside MoE blocks); and
+    every rank sees the same patterns, so only rank 0 speaks."""
+    from tests.core.test_library_edges import Loopback
+
+    model = _blocks_model()
+    del model.layers[1].fc2
+    assert _unmatched_warnings(["fc1", "fc2"], Loopback(), model)[1] == []
+
+    from wsharding.core.runner import find_targets, warn_unmatched_patterns
+
+    blocks = _blocks_model().layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unmatched_patterns(blocks, ["fc_2"], {i: find_targets(b, ["fc_2"]) for i, b in enumerate(blocks)}, 1)

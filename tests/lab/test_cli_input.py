@@ -417,3 +417,61 @@ def test_a_path_that_is_not_a_regular_file_is_refused_not_read(tmp_path, argv, k
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"wsharding {argv[0]}: error: "), done.stderr
     assert f"{argv[-1]}: {kind}, not a regular file" in lines[0] and "only regular files are read" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # Workload's rule, reached after parsing: a full traceback ending in InvalidArgument before
+    (["bench", "serve", "--rate", "0"], "wsharding bench serve: error: rate: requests per second must be > 0 "
+                                        "(inf: all at once), got 0.0"),
+    (["bench", "serve", "--rate", "-2"], "wsharding bench serve: error: rate: requests per second must be > 0 "
+                                         "(inf: all at once), got -2.0"),
+    (["bench", "serve", "--rate", "nan"], "wsharding bench serve: error: argument --rate: 'nan' is not a number of "
+                                          "requests per second (inf: all at once)"),
+], ids=["rate 0", "rate -2", "rate nan"])
+def test_the_command_answers_a_package_error_in_one_line(argv, message, tmp_path):
+    """Through the installed entry's module, as a user runs it: one line on stderr, exit status 2 as
+    argparse's, no traceback, nothing on stdout -- and no rank started (it would print first)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "wsharding", *argv, "--json", ""], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+    assert done.stderr.splitlines() == [message + (" (see wsharding bench serve --help)" if "argument" in message
+                                                    else "")], done.stderr
+
+
+def test_rate_inf_is_accepted_as_its_error_says():
+    """``inf: all at once`` (the default, and what the error above says) was refused by --rate's type."""
+    args = cli.build_parser().parse_args(["bench", "serve", "--rate", "inf"])
+    assert args.rate == float("inf")
+
+
+def test_run_command_sorts_package_errors_into_bad_input_and_failures(capsys):
+    """Every WshardingError is one line: a value refused (a ValueError kind) exits 2 with the message
+    alone; a failure while working (a RuntimeError or AssertionError kind) exits 1 naming its class.
+    Anything else is a bug and keeps its traceback."""
+    from wsharding.core.errors import InvalidArgument, ShardingError, Unsupported
+    from wsharding.lab.bench.serve import ServeMismatch
+
+    def raising(exc: BaseException):
+        def main(_args):
+            raise exc
+        return main
+
+    args = argparse.Namespace(verbose=False)
+    for exc, rc, line in [
+        (InvalidArgument("prompt lengths: need 1 <= low <= high, got 3..2"), 2,
+         "wsharding x: error: prompt lengths: need 1 <= low <= high, got 3..2"),
+        (ShardingError("patterns: got the str 'fc*'"), 2, "wsharding x: error: patterns: got the str 'fc*'"),
+        (ServeMismatch("replicated and sharded generated different tokens"), 1,
+         "wsharding x: error: ServeMismatch: replicated and sharded generated different tokens"),
+        (Unsupported("draft_graph_replay needs CUDA ranks"), 1,
+         "wsharding x: error: Unsupported: draft_graph_replay needs CUDA ranks"),
+    ]:
+        assert run_command("x", raising(exc), args) == rc
+        assert capsys.readouterr().err.splitlines() == [line]
+    with pytest.raises(ValueError, match="a bug"):
+        run_command("x", raising(ValueError("a bug")), args)

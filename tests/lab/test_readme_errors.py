@@ -43,6 +43,14 @@ def _figures_from_fifo(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return load_report(str(fifo))
 
 
+def _serve_rate_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.serve.workload import Workload
+
+    # what `wsharding bench serve --rate 0` asks for: the command prints it as one line, exit status 2
+    # (tests/lab/test_cli_input.py runs the command); a traceback before
+    return Workload(rate=0.0)
+
+
 COMMAND_CASES: dict[str, Case] = {
     "report path": Case(
         "asked for a report under a path that is a file", "wsharding.lab.cliargs:InputError",
@@ -56,6 +64,11 @@ COMMAND_CASES: dict[str, Case] = {
         "gave wsharding demo --figures-from a FIFO or a device (/dev/zero)", "wsharding.lab.cliargs:InputError",
         ("--figures-from", "report.json", "a FIFO (named pipe)", "not a regular file"),
         "pass the JSON file 'wsharding demo --json PATH' wrote (a regular file of at most 64 MiB)", _figures_from_fifo),
+    "serve rate zero": Case(
+        "gave wsharding bench serve --rate 0", "wsharding.core.errors:InvalidArgument",
+        ("rate", "must be > 0", "inf: all at once", "got 0.0"),
+        "a rate > 0 requests per second, or inf (the default: all at once); every command answers the package's "
+        "errors in one line, exit status 2 for a value refused", _serve_rate_zero),
 }
 CASES = LIBRARY_CASES | COMMAND_CASES
 

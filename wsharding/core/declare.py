@@ -12,8 +12,9 @@ is refused, as sharded it would round differently from the replica. A layer's ta
 
 from __future__ import annotations
 
+import difflib
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,19 @@ SHARD_MODES = ("rows", "requant_then_shard")
 
 class ShardingSkipWarning(UserWarning):
     """A declared target left replicated (its rows are not divisible by the group size)."""
+
+
+class UnmatchedPatternWarning(UserWarning):
+    """A target pattern of :func:`~wsharding.core.runner.shard_blocks` that matches no linear in any
+    block (a typo, or a module that is not a linear): it shards nothing, and the model keeps those
+    weights whole on every rank."""
+
+
+def close_names(name: str, known: Sequence[str]) -> str:
+    """``" (did you mean 'mlp.fc2'?)"`` -- the names of ``known`` nearest to ``name`` (difflib), for a
+    message about a name that is not there; ``""`` when none is near."""
+    near = difflib.get_close_matches(name, sorted(set(known)), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,9 @@ def validate_target(layer_id: int, layer: nn.Module, name: str, world_size: int,
     try:
         module = layer.get_submodule(name)
     except AttributeError:
-        raise ShardingError(f"layer {layer_id}: declared target {name!r} does not exist") from None
+        known = [n for n, m in layer.named_modules() if n and isinstance(getattr(m, "weight", None), torch.Tensor)]
+        raise ShardingError(f"layer {layer_id}: declared target {name!r} does not exist{close_names(name, known)}; "
+                            "name a submodule with a weight by its attribute path in the layer") from None
     tp = tp_size(module)
     if isinstance(module, ParallelLinear):
         group = group_words(module)

@@ -44,16 +44,28 @@ def is_quantized_dtype(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point or dtype.itemsize == 1
 
 
-def check_dtype(param: torch.Tensor, loaded_dtype: torch.dtype, what: str = "") -> None:
-    """Refuse a checkpoint tensor whose dtype does not match a quantized parameter (or a quantized
-    tensor loaded into a float parameter): ``copy_`` would silently convert the numbers, not the format.
-    Float to float (an FP32 checkpoint into BF16 weights) stays allowed."""
+def check_dtype(param: torch.Tensor, loaded_dtype: torch.dtype, what: str = "", *, name: str | None = None) -> None:
+    """Refuse a checkpoint tensor whose dtype does not match a quantized parameter (or a quantized or
+    integer tensor loaded into a float parameter): ``copy_`` would silently convert the numbers, not the
+    format. Float to float (an FP32 checkpoint into BF16 weights, BF16 into FP32) stays allowed: the
+    loaders convert it as ``tensor.to(dtype)`` does. ``name``: the parameter's name where it has no
+    ``param_name`` of its own (a plain ``nn.Linear``'s)."""
     if loaded_dtype == param.dtype:
         return
-    if is_quantized_dtype(param.dtype) or is_quantized_dtype(loaded_dtype):
-        where = f" ({what})" if what else ""
+    where = f" ({what})" if what else ""
+    name = name or param_name(param)
+    if not loaded_dtype.is_floating_point and param.dtype.is_floating_point and not is_quantized_dtype(param.dtype):
+        # An int tensor into BF16/F32 weights: copy_ would turn the codes (or indices) into floats of
+        # the same value, a model of wrong numbers that loads without a word.
         raise CheckpointShapeError(
-            f"checkpoint tensor for {param_name(param)}{where} is {loaded_dtype}, the parameter is {param.dtype}: "
+            f"checkpoint tensor for {name}{where} is {loaded_dtype}, the parameter is {param.dtype}: "
+            "integer values are not converted to float weights (they are quantized codes or indices, meaningless "
+            "without their scales) -- load a float checkpoint, or build the model with the quant method the "
+            "checkpoint was quantized with"
+        )
+    if is_quantized_dtype(param.dtype) or is_quantized_dtype(loaded_dtype):
+        raise CheckpointShapeError(
+            f"checkpoint tensor for {name}{where} is {loaded_dtype}, the parameter is {param.dtype}: "
             "the checkpoint was made for another quant method -- build the model with the quant method the "
             "checkpoint was quantized with"
         )
@@ -166,7 +178,7 @@ def _check_tensor(t: ShardTarget, param: torch.Tensor, loaded: Any, block: RowBl
     shape, dtype = _shape_dtype(loaded)
     what = f"shard {shard_id!r}" if shard_id is not None else "whole weight"
     if dtype is not None:
-        check_dtype(param, dtype, f"{t.label}, {what}")
+        check_dtype(param, dtype, what, name=t.label)
     want = (ckpt_off + rows, *t.shape[1:])
     if shape != want:
         raise ShardingError(
@@ -177,8 +189,16 @@ def _check_tensor(t: ShardTarget, param: torch.Tensor, loaded: Any, block: RowBl
 
 
 def _read_rows(loaded: Any, start: int, stop: int, dst: torch.Tensor) -> None:
+    """Rows ``[start, stop)`` of ``loaded`` into ``dst``, converted to ``dst``'s dtype when the two are
+    different float dtypes (:func:`check_dtype` has refused every other mix by now)."""
     if hasattr(loaded, "read_rows_into"):
-        loaded.read_rows_into(start, stop, dst)  # only these rows' bytes are read from the file
+        if getattr(loaded, "dtype", dst.dtype) == dst.dtype:
+            loaded.read_rows_into(start, stop, dst)  # only these rows' bytes are read from the file
+        else:
+            # An F16/BF16 checkpoint into F32 weights (or back): the rows are read as stored, then
+            # converted by copy_, the kernel tensor.to(dtype) runs -- the same bits as converting the
+            # full tensor first. Only these rows are read; the transient is one row range.
+            dst.copy_(loaded.read_rows(start, stop))
     else:
         dst.copy_(loaded[start:stop])  # a tensor, or a safetensors slice (reads only the slice)
 

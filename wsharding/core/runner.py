@@ -18,6 +18,7 @@ lives in ``shard.py``; this module only runs it.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from wsharding.core.comm import Communicator
 from wsharding.core.contract import ParallelLinear
-from wsharding.core.declare import layer_indices
+from wsharding.core.declare import UnmatchedPatternWarning, close_names, layer_indices
 from wsharding.core.planner import WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.schedule import check_depth
@@ -83,6 +84,32 @@ def find_targets(block: nn.Module, patterns: Sequence[str]) -> list[str]:
         for name, mod in block.named_modules()
         if name and _is_linear(mod) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
     ]
+
+
+def warn_unmatched_patterns(blocks: nn.ModuleList, patterns: Sequence[str], targets: dict[int, list[str]],
+                            rank: int) -> None:
+    """Warn (:class:`~wsharding.core.declare.UnmatchedPatternWarning`, rank 0 only) about every pattern
+    that matched no linear in any block, naming the linears nearest to it.
+
+    Why: such a pattern shards nothing and says nothing -- ``"mlp.fc_2"`` for ``"mlp.fc2"`` keeps that
+    weight whole on every rank, and the saving the user counted on is silently not there. Every rank
+    sees the same patterns and blocks, so rank 0 alone says it (as the declare stage's skip warning)."""
+    matched = {n for names in targets.values() for n in names}
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in matched)]
+    if not unmatched or rank != 0:
+        return
+    linears = sorted({n for b in blocks for n, m in b.named_modules() if n and _is_linear(m)})
+    for p in unmatched:
+        others = sorted({n for b in blocks for n, m in b.named_modules() if n and fnmatch.fnmatchcase(n, p)})
+        if others:
+            why = (f"it matches {', '.join(map(repr, others[:3]))}, not a linear (targets are nn.Linear or "
+                   "wsharding linears): name the linears inside it, e.g. " + repr(f"{others[0]}.*"))
+        else:
+            listed = ", ".join(map(repr, linears[:6])) + (" ..." if len(linears) > 6 else "") or "none"
+            near = close_names(p, linears) or f" (the blocks' linears: {listed})"
+            why = f"no submodule has that name{near}; fix the pattern or leave it out"
+        warnings.warn(f"patterns: {p!r} matches no linear in any of the {len(blocks)} blocks, so it shards nothing "
+                      f"and those weights stay whole on every rank: {why}", UnmatchedPatternWarning, stacklevel=3)
 
 
 #: What a communicator has for sure (the :class:`~wsharding.core.comm.Communicator` protocol): an
@@ -195,6 +222,7 @@ def shard_blocks(
                             f"{on_miss!r}")
     try:
         targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
+        warn_unmatched_patterns(block_list, patterns, targets, comm.rank)
         ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead,
                             trace=trace, keep_initial_weights=keep_initial_weights,
                             plugins=plugins, map_own_chunk=map_own_chunk, prefetch_depth=prefetch_depth,

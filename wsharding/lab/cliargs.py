@@ -266,12 +266,15 @@ def explained_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_command(command: str, main: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
-    """Run a subcommand's ``main``; an explained error becomes :func:`fail`'s lines, anything else
-    keeps its traceback (that is a bug to report)."""
+    """Run a subcommand's ``main``; every error of the package (a :class:`WshardingError`: its
+    message names the culprit and says what to do) becomes :func:`fail`'s lines, anything else keeps
+    its traceback (that is a bug to report). The one place for every subcommand: a library check
+    that refuses a value after parsing (``bench serve --rate 0`` reaches ``Workload``'s) answers like
+    argparse does, not with a traceback."""
     verbose = bool(getattr(args, "verbose", False))
     try:
         return int(main(args) or 0)
-    except explained_errors() as e:
+    except (WshardingError, *explained_errors()) as e:
         if verbose:
             import traceback
 
@@ -279,11 +282,28 @@ def run_command(command: str, main: Callable[[argparse.Namespace], int | None], 
         return fail(command, e, verbose)
 
 
+def is_bad_input(exc: BaseException) -> bool:
+    """Whether ``exc`` refused what was asked (exit status 2, as argparse's), rather than failed while
+    working (1). The package's own error classes say which by the built-in they derive from: a
+    ``ValueError``/``TypeError``/``KeyError`` kind (``InvalidArgument``, ``CostModelError``, ...) is a
+    value that cannot work; a ``RuntimeError`` or ``AssertionError`` kind (the ranks', the
+    communicator's, NCCL's, a benchmark whose results differ) is a failure -- and anything raised on
+    the ranks comes back as a ``RemoteError``, a failure, whatever it was there."""
+    from wsharding.cluster import RemoteError
+
+    if isinstance(exc, InputError):
+        return True
+    return (isinstance(exc, WshardingError) and not isinstance(exc, (RemoteError, RuntimeError, AssertionError))
+            and isinstance(exc, (ValueError, TypeError, KeyError)))
+
+
 def fail(command: str, exc: BaseException, verbose: bool = False) -> int:
     """Print ``exc`` as ``wsharding COMMAND: error: ...`` lines on stderr; return exit status 2 for
-    bad input, 1 for a failure while working."""
-    lines = [_one_line(str(exc))] if isinstance(exc, InputError) else error_lines(exc, verbose)
+    bad input (:func:`is_bad_input`: one line, the message alone, as argparse's), 1 for a failure
+    while working (its class named, one line per distinct error of the ranks)."""
+    bad = is_bad_input(exc)
+    lines = [_one_line(str(exc))] if bad else error_lines(exc, verbose)
     print(f"wsharding {command}: error: {lines[0]}", file=sys.stderr)
     for line in lines[1:]:
         print(f"  {line}", file=sys.stderr)
-    return 2 if isinstance(exc, InputError) else 1
+    return 2 if bad else 1

@@ -234,6 +234,19 @@ def _length_range(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _rate(text: str) -> float:
+    """The argparse ``type`` of ``--rate``: a number, ``inf`` included (all at once, the default, as
+    :class:`~wsharding.serve.workload.Workload` takes it). Whether it is > 0 is Workload's rule,
+    answered in one line by :func:`~wsharding.lab.cliargs.run_command`."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests per second (inf: all at once)") from None
+    if math.isnan(rate):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests per second (inf: all at once)")
+    return rate
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int_at_least(1), default=None,
                    help="ranks (default: every GPU -- two on a single GPU where NCCL >= 2.30 -- or 2 CPU ranks)")
@@ -245,8 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mib", type=number_list(float, 0.0, "MiB", "3,4,6"), default=None,
                    help="the same in MiB (for the small CPU models)")
     p.add_argument("--requests", type=int_at_least(1), default=None, help="requests per rank (default 64 on GPUs, 16 on CPU)")
-    p.add_argument("--rate", type=checked_number(float, 0.0), default=math.inf,
-                   help="Poisson arrivals, requests per second per rank (default: all at once)")
+    p.add_argument("--rate", type=_rate, default=math.inf,
+                   help="Poisson arrivals, requests per second per rank, > 0 (default inf: all at once)")
     p.add_argument("--prompt", type=_length_range, default=None, help="prompt lengths LOW:HIGH, uniform (default 8:32 CPU, 64:256 GPU)")
     p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 8:32 CPU, 64:256 GPU)")
     p.add_argument("--rows", type=int_at_least(1), default=None, help="rows per step: running sequences plus new prompt tokens "
