@@ -83,6 +83,14 @@ def _weight_normed_target(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     return WeightSharding(_RankOfTwo(), [block], {0: ["fc"]})
 
 
+def _targets_beyond_layers(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    from wsharding.core.sharding import WeightSharding
+
+    # Key 5 of two layers: its targets were never declared, and the sharding saved nothing of them.
+    model = _blocks_model()
+    return WeightSharding(_RankOfTwo(), list(model.layers), {0: ["fc1"], 5: ["fc1"]})
+
+
 def _shared_block(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     from wsharding.core.sharding import WeightSharding
 
@@ -740,6 +748,10 @@ CASES: dict[str, Case] = {
         ("cannot be copied or saved whole", "WeightSharding.full_state_dict(model)"),
         "save its weights with ws.full_state_dict(model) (or save_checkpoint) on every rank; build and shard "
         "a second copy anew", _pickled),
+    "targets beyond the layers": Case(
+        "keyed WeightSharding's targets by a layer the list does not have", "wsharding.core.sharding:ShardingError",
+        ("targets name layers [5]", "outside the 2 layers given"),
+        "key the targets by each layer's index in the list of layers", _targets_beyond_layers),
     "re-parametrized target": Case(
         "declared a weight under weight_norm or another parametrization", "wsharding.core.sharding:ShardingError",
         ("layer 0 fc.weight", "a parametrization", "recomputed from other parameters", "remove_parametrizations"),

@@ -165,6 +165,11 @@ class WeightSharding:
             for i in self.sharded_range or range(len(layers)):
                 if not 0 <= i < len(layers):
                     raise ShardingError(f"sharded layer {i} is outside the model's {len(layers)} layers")
+            beyond = sorted(k for k in targets or {} if not (isinstance(k, int) and 0 <= k < len(layers)))
+            if beyond:  # their targets would be declared nowhere: nothing of them sharded, without a word
+                raise ShardingError(
+                    f"targets name layers {beyond}, outside the {len(layers)} layers given (0 to {len(layers) - 1}): "
+                    "key the targets by the index of each layer in the list of layers")
             for i, layer in enumerate(layers):
                 names = targets.get(i, []) if targets is not None else None
                 self.declare(i, layer, names)
