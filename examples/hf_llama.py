@@ -3,15 +3,17 @@
     python examples/hf_llama.py [--ranks 2] [--dir /tmp/wsharding-llama]
 
 A tiny ``LlamaForCausalLM`` (random init, no download) is saved with ``save_pretrained``. Every rank
-then builds the model, and ``wsharding.checkpoint.load_sharded`` shards its attention and MLP
-projections over the group: each rank reads only its rows of every projection from the file, and
+then has ``wsharding.checkpoint.load_sharded`` build the model with every parameter on meta and
+shard its attention and MLP projections over the group: no weight is ever whole on a rank, each
+rank reads only its rows of every projection from the file, and
 finalize redistributes them into flat chunks. The logits are compared bit for bit with the model
 Hugging Face's own ``from_pretrained`` loads, with a different prompt on every rank and one rank idle
 (it runs a one-token dummy step, so that every rank issues the same gathers).
 
 What a user writes beyond ``shard_blocks`` is one call::
 
-    ws = load_sharded(model, checkpoint_dir, "model.layers", HF_LLAMA_PATTERNS, comm)
+    ws = load_sharded(lambda: LlamaForCausalLM(config), checkpoint_dir, "model.layers", HF_LLAMA_PATTERNS, comm)
+    model = ws.model
 
 The rank work is :func:`wsharding.lab.tasks.loading.hf_llama_sharded` (spawned ranks import tasks
 from the package by name). Without GPUs the ranks are CPU processes (gloo) -- the output says so.

@@ -22,6 +22,7 @@ FLOORS: dict[str, int] = {
     "wsharding.memory": 0,
     "wsharding.fatal": 0,
     "wsharding.io_checks": 0,
+    "wsharding.empty_build": 0,
     "wsharding.core.errors": 0,
     "wsharding.core.emulation": 0,
     "wsharding.core.layout": 1,

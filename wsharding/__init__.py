@@ -10,8 +10,9 @@ Where to start:
   communicator of its shard group (n ranks inside one node).
 * ``shard_blocks(model, "layers", ["attn.*_proj"], comm)`` -- shard a model that is already built
   with its weights; returns the ``WeightSharding`` that owns the shards, the slots and the planner.
-* ``load_sharded(model, checkpoint, "layers", patterns, comm)`` -- build-then-load without ever
-  holding the replicated weights: each rank reads only its rows of a safetensors checkpoint.
+* ``load_sharded(build, checkpoint, "layers", patterns, comm)`` -- build-then-load without ever
+  holding the replicated weights: ``build`` runs inside ``empty_parameters()`` (every parameter on
+  meta), and each rank reads only its rows of a safetensors checkpoint; ``ws.model`` is the model.
 * ``WeightSharding`` -- the lifecycle underneath (declare, load, finalize, close), for models whose
   layers call the planner themselves; ``FlatLayout`` -- one layer's weights as one flat byte buffer.
 
@@ -23,7 +24,7 @@ communicator (``wsharding.accel.nccl.from_context``), the slot layout it offers 
 planner plug-ins (``shard_blocks(..., plugins=[NextStepPrefetch()])``).
 """
 
-from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
+from wsharding.checkpoint import BuiltWholeWarning, CheckpointError, load_checkpoint, load_sharded, save_checkpoint
 from wsharding.core.comm import CommError
 from wsharding.core.context import ClusterError, RankContext, init_from_env
 from wsharding.core.declare import ShardingSkipWarning, UnmatchedPatternWarning
@@ -32,9 +33,11 @@ from wsharding.core.groups import ShardGroupAcrossNodesWarning
 from wsharding.core.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
 from wsharding.core.runner import shard_blocks
 from wsharding.core.sharding import WeightSharding
+from wsharding.empty_build import empty_parameters
 
 __version__ = "0.1.0"
 __all__ = [
+    "BuiltWholeWarning",
     "CheckpointError",
     "ClusterError",
     "CommError",
@@ -54,6 +57,7 @@ __all__ = [
     "UnmatchedPatternWarning",
     "WeightSharding",
     "__version__",
+    "empty_parameters",
     "init_from_env",
     "load_checkpoint",
     "load_sharded",

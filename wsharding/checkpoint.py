@@ -16,7 +16,8 @@ tensor, an unexpected one, a wrong shape or dtype.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from wsharding.core.guards import bound_weights
 from wsharding.core.rowloaders import CheckpointShapeError, check_dtype
 from wsharding.core.runner import check_shard_blocks_args, shard_blocks
 from wsharding.core.sharding import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
+from wsharding.empty_build import empty_parameters, materialize
 from wsharding.linear.base import process_weights
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
@@ -199,8 +201,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
                     counts["sharded_bytes_read"] += ckpt.bytes_read - before
                 else:
                     if param.is_meta:
-                        raise CheckpointError(f"parameter {pname} is on the meta device: only sharded weights can "
-                                              "be built on meta (their rows are allocated by WeightSharding.setup)")
+                        raise CheckpointError(f"parameter {pname} is on the meta device: load_checkpoint fills "
+                                              "parameters that have memory; give them memory first "
+                                              "(wsharding.empty_build.materialize(model, device)), or shard and "
+                                              "load the model with load_sharded, which does")
                     tensor = lazy.read().to(param.device)
                     if loader is None:
                         _default_loader(param, tensor, pname)
@@ -241,10 +245,18 @@ def _default_loader(param: torch.Tensor, tensor: torch.Tensor, name: str) -> Non
     param.data.copy_(tensor)
 
 
-def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList, patterns: Sequence[str],
-                 comm: Communicator, *, strict: bool = True, verify_replicas: bool = True,
+def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, blocks: str | nn.ModuleList,
+                 patterns: Sequence[str], comm: Communicator, *, strict: bool = True, verify_replicas: bool = True,
                  **kwargs: Any) -> WeightSharding:
     """:func:`~wsharding.core.runner.shard_blocks` with the weights read from checkpoint ``path``.
+
+    ``model``: a function that builds the model (called inside
+    :func:`~wsharding.empty_build.empty_parameters`), or a model built so
+    (``with empty_parameters(): model = build()``) -- then no weight ever exists whole: setup allocates
+    each sharded weight's own rows, every other parameter gets empty memory on the rank's device
+    (:func:`~wsharding.empty_build.materialize`) and the checkpoint fills both. The built model is
+    ``ws.model``. A model built with its weights loads too, but every rank held R before anything
+    shrank: :class:`BuiltWholeWarning` names that peak.
 
     The matching linears are shrunk to this rank's rows (their current values are not kept), the
     checkpoint is loaded -- each sharded weight reads only this rank's rows, every other tensor is
@@ -264,6 +276,14 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
     # Checked first (a generator of patterns is read once, here): an argument mistake is named before
     # the checkpoint is opened.
     _refuse_kept_weights(kwargs)
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise InvalidArgument(f"model: a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+        with empty_parameters():
+            model = model()
+        if not isinstance(model, nn.Module):
+            raise InvalidArgument(f"model: the function passed as the model returned {type(model).__name__}, "
+                                  "not a torch.nn.Module")
     blocks, patterns, layers = check_shard_blocks_args(model, blocks, patterns, comm, kwargs.pop("sharded_layers", None))
     try:
         # Opened (every header and the index checked) before anything is shrunk: a missing or damaged
@@ -273,9 +293,37 @@ def load_sharded(model: nn.Module, path: str | Path, blocks: str | nn.ModuleList
         error = CheckpointError(f"checkpoint {path}: {e}")
         abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
         raise error from e
-    return shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
-                        verify_replicas=verify_replicas, load=lambda ws: load_checkpoint(model, path, strict=strict),
-                        **kwargs)
+    built = model
+
+    def load(ws: WeightSharding) -> dict[str, int]:
+        _warn_built_whole(ws)
+        materialize(built, comm.device)  # after setup: only the parameters that are not targets are left on meta
+        return load_checkpoint(built, path, strict=strict)
+
+    ws = shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
+                      verify_replicas=verify_replicas, load=load, **kwargs)
+    ws.model = model
+    return ws
+
+
+class BuiltWholeWarning(UserWarning):
+    """:func:`load_sharded` was given a model built with its sharded weights whole: every rank held
+    them all before they shrank, the peak that loading on meta avoids."""
+
+
+def _warn_built_whole(ws: WeightSharding) -> None:
+    """Rank 0 only (every rank built the same model): the peak the whole weights caused, and the way out."""
+    whole = ws.built_whole_bytes
+    if not whole or ws.comm.rank != 0:
+        return
+    mib = 2**20
+    bound = ws.formula_bytes() + ws.largest_weight_bytes()
+    warnings.warn(
+        f"load_sharded: the model was built with its {sum(len(ts) for ts in ws.targets.values())} sharded weights "
+        f"whole, {whole / mib:.1f} MiB on every rank before setup shrank them to {whole / ws.comm.world_size / mib:.1f} "
+        f"MiB of rows: loading on meta peaks at about {bound / mib:.1f} MiB of them (resident + one weight). Build "
+        "the model with its parameters on meta -- `with wsharding.empty_parameters(): model = build()` -- or pass "
+        "load_sharded the function that builds it", BuiltWholeWarning, stacklevel=4)
 
 
 def _refuse_kept_weights(kwargs: dict[str, Any]) -> None:

@@ -156,6 +156,10 @@ class WeightSharding:
         self.loaders: dict[tuple[int, str], RowShardLoader | FullShapeLoader] = {}
         self.chunks: dict[int, torch.Tensor] = {}
         self.shrunk: set[int] = set()
+        #: Bytes of the targets that setup found whole (not on meta): the peak a model built with its weights had.
+        self.built_whole_bytes = 0
+        #: The model, where the sharding built it (:func:`~wsharding.checkpoint.load_sharded` from a function).
+        self.model: nn.Module | None = None
         #: Every declared block (sharded or not) and its tensors' places by storage: the tie check's index.
         self.declared_blocks: dict[int, tuple[nn.Module, dict[tuple, list[Place]]]] = {}
         self.slots: SlotPool | None = None
@@ -285,6 +289,7 @@ class WeightSharding:
         for t in self.targets[layer_id]:
             p = t.module.weight
             keep = self.keep_initial_weights and not p.is_meta
+            self.built_whole_bytes += 0 if p.is_meta else t.nbytes
             inner = getattr(p, "weight_loader", None)
             if t.mode == "rows":
                 w0, w1 = row_window(t.rows, rank, world)

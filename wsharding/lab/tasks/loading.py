@@ -185,8 +185,11 @@ def hf_llama_sharded(ctx: RankContext, path: str, counts: list[list[int]], *, gr
 
     comm = shard_comm_for(ctx, "torch", group_size)
     reference = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = build_llama(reference.config, seed=1000 + ctx.rank)  # other weights on every rank: loading must fix them
-    ws = load_sharded(model, path, "model.layers", list(patterns), comm)
+    # Built by load_sharded with every parameter on meta (no weight is ever whole): the checkpoint
+    # fills every one of them, or the load is refused.
+    ws = load_sharded(lambda: build_llama(reference.config, seed=1000 + ctx.rank), path, "model.layers",
+                      list(patterns), comm)
+    model = ws.model
     vocab = reference.config.vocab_size
     equal, gathers = [], []
     with torch.no_grad():
