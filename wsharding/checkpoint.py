@@ -48,11 +48,14 @@ class CheckpointError(WshardingError, ValueError):
 
 
 def checkpoint_layout(model: nn.Module) -> Iterator[tuple[str, str, Any]]:
-    """``(checkpoint key, parameter name, shard id)`` for every tensor the model loads."""
+    """``(checkpoint key, parameter name, shard id)`` for every tensor the model loads. Only the
+    package's merged linears (``row_sub_blocks``) are split into their checkpoint tensors: a plain
+    ``nn.Linear`` named ``gate_up_proj`` is one tensor in its checkpoint (Phi-3's is)."""
+    modules = dict(model.named_modules())
     for name in sorted(n for n, _ in model.named_parameters()):
         module_path, _, leaf = name.rpartition(".")
         parent, _, mod_name = module_path.rpartition(".")
-        if mod_name in STACKED:
+        if mod_name in STACKED and hasattr(modules.get(module_path), "row_sub_blocks"):
             for ckpt_mod, shard_id in STACKED[mod_name]:
                 yield f"{parent + '.' if parent else ''}{ckpt_mod}.{leaf}", name, shard_id
         else:
@@ -323,7 +326,7 @@ def _warn_built_whole(ws: WeightSharding) -> None:
         f"whole, {whole / mib:.1f} MiB on every rank before setup shrank them to {whole / ws.comm.world_size / mib:.1f} "
         f"MiB of rows: loading on meta peaks at about {bound / mib:.1f} MiB of them (resident + one weight). Build "
         "the model with its parameters on meta -- `with wsharding.empty_parameters(): model = build()` -- or pass "
-        "load_sharded the function that builds it", BuiltWholeWarning, stacklevel=4)
+        "load_sharded the function that builds it", BuiltWholeWarning, stacklevel=5)
 
 
 def _refuse_kept_weights(kwargs: dict[str, Any]) -> None:

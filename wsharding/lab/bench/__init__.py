@@ -26,6 +26,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "lookahead depth 1 vs 2 vs 3 (prefetch_depth) side by side, resident bytes against the formula, and "
         "the host cost of the check at use",
     ),
+    "load": (
+        "wsharding.lab.bench.load",
+        "the start-up peak of load_sharded per rank: a model built with its weights vs built on meta, beside "
+        "the bound R/N + slots + rest + one weight; a forward's peak above the steady state",
+    ),
     "draft": (
         "wsharding.lab.bench.draft",
         "draft model, layer 0: exposed gather time with a dedicated stream vs the shared side stream vs inline",

@@ -1,0 +1,165 @@
+"""``wsharding bench load``: the start-up peak of loading a checkpoint, built with weights vs on meta.
+
+Each rank loads the same safetensors checkpoint with :func:`~wsharding.checkpoint.load_sharded` twice,
+in separate rounds: once into a model built the ordinary way (every weight allocated whole first, as
+``build_model().to(device)`` does), once from the function that builds it (every parameter on meta:
+:func:`~wsharding.empty_build.empty_parameters`). On GPUs the peak is
+``torch.cuda.max_memory_allocated`` above what the rank held before building; on CPU ranks the
+package's own count of the bytes its parameters held at the checkpoint's read (no RSS: freed host
+memory may stay resident under glibc's malloc, and the number would say more about the allocator
+than about the load). Beside both: the bound ``R/N + slots + the rest + one weight`` and the replicated
+R. Then one forward of ``--tokens`` tokens: its peak above the steady state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import wsharding.checkpoint as checkpoint_module
+from wsharding.checkpoint import BuiltWholeWarning, load_sharded, save_checkpoint
+from wsharding.comm_by_name import shard_comm_for
+from wsharding.core.context import RankContext
+from wsharding.core.units import MiB
+from wsharding.lab.bench.ranks import auto_comm, bench_cluster
+from wsharding.lab.cliargs import check_output_path, int_at_least
+from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, BlocksModel, blocks_config, build_blocks
+from wsharding.runtime import gpu_count, in_ci
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+
+
+def _measuring(inner: Any, seen: dict[str, int]) -> Any:
+    """``materialize`` that also records every parameter's bytes as the checkpoint's read starts."""
+
+    def measuring(model: torch.nn.Module, device: torch.device) -> int:
+        before = _param_bytes(model)
+        made = inner(model, device)
+        seen["at_read"] = before + made
+        return made
+
+    return measuring
+
+
+def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: str = "auto") -> dict[str, Any]:
+    """On one rank: rank 0 writes the checkpoint; then each way of building loads it and is measured."""
+    c = shard_comm_for(ctx, comm)
+    dev, cuda = c.device, c.device.type == "cuda"
+    cfg = blocks_config(preset)
+    if c.rank == 0 and not Path(path).exists():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(build_blocks(preset, "cpu", seed=0), path)
+    c.barrier()
+    x = build_blocks(cfg.with_(layers=1), "cpu").inputs(tokens, seed=ctx.rank, device=dev)
+    out: dict[str, Any] = {"rank": ctx.rank, "mode": c.mode, "emulation": c.emulation or ctx.emulation}
+    for how in ("whole", "meta"):
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        seen: dict[str, int] = {}
+        inner = checkpoint_module.materialize
+        checkpoint_module.materialize = _measuring(inner, seen)
+        try:
+            if how == "whole":
+                with torch.device(dev):
+                    model = BlocksModel(cfg)  # every weight allocated whole, as a model built with its weights
+                whole_before = _param_bytes(model)
+                with warnings.catch_warnings():  # the peak it names is what this row measures
+                    warnings.simplefilter("ignore", BuiltWholeWarning)
+                    ws = load_sharded(model, path, "layers", BLOCK_TARGETS, c)
+            else:
+                whole_before = 0
+
+                def build() -> BlocksModel:
+                    with torch.device(dev):
+                        return BlocksModel(cfg)
+
+                ws = load_sharded(build, path, "layers", BLOCK_TARGETS, c)
+        finally:
+            checkpoint_module.materialize = inner
+        model = ws.model
+        load_peak = torch.cuda.max_memory_allocated(dev) - base if cuda else max(whole_before, seen["at_read"])
+        steady = torch.cuda.memory_allocated(dev) - base if cuda else None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        with torch.no_grad():
+            model(x)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        forward_peak = torch.cuda.max_memory_allocated(dev) - base if cuda else None
+        rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                   if not any(f".{t}." in f".{n}" for t in BLOCK_TARGETS))
+        out[how] = {
+            "load_peak": load_peak, "steady": steady, "forward_peak": forward_peak,
+            "built_whole": ws.built_whole_bytes, "replicated": ws.replicated_bytes(),
+            "bound": ws.formula_bytes() + ws.largest_weight_bytes() + rest, "resident": ws.resident_bytes(),
+            "formula": ws.formula_bytes(), "rest": rest, "measured": "max_memory_allocated" if cuda else "bytes held",
+        }
+        ws.close()
+        del model, ws
+    return out
+
+
+def format_table(results: list[dict[str, Any]], preset: str, tokens: int) -> str:
+    r0 = results[0]
+    lines = [f"wsharding bench load -- {preset}, {len(results)} ranks, mode {r0['mode']}"]
+    if r0["emulation"]:
+        note = r0["emulation"]
+        lines.append(f"  NOTE: {note if note.startswith('emulated') else 'emulated: ' + note}")
+    w = r0["whole"]
+    lines.append(f"  R (the sharded weights, replicated) {w['replicated'] / MiB:.1f} MiB; bound R/N + slots + rest + one "
+                 f"weight {w['bound'] / MiB:.1f} MiB; resident after finalize {w['resident'] / MiB:.1f} MiB "
+                 f"(formula {w['formula'] / MiB:.1f})")
+    lines.append("  peak while loading, MiB per rank (" + ("torch.cuda.max_memory_allocated" if w["measured"] ==
+                 "max_memory_allocated" else "the parameters' bytes as the checkpoint's read starts") + "):")
+    lines.append("  rank | built with weights | built on meta | meta / bound | whole / meta")
+    for r in results:
+        a, b = r["whole"], r["meta"]
+        lines.append(f"  {r['rank']:>4} | {a['load_peak'] / MiB:18.1f} | {b['load_peak'] / MiB:13.1f} | "
+                     f"{b['load_peak'] / b['bound']:12.2f} | {a['load_peak'] / b['load_peak']:11.2f}x")
+    if r0["meta"]["forward_peak"] is not None:
+        lines.append(f"  one forward of {tokens} tokens per rank: peak above steady state, MiB per rank:")
+        for r in results:
+            b = r["meta"]
+            lines.append(f"  {r['rank']:>4} | steady {b['steady'] / MiB:.1f} | forward peak {b['forward_peak'] / MiB:.1f} "
+                         f"| +{(b['forward_peak'] - b['steady']) / MiB:.1f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
+    p.add_argument("--model", default=None, choices=sorted(BLOCK_PRESETS),
+                   help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
+    p.add_argument("--comm", default="auto", choices=("auto", "torch", "nccl"),
+                   help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
+    p.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens per rank of the forward (default 256)")
+    p.add_argument("--checkpoint", default="wsharding-out/bench_load/{model}.safetensors",
+                   help="where the checkpoint is written once and read (default under wsharding-out/)")
+    p.add_argument("--json", default="wsharding-out/bench_load", help="path prefix for .json ('' for none)")
+
+
+def main(args: argparse.Namespace) -> int:
+    check_output_path(args.json + ".json" if args.json else "", "--json")
+    gpus = gpu_count()
+    n = args.ranks or (gpus if gpus else 2)
+    model = args.model or ("llama8b-blocks" if gpus and not in_ci() else "tiny-blocks")
+    path = str(Path(args.checkpoint.format(model=model)).resolve())
+    with bench_cluster(n, task_timeout=3600) as cluster:
+        results = cluster.run(load_peak_rank, model, path, args.tokens, comm=auto_comm(args.comm))
+    print(format_table(results, model, args.tokens))
+    if args.json:
+        out = Path(args.json).with_suffix(".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"model": model, "tokens": args.tokens, "ranks": results}, indent=1))
+        print(f"  wrote {out}")
+    return 0
