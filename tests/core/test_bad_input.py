@@ -877,7 +877,8 @@ CASES: dict[str, Case] = {
         "computed with a sharded weight outside its linear (x @ lin.weight.t())",
         "wsharding.core.sharding:ShardingError",
         ("layer 0 fc1.weight on rank 0", "Tensor.t outside its linear's forward", "call its linear"),
-        "call the linear (lin(x)), whose forward reads its own layer's weight", _bound_outside_linear),
+        "call the linear (lin(x)), whose forward reads its own layer's weight; inside its own block's forward, "
+        "during a step, a direct read runs", _bound_outside_linear),
     "old nccl": Case(
         "used our NCCL communicator with an NCCL older than 2.28.3", "wsharding.accel.nccl.library:NcclLibraryError",
         ("NCCL >= 2.28.3", "NCCL 2.28.2", "WSHARDING_NCCL_LIBRARY"),

@@ -157,7 +157,8 @@ def _refuse_use(t: torch.Tensor, func: Any, converted: torch.Tensor | None = Non
         "weight-sharding slot that every step refills with whichever layer uses it, so between its layer's "
         f"computations it holds another layer's bytes: {harm}. To read or save the weights, take "
         "WeightSharding.full_state_dict(model) -- a collective: every rank of the shard group calls it; to compute "
-        "with a weight, call its linear; convert, initialize, re-parametrize or load the model before it is sharded")
+        "with a weight, call its linear (or read it in its own block's forward, while the sharded model runs that "
+        "block); convert, initialize, re-parametrize or load the model before it is sharded")
 
 
 def _torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
