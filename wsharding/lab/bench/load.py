@@ -29,6 +29,8 @@ from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.cliargs import check_output_path, int_at_least
+from wsharding.lab.tasks.loading import outside_allocator_bytes
+from wsharding.memory import PeakMeter
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, BlocksModel, blocks_config, build_blocks
 from wsharding.runtime import gpu_count, in_ci
 
@@ -37,13 +39,16 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
 
 
-def _measuring(inner: Any, seen: dict[str, int]) -> Any:
-    """``materialize`` that also records every parameter's bytes as the checkpoint's read starts."""
+def _measuring(inner: Any, seen: dict[str, int], meter: PeakMeter | None) -> Any:
+    """``materialize`` that also records every parameter's bytes as the checkpoint's read starts, and
+    ends one interval of the device peak there ([Note: two allocators] in ``wsharding.memory``)."""
 
     def measuring(model: torch.nn.Module, device: torch.device) -> int:
         before = _param_bytes(model)
         made = inner(model, device)
         seen["at_read"] = before + made
+        if meter is not None:
+            meter.sample()
         return made
 
     return measuring
@@ -60,43 +65,45 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
     c.barrier()
     x = build_blocks(cfg.with_(layers=1), "cpu").inputs(tokens, seed=ctx.rank, device=dev)
     out: dict[str, Any] = {"rank": ctx.rank, "mode": c.mode, "emulation": c.emulation or ctx.emulation}
+    outside = outside_allocator_bytes(c)  # our NCCL's windows are not in torch's allocator
     for how in ("whole", "meta"):
         gc.collect()
         if cuda:
             torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        base, out0 = (torch.cuda.memory_allocated(dev), outside()) if cuda else (0, 0)
         seen: dict[str, int] = {}
         inner = checkpoint_module.materialize
-        checkpoint_module.materialize = _measuring(inner, seen)
-        try:
-            if how == "whole":
-                with torch.device(dev):
-                    model = BlocksModel(cfg)  # every weight allocated whole, as a model built with its weights
-                whole_before = _param_bytes(model)
-                with warnings.catch_warnings():  # the peak it names is what this row measures
-                    warnings.simplefilter("ignore", BuiltWholeWarning)
-                    ws = load_sharded(model, path, "layers", BLOCK_TARGETS, c)
-            else:
-                whole_before = 0
-
-                def build() -> BlocksModel:
+        with PeakMeter(dev, outside_allocator=outside) as meter:
+            checkpoint_module.materialize = _measuring(inner, seen, meter if cuda else None)
+            try:
+                if how == "whole":
                     with torch.device(dev):
-                        return BlocksModel(cfg)
+                        model = BlocksModel(cfg)  # every weight allocated whole, as a model built with its weights
+                    whole_before = _param_bytes(model)
+                    with warnings.catch_warnings():  # the peak it names is what this row measures
+                        warnings.simplefilter("ignore", BuiltWholeWarning)
+                        ws = load_sharded(model, path, "layers", BLOCK_TARGETS, c)
+                else:
+                    whole_before = 0
 
-                ws = load_sharded(build, path, "layers", BLOCK_TARGETS, c)
-        finally:
-            checkpoint_module.materialize = inner
+                    def build() -> BlocksModel:
+                        with torch.device(dev):
+                            return BlocksModel(cfg)
+
+                    ws = load_sharded(build, path, "layers", BLOCK_TARGETS, c)
+            finally:
+                checkpoint_module.materialize = inner
         model = ws.model
-        load_peak = torch.cuda.max_memory_allocated(dev) - base if cuda else max(whole_before, seen["at_read"])
-        steady = torch.cuda.memory_allocated(dev) - base if cuda else None
+        load_peak = meter.result.device_peak_bytes if cuda else max(whole_before, seen["at_read"])
+        steady = torch.cuda.memory_allocated(dev) - base + outside() - out0 if cuda else None
         if cuda:
+            torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         with torch.no_grad():
             model(x)
         if cuda:
             torch.cuda.synchronize(dev)
-        forward_peak = torch.cuda.max_memory_allocated(dev) - base if cuda else None
+        forward_peak = torch.cuda.max_memory_allocated(dev) - base + outside() - out0 if cuda else None
         rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                    if not any(f".{t}." in f".{n}" for t in BLOCK_TARGETS))
         out[how] = {
