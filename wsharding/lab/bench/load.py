@@ -39,19 +39,28 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
 
 
-def _measuring(inner: Any, seen: dict[str, int], meter: PeakMeter | None) -> Any:
-    """``materialize`` that also records every parameter's bytes as the checkpoint's read starts, and
-    ends one interval of the device peak there ([Note: two allocators] in ``wsharding.memory``)."""
+def _measuring(inner: Any, seen: dict[str, int]) -> Any:
+    """``materialize`` that also records every parameter's bytes as the checkpoint's read starts."""
 
     def measuring(model: torch.nn.Module, device: torch.device) -> int:
         before = _param_bytes(model)
         made = inner(model, device)
         seen["at_read"] = before + made
-        if meter is not None:
-            meter.sample()
         return made
 
     return measuring
+
+
+def _reading(inner: Any, seen: dict[str, int], peak_now: Any) -> Any:
+    """``load_checkpoint`` that records the device peak from the build through the read (before finalize
+    allocates any chunk or slot: one allocator's peak, exact)."""
+
+    def reading(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        seen["through_read"] = peak_now()
+        return out
+
+    return reading
 
 
 def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: str = "auto") -> dict[str, Any]:
@@ -72,9 +81,14 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
             torch.cuda.synchronize(dev)
         base, out0 = (torch.cuda.memory_allocated(dev), outside()) if cuda else (0, 0)
         seen: dict[str, int] = {}
-        inner = checkpoint_module.materialize
+        inner, inner_read = checkpoint_module.materialize, checkpoint_module.load_checkpoint
+
+        def peak_now(base: int = base, out0: int = out0) -> int:
+            return torch.cuda.max_memory_allocated(dev) - base + outside() - out0 if cuda else 0
+
         with PeakMeter(dev, outside_allocator=outside) as meter:
-            checkpoint_module.materialize = _measuring(inner, seen, meter if cuda else None)
+            checkpoint_module.materialize = _measuring(inner, seen)
+            checkpoint_module.load_checkpoint = _reading(inner_read, seen, peak_now)
             try:
                 if how == "whole":
                     with torch.device(dev):
@@ -92,9 +106,12 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
 
                     ws = load_sharded(build, path, "layers", BLOCK_TARGETS, c)
             finally:
-                checkpoint_module.materialize = inner
+                checkpoint_module.materialize, checkpoint_module.load_checkpoint = inner, inner_read
         model = ws.model
-        load_peak = meter.result.device_peak_bytes if cuda else max(whole_before, seen["at_read"])
+        load_peak = seen["through_read"] if cuda else max(whole_before, seen["at_read"])
+        # finalize: torch's row shards freed layer by layer while our NCCL's windows grow -- two allocators,
+        # so the meter's sum of each one's maximum is an upper bound ([Note: two allocators])
+        finalize_bound = meter.result.device_peak_bytes if cuda else None
         steady = torch.cuda.memory_allocated(dev) - base + outside() - out0 if cuda else None
         if cuda:
             torch.cuda.synchronize(dev)
@@ -107,7 +124,7 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
         rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                    if not any(f".{t}." in f".{n}" for t in BLOCK_TARGETS))
         out[how] = {
-            "load_peak": load_peak, "steady": steady, "forward_peak": forward_peak,
+            "load_peak": load_peak, "finalize_upper": finalize_bound, "steady": steady, "forward_peak": forward_peak,
             "built_whole": ws.built_whole_bytes, "replicated": ws.replicated_bytes(),
             "bound": ws.formula_bytes() + ws.largest_weight_bytes() + rest, "resident": ws.resident_bytes(),
             "formula": ws.formula_bytes(), "rest": rest, "measured": "max_memory_allocated" if cuda else "bytes held",
@@ -127,13 +144,19 @@ def format_table(results: list[dict[str, Any]], preset: str, tokens: int) -> str
     lines.append(f"  R (the sharded weights, replicated) {w['replicated'] / MiB:.1f} MiB; bound R/N + slots + rest + one "
                  f"weight {w['bound'] / MiB:.1f} MiB; resident after finalize {w['resident'] / MiB:.1f} MiB "
                  f"(formula {w['formula'] / MiB:.1f})")
-    lines.append("  peak while loading, MiB per rank (" + ("torch.cuda.max_memory_allocated" if w["measured"] ==
-                 "max_memory_allocated" else "the parameters' bytes as the checkpoint's read starts") + "):")
+    lines.append("  peak from the build through the read, MiB per rank (" + (
+        "torch.cuda.max_memory_allocated; no chunk or slot exists yet" if w["measured"] == "max_memory_allocated"
+        else "the parameters' bytes as the checkpoint's read starts") + "):")
     lines.append("  rank | built with weights | built on meta | meta / bound | whole / meta")
     for r in results:
         a, b = r["whole"], r["meta"]
         lines.append(f"  {r['rank']:>4} | {a['load_peak'] / MiB:18.1f} | {b['load_peak'] / MiB:13.1f} | "
                      f"{b['load_peak'] / b['bound']:12.2f} | {a['load_peak'] / b['load_peak']:11.2f}x")
+    if r0["meta"]["finalize_upper"] is not None:
+        lines.append("  finalize (row shards freed as chunks and slots are allocated, two allocators): at most "
+                     + ", ".join(f"{r['whole']['finalize_upper'] / MiB:.1f} / {r['meta']['finalize_upper'] / MiB:.1f}"
+                                 for r in results) + " MiB (with weights / on meta, per rank; the sum of each "
+                     "allocator's own peak, an upper bound)")
     if r0["meta"]["forward_peak"] is not None:
         lines.append(f"  one forward of {tokens} tokens per rank: peak above steady state, MiB per rank:")
         for r in results:
