@@ -109,8 +109,9 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
                 checkpoint_module.materialize, checkpoint_module.load_checkpoint = inner, inner_read
         model = ws.model
         load_peak = seen["through_read"] if cuda else max(whole_before, seen["at_read"])
-        # finalize: torch's row shards freed layer by layer while our NCCL's windows grow -- two allocators,
-        # so the meter's sum of each one's maximum is an upper bound ([Note: two allocators])
+        # the whole load, finalize included: torch's row shards are freed layer by layer while our NCCL's
+        # windows grow -- two allocators, so the meter's sum of each one's maximum is an upper bound
+        # ([Note: two allocators])
         finalize_bound = meter.result.device_peak_bytes if cuda else None
         steady = torch.cuda.memory_allocated(dev) - base + outside() - out0 if cuda else None
         if cuda:
@@ -153,7 +154,8 @@ def format_table(results: list[dict[str, Any]], preset: str, tokens: int) -> str
         lines.append(f"  {r['rank']:>4} | {a['load_peak'] / MiB:18.1f} | {b['load_peak'] / MiB:13.1f} | "
                      f"{b['load_peak'] / b['bound']:12.2f} | {a['load_peak'] / b['load_peak']:11.2f}x")
     if r0["meta"]["finalize_upper"] is not None:
-        lines.append("  finalize (row shards freed as chunks and slots are allocated, two allocators): at most "
+        lines.append("  the whole load, finalize included (row shards freed as chunks and slots are allocated, two "
+                     "allocators): at most "
                      + ", ".join(f"{r['whole']['finalize_upper'] / MiB:.1f} / {r['meta']['finalize_upper'] / MiB:.1f}"
                                  for r in results) + " MiB (with weights / on meta, per rank; the sum of each "
                      "allocator's own peak, an upper bound)")
