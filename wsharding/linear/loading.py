@@ -95,11 +95,12 @@ def check_scale_values(values: torch.Tensor, name: str, *, zero_allowed: bool, d
     if not bool(bad.any()):
         return
     at = tuple(bad.nonzero()[0].tolist())  # nonzero lists indices in row-major order: the first bad value
-    value = float(seen[at])
     index = f"[{', '.join(map(str, at))}]" if at else ""
-    said = repr(value) if math.isnan(value) or math.isinf(value) or value == 0 else f"{value!r} (negative)"
+    said = _shortest(seen[at])
+    if -math.inf < float(seen[at]) < 0:
+        said += " (negative)"  # -inf says it already
     if seen is not values and values.is_floating_point():
-        said += f" as {dtype} ({float(values[at])!r} in the checkpoint's {values.dtype})"
+        said += f" as {dtype} ({_shortest(values[at])} in the checkpoint's {values.dtype})"
     count = int(bad.sum())
     more = f"; {count - 1} more of its {seen.numel()} values break the rule too" if count > 1 else ""
     rule = ("a block or channel scale must be finite and >= 0 (0 only for a block of zero weights)" if zero_allowed
@@ -110,6 +111,19 @@ def check_scale_values(values: torch.Tensor, name: str, *, zero_allowed: bool, d
         "+-inf or other values. Re-export the checkpoint, and check the quantizer that wrote it (a scale is "
         "amax / qmax: NaN or inf in the weights it read, or a weight never written, ends up here)"
     )
+
+
+def _shortest(x: torch.Tensor) -> str:
+    """The shortest decimal that reads back as the value of the one-element ``x`` in its dtype: a
+    float32 -0.01 is ``-0.01``, not the ``-0.009999999776482582`` its float64 repr shows."""
+    value = float(x)
+    if not math.isfinite(value):
+        return repr(value)  # nan, inf, -inf
+    for digits in range(1, 18):
+        text = f"{value:.{digits}g}"
+        if float(torch.tensor(float(text), dtype=x.dtype)) == value:
+            return text
+    return repr(value)
 
 
 __all__ = ["CheckpointShapeError", "check_dtype", "check_scale_values", "check_shape", "copy_with_check",
