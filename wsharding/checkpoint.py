@@ -33,6 +33,8 @@ from wsharding.core.runner import check_shard_blocks_args, shard_blocks
 from wsharding.core.sharding import FullShapeLoader, RowShardLoader, ShardingError, WeightSharding, abandon_sharding
 from wsharding.empty_build import empty_parameters, materialize
 from wsharding.linear.base import process_weights
+from wsharding.linear.loading import check_scale_values
+from wsharding.linear.parameters import QuantScale
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
 
@@ -158,7 +160,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
     sharded weights account for ``sharded_bytes_read``, exactly this rank's rows; ``skipped_tensors``
     counts the checkpoint's tensors the model does not know, left unread (only with ``strict=False``).
     Raises :class:`CheckpointError` naming the tensor when one is missing, unexpected (with
-    ``strict``), misshapen or of a dtype that cannot be converted.
+    ``strict``), misshapen or of a dtype that cannot be converted, and naming the index when a
+    quantization scale is NaN, +-inf, negative, or 0 where its format has no zero
+    (:func:`wsharding.linear.loading.check_scale_values`). Weight values are not checked: a float
+    weight (or a quantized code) that is NaN or inf is loaded as it is.
 
     ``strict=False`` skips only the checkpoint's extra tensors. Unlike ``load_state_dict(strict=False)``
     it never leaves a parameter unloaded: a tensor the model needs and the checkpoint lacks is still an
@@ -208,7 +213,14 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
                                               "parameters that have memory; give them memory first "
                                               "(wsharding.empty_build.materialize(model, device)), or shard and "
                                               "load the model with load_sharded, which does")
-                    tensor = lazy.read().to(param.device)
+                    tensor = lazy.read()
+                    if isinstance(param, QuantScale):
+                        # before the loader copies it and before any requant uses it: a NaN or inf scale
+                        # came out of the requant as 1.0, silently ([Note: checkpoint scales are finite]
+                        # in wsharding/linear/loading.py); checked here, on the CPU copy just read
+                        check_scale_values(tensor, key, zero_allowed=param.zero_allowed, dtype=param.dtype,
+                                           error=CheckpointError)
+                    tensor = tensor.to(param.device)
                     if loader is None:
                         _default_loader(param, tensor, pname)
                     elif shard_id is None:

@@ -335,6 +335,8 @@ def _checkpoint(tmp: Path, edit: Callable[[dict, Path], None], quant: str | None
     from wsharding.models import PRESETS, ToyDecoder
 
     cfg = PRESETS["tiny"] if quant is None else PRESETS["tiny"].with_(quant=quant)
+    if quant == "fp8_block":
+        cfg = cfg.with_(quant_block=48)  # 128 does not divide the tiny preset's dimensions
     path = tmp / "tiny.safetensors"
     save_checkpoint(ToyDecoder(cfg), path)
     edit(load_file(path), path)
@@ -382,6 +384,25 @@ def _ckpt_int_into_float(tmp: Path, mp: pytest.MonkeyPatch) -> object:
         save_file(t, path)
 
     return _checkpoint(tmp, edit)
+
+
+def _ckpt_scale(quant: str, key: str, index: tuple[int, ...], value: float) -> Callable[[Path, pytest.MonkeyPatch], object]:
+    """A trigger: the tiny checkpoint quantized as ``quant``, with ``value`` written at ``key[index]``."""
+    def trigger(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+        def edit(t: dict, path: Path) -> None:
+            t[key][index] = value
+            save_file(t, path)
+
+        return _checkpoint(tmp, edit, quant=quant)
+    return trigger
+
+
+# Unchecked, block FP8's UE8M0 requant made a NaN scale 1.0 and its block's codes NaN (an inf: +-448, and
+# a finite, wrong output); a NaN k scale made every q, k and v code NaN (tests/loading/test_scale_values.py).
+_ckpt_scale_nan = _ckpt_scale("fp8_block", "layers.1.attn.q_proj.weight_scale_inv", (1, 1), float("nan"))
+_ckpt_scale_inf = _ckpt_scale("int8", "layers.2.moe.latent_up.weight_scale", (5,), float("inf"))
+_ckpt_scale_zero = _ckpt_scale("fp8", "layers.1.attn.o_proj.input_scale", (0,), 0.0)
+_ckpt_scale_negative = _ckpt_scale("fp8", "layers.1.attn.k_proj.weight_scale", (), -0.5)
 
 
 def _ckpt_truncated(tmp: Path, mp: pytest.MonkeyPatch) -> object:
@@ -919,6 +940,26 @@ CASES: dict[str, Case] = {
         "loaded an integer tensor into a float weight", "wsharding.checkpoint:CheckpointError",
         ("embed.weight", "torch.int32", "torch.bfloat16", "integer values are not converted"),
         "load a float checkpoint, or build the model with the quant method the checkpoint uses", _ckpt_int_into_float),
+    "checkpoint scale nan": Case(
+        "loaded a quantized checkpoint with a NaN scale (FP8 block, FP8 per-tensor or int8 channel)",
+        "wsharding.checkpoint:CheckpointError", ("layers.1.attn.q_proj.weight_scale_inv[1, 1]", "is nan", "finite"),
+        "re-export the checkpoint and check the quantizer that wrote it (a scale is amax / qmax: NaN in the weights it "
+        "read); unchecked, the requant after loading made the scale 1.0 and its block's codes NaN", _ckpt_scale_nan),
+    "checkpoint scale inf": Case(
+        "loaded a quantized checkpoint with an inf scale", "wsharding.checkpoint:CheckpointError",
+        ("layers.2.moe.latent_up.weight_scale[5]", "is inf", "finite"),
+        "re-export the checkpoint and check the quantizer; unchecked, an FP8 block's codes became +-448 and the "
+        "output stayed finite, silently wrong", _ckpt_scale_inf),
+    "checkpoint scale zero": Case(
+        "loaded a checkpoint whose per-tensor scale (input_scale, weight_scale) is 0", "wsharding.checkpoint:CheckpointError",
+        ("layers.1.attn.o_proj.input_scale[0]", "is 0", "finite and > 0"),
+        "re-export the checkpoint: an input_scale of 0 divides the activations by zero, a weight_scale of 0 zeroes a "
+        "whole tensor; a block or channel scale of 0 (a block of zero weights) loads", _ckpt_scale_zero),
+    "checkpoint scale negative": Case(
+        "loaded a checkpoint with a negative scale", "wsharding.checkpoint:CheckpointError",
+        ("layers.1.attn.k_proj.weight_scale", "is -0.5 (negative)"),
+        "re-export the checkpoint and check the quantizer (a scale is amax / qmax, never negative; block FP8's "
+        "requant dropped the sign)", _ckpt_scale_negative),
     "checkpoint truncated": Case(
         "loaded a truncated (or non-safetensors) file", "wsharding.checkpoint:CheckpointError",
         ("tiny.safetensors", "file ends at byte"), "write the checkpoint again (save_checkpoint)", _ckpt_truncated),

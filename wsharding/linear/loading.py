@@ -1,11 +1,15 @@
 """Small loading helpers shared by the v1 loaders (in the linears) and the v2 parameter classes (the
-dtype rule and its error live with the row loaders, :mod:`wsharding.core.rowloaders`, which use them too)."""
+dtype rule and its error live with the row loaders, :mod:`wsharding.core.rowloaders`, which use them too),
+and the one check of the values of every quantization scale a checkpoint holds
+(:func:`check_scale_values`, [Note: checkpoint scales are finite])."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from wsharding.core.errors import InvalidArgument
+from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.rowloaders import CheckpointShapeError, check_dtype, is_quantized_dtype, param_name
 
 
@@ -53,5 +57,74 @@ def pad_or_narrow(loaded: torch.Tensor, dim: int, start: int, size: int) -> torc
     return torch.cat([piece, loaded.new_zeros(shape)], dim=dim)
 
 
-__all__ = ["CheckpointShapeError", "check_dtype", "check_shape", "copy_with_check", "is_quantized_dtype", "pad_or_narrow",
-           "param_name"]
+# [Note: checkpoint scales are finite]
+# A quantized weight means q * s, so a scale that is NaN or inf makes every weight it covers NaN or
+# +-inf -- and the after-loading steps hide it. Block FP8's UE8M0 requant rounds each scale up to a
+# power of two through its exponent, which NaN and inf do not have: the scale comes out as 1.0, the
+# block's codes NaN (or +-448 for an inf). A ModelOpt merged linear requantizes every logical shard to
+# the largest scale, and the max of a NaN is NaN: one NaN k scale makes every q, k and v code NaN.
+# Neither says a word; only a step's output shows it, far from the tensor at fault. So every scale is
+# checked where the checkpoint is read (load_checkpoint), before a loader copies it and before any
+# code or requant uses it: one isfinite and one comparison over a tensor of a few hundred values.
+# The sign: a scale is amax / qmax, never negative. No quantizer writes one, and the UE8M0 requant
+# would drop its sign without a word (pow2_ceil(-0.3) is 0.5), so a negative scale is refused in every
+# format. Zero differs by format. A block or channel scale of 0 is a block of zero weights (q * 0 is
+# 0, and the requant keeps it 0) -- a quantizer that does not clamp amax writes it for an all-zero
+# block -- so it loads. A per-tensor scale (ModelOpt's weight_scale and input_scale, int4's
+# weight_scale) of 0 is refused: an input_scale of 0 divides the activations by zero (a zero activation
+# becomes NaN, every other product 0, whatever the input), and a weight_scale of 0 says a whole
+# projection is zero, which a quantizer writes only for a weight it read empty: a damaged export.
+def check_scale_values(values: torch.Tensor, name: str, *, zero_allowed: bool, dtype: torch.dtype | None = None,
+                       error: type[WshardingError] = InvalidArgument) -> None:
+    """Refuse a quantization scale ``values`` (checkpoint tensor ``name``) that holds NaN, +-inf, a
+    negative value, or 0 where ``zero_allowed`` is False, naming the index of the first such value
+    (row-major) and how many more there are ([Note: checkpoint scales are finite]).
+
+    ``dtype``: the parameter's dtype, when the loader converts the tensor to it: the converted values
+    are checked, since they are what the model computes with (a float64 1e300 is inf in float32).
+    ``error``: the class raised (:func:`wsharding.checkpoint.load_checkpoint` passes ``CheckpointError``).
+    """
+    seen = values
+    if dtype is not None and dtype.is_floating_point and dtype != values.dtype:
+        seen = values.to(dtype)
+    if not seen.is_floating_point():
+        return  # an integer has no NaN or inf, and none of the package's formats stores integer scales
+    if seen.element_size() == 1:
+        seen = seen.float()  # FP8 scales (e8m0, e4m3): read as float32, which holds every one of their values
+    bad = ~torch.isfinite(seen) | (seen < 0 if zero_allowed else seen <= 0)
+    if not bool(bad.any()):
+        return
+    at = tuple(bad.nonzero()[0].tolist())  # nonzero lists indices in row-major order: the first bad value
+    index = f"[{', '.join(map(str, at))}]" if at else ""
+    said = _shortest(seen[at])
+    if -math.inf < float(seen[at]) < 0:
+        said += " (negative)"  # -inf says it already
+    if seen is not values and values.is_floating_point():
+        said += f" as {dtype} ({_shortest(values[at])} in the checkpoint's {values.dtype})"
+    count = int(bad.sum())
+    more = f"; {count - 1} more of its {seen.numel()} values break the rule too" if count > 1 else ""
+    rule = ("a block or channel scale must be finite and >= 0 (0 only for a block of zero weights)" if zero_allowed
+            else "a per-tensor scale must be finite and > 0 (an input_scale of 0 divides the activations by zero, "
+                 "a weight_scale of 0 zeroes a whole tensor)")
+    raise error(
+        f"{name}{index} is {said}: {rule}{more}. Loaded, it would silently turn the weights it scales into NaN, "
+        "+-inf or other values. Re-export the checkpoint, and check the quantizer that wrote it (a scale is "
+        "amax / qmax: NaN or inf in the weights it read, or a weight never written, ends up here)"
+    )
+
+
+def _shortest(x: torch.Tensor) -> str:
+    """The shortest decimal that reads back as the value of the one-element ``x`` in its dtype: a
+    float32 -0.01 is ``-0.01``, not the ``-0.009999999776482582`` its float64 repr shows."""
+    value = float(x)
+    if not math.isfinite(value):
+        return repr(value)  # nan, inf, -inf
+    for digits in range(1, 18):
+        text = f"{value:.{digits}g}"
+        if float(torch.tensor(float(text), dtype=x.dtype)) == value:
+            return text
+    return repr(value)
+
+
+__all__ = ["CheckpointShapeError", "check_dtype", "check_scale_values", "check_shape", "copy_with_check",
+           "is_quantized_dtype", "pad_or_narrow", "param_name"]

@@ -139,18 +139,32 @@ class PackedParameter(ModelWeightParameter):
         return self.shape[dim] * (self.pack_factor if dim == self.packed_dim else 1)
 
 
-class ChannelQuantScaleParameter(BaseParameter):
+class QuantScale:
+    """Marks a parameter class that holds quantization scales: :func:`wsharding.checkpoint.load_checkpoint`
+    checks the checkpoint's values with :func:`wsharding.linear.loading.check_scale_values` before the
+    loader copies them ([Note: checkpoint scales are finite] in ``wsharding/linear/loading.py``). A quant
+    method of one's own marks its scale parameters by mixing this in first."""
+
+    #: Whether 0 is a valid value: True for block and channel scales (a block of zero weights), False
+    #: for per-tensor ones.
+    zero_allowed: bool = True
+
+
+class ChannelQuantScaleParameter(QuantScale, BaseParameter):
     """One scale per output channel ``[out]``: split with the rows (column), whole for a row linear."""
 
     def __init__(self, data: torch.Tensor, weight_loader: Callable[..., None] | None = None, **kw: Any) -> None:
         super().__init__(data, weight_loader, output_dim=0, input_dim=None, **kw)
 
 
-class PerTensorScaleParameter(BaseParameter):
+class PerTensorScaleParameter(QuantScale, BaseParameter):
     """One scale per logical shard (``[1]`` for a plain linear, one per gate/up or q/k/v for merged ones).
 
     The checkpoint holds one scalar per sub-tensor; the merged loader writes it at ``shard_index``.
+    A value of 0 is refused at load ([Note: checkpoint scales are finite]).
     """
+
+    zero_allowed = False
 
     def load_merged_column_weight(self, loaded: torch.Tensor, *, shard_index: int, shard_offset: int, shard_size: int,
                                   block: int, full: int, presharded: bool = False) -> None:
@@ -168,7 +182,7 @@ class PerTensorScaleParameter(BaseParameter):
         self.load_merged_column_weight(loaded, shard_index=0, shard_offset=0, shard_size=0, block=0, full=0)
 
 
-class BlockQuantScaleParameter(ModelWeightParameter):
+class BlockQuantScaleParameter(QuantScale, ModelWeightParameter):
     """One scale per ``block = (block_n, block_k)`` weights: shape ``[ceil(out/bn), ceil(in/bk)]``.
 
     Weight rows ``[offset, offset + size)`` map to scale rows ``[ceil(offset/bn), ceil(offset/bn) +
