@@ -386,3 +386,25 @@ def test_a_block_reads_its_own_weights_directly_and_nothing_else(cluster_of):
         _refused(r["other_layer"], rank, "layer 0 fc.weight", "outside its linear's forward", _FULL)
         _refused(r["edit_inside"], rank, "layer 3 fc.weight", "Tensor.mul_ outside its linear's forward",
                  "the next gather of its layer would undo it")
+
+
+def direct_reads_under_shard_blocks(ctx):
+    from wsharding.core.runner import shard_blocks
+
+    d = 32
+    model = nn.Module()
+    model.layers = nn.ModuleList(DirectBlock(d, 40 + i) for i in range(3))
+    model.forward = lambda x: model.layers[2](model.layers[1](model.layers[0](x)))
+    ref = copy.deepcopy(model.layers)
+    shard_blocks(model, "layers", ["fc", "up"], ctx.shard_comm(2))
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(ctx.rank))
+    with torch.no_grad():
+        stepped = torch.equal(model(x), ref[2](ref[1](ref[0](x))))
+        with pytest.warns(UserWarning, match="outside a step"):  # its wrapper starts it: gathered now, warned
+            alone = torch.equal(model.layers[0](x), ref[0](x))  # its slot holds layer 2 after the step
+    return {"stepped": stepped, "alone": alone}
+
+
+def test_a_wrapped_block_called_on_its_own_reads_its_weights_after_its_gather(cluster_of):
+    for r in cluster_of(2).run(direct_reads_under_shard_blocks):
+        assert r["stepped"] and r["alone"]
