@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from wsharding.lab.tasks.loading import load_variant, variant_config
+from wsharding.lab.tasks.loading import load_variant
+from wsharding.models import variant_config
 
 N = 2
 ITEMSIZE = {"F8_E4M3": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4}

@@ -24,10 +24,9 @@ import wsharding.checkpoint
 from wsharding.checkpoint import CheckpointError, load_checkpoint, load_sharded, save_checkpoint
 from wsharding.core.comm import Communicator
 from wsharding.core.sharding import WeightSharding
-from wsharding.lab.tasks.loading import variant_config
 from wsharding.linear.fp8 import FP8_MAX
 from wsharding.linear.loading import check_scale_values
-from wsharding.models import PRESETS, ToyDecoder
+from wsharding.models import PRESETS, ToyDecoder, variant_config
 
 NAN, INF = float("nan"), float("inf")
 TOKENS = torch.arange(7) % PRESETS["tiny"].vocab

@@ -478,6 +478,23 @@ def decoder_config(preset: str | DecoderConfig, layers: int | None = None) -> De
     return cfg
 
 
+#: variant name -> quant method name of the toy decoder's targets
+VARIANTS: dict[str, str] = {"bf16": "none", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}
+
+def variant_config(preset: str | DecoderConfig, variant: str, layers: int | None = None) -> DecoderConfig:
+    """The decoder preset with the targets quantized as ``variant`` (a key of :data:`VARIANTS`)."""
+    if variant not in VARIANTS:
+        raise InvalidArgument(f"variant: unknown {variant!r}; known: {sorted(VARIANTS)}")
+    cfg = decoder_config(preset, layers).with_(quant=VARIANTS[variant])
+    if variant == "fp8_block":
+        # 128 x 128 blocks where the dimensions allow it (the weight-sharding design's block), else the
+        # largest edge that divides
+        dims = [cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.latent, cfg.shared_inter,
+                cfg.dense_inter]
+        cfg = cfg.with_(quant_block=next(b for b in (128, 64, 48, 32, 16, 8) if all(d % b == 0 for d in dims)))
+    return cfg
+
+
 def build_pair(cfg: DecoderConfig, comm: Communicator, *, seed: int = 0, lookahead: bool = True, trace: bool = False,
                sharded_layers: range | None = None, map_own_chunk: bool | str = "auto") -> tuple[ToyDecoder, ToyDecoder]:
     """The replicated model and its sharded twin (same seed: the same weights) on this rank.

@@ -16,34 +16,16 @@ import torch
 from wsharding.checkpoint import load_checkpoint, load_sharded, save_checkpoint
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
-from wsharding.core.errors import InvalidArgument
 from wsharding.core.runner import aligned_forward
 from wsharding.core.sharding import WeightSharding
 from wsharding.linear.fp8 import fp8_gemm_path
 from wsharding.memory import PeakMeter, map_large_allocations, peak_rss_bytes, rss_bytes
-from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
+from wsharding.models import DecoderConfig, ToyDecoder, variant_config
 from wsharding.models.equality import tokens_for
-
-#: variant name -> quant method name of the toy decoder's targets
-VARIANTS: dict[str, str] = {"bf16": "none", "int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block"}
 
 #: The Llama projections weight sharding takes (all of them: DP-attention style, tp 1).
 HF_LLAMA_PATTERNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def variant_config(preset: str | DecoderConfig, variant: str, layers: int | None = None) -> DecoderConfig:
-    """The decoder preset with the targets quantized as ``variant`` (a key of :data:`VARIANTS`)."""
-    if variant not in VARIANTS:
-        raise InvalidArgument(f"variant: unknown {variant!r}; known: {sorted(VARIANTS)}")
-    cfg = decoder_config(preset, layers).with_(quant=VARIANTS[variant])
-    if variant == "fp8_block":
-        # 128 x 128 blocks where the dimensions allow it (the weight-sharding design's block), else the
-        # largest edge that divides
-        dims = [cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.latent, cfg.shared_inter,
-                cfg.dense_inter]
-        cfg = cfg.with_(quant_block=next(b for b in (128, 64, 48, 32, 16, 8) if all(d % b == 0 for d in dims)))
-    return cfg
 
 
 def held_peak_bytes(result: dict[str, Any]) -> int:
