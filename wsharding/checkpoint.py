@@ -35,6 +35,7 @@ from wsharding.empty_build import empty_parameters, materialize
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import check_scale_values
 from wsharding.linear.parameters import QuantScale
+from wsharding.memory import trim_host_heap
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
 
@@ -318,6 +319,10 @@ def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, b
     ws = shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
                       verify_replicas=verify_replicas, load=load, **kwargs)
     ws.model = model
+    # On CPU ranks the weights live in the host heap: the checkpoint's read buffers and the row shards that
+    # chunks replaced are free by now, but glibc keeps them resident until its heap is trimmed -- without
+    # this a rank's resident set stays at the load's high-water mark, up to R, not at the bytes it holds.
+    ws.host_bytes_released = trim_host_heap() if comm.device.type == "cpu" else 0
     return ws
 
 

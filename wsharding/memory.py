@@ -91,6 +91,25 @@ def map_large_allocations(threshold: int = 64 << 10) -> bool:
         return False
 
 
+def trim_host_heap() -> int:
+    """glibc only: give the heap's free memory back to the system (``malloc_trim(0)``) and return the
+    bytes the resident set shrank by; 0 where there is no glibc.
+
+    Why after loading: the row shards, the checkpoint's read buffers and the build's temporaries are
+    freed by then, but glibc keeps freed blocks below its mmap threshold in its heap, resident, until
+    something trims it -- a rank's resident set would stay hundreds of MiB above the bytes it holds."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return 0
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    before = rss_bytes()
+    trim(0)
+    return max(0, before - rss_bytes())
+
+
 @dataclass
 class LoadPeak:
     """What a :class:`PeakMeter` measured (bytes)."""

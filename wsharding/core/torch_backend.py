@@ -83,6 +83,12 @@ class TorchPreparedGather(PreparedGather):
             self._work = None
         else:
             try:
+                # [Note: gloo's gather temporary]
+                # On CPU ranks gloo's all-gather flattens its output into a temporary as large as the whole
+                # layer and copies it into ``full`` when it completes, so a forward's resident set rises by
+                # |T_l| per gather in flight (gloo runs one collective at a time: two at depth 1 and above).
+                # Measured so on gloo ranks: one layer at depth 0, two at depths 1 and 2, whatever the tokens.
+                # NCCL writes into ``full`` directly: on GPUs the forward's peak is its activations.
                 self._work = all_gather_single(self.full, self.chunk, group=comm.group, async_op=True)
             except RuntimeError as e:
                 raise CommError(f"{self.what} failed on rank {comm.rank}: {e}") from e

@@ -47,6 +47,9 @@ class BlocksConfig:
 BLOCK_PRESETS: dict[str, BlocksConfig] = {
     "llama8b-blocks": BlocksConfig(),
     "tiny-blocks": BlocksConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96),
+    # float32 layers of 100 MiB, 800 MiB in all: large enough on CPU ranks that a resident set is not
+    # noise, small enough for two of them on a laptop
+    "cpu-blocks": BlocksConfig(hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=2560, dtype="float32"),
 }
 
 #: The projections of a block that weight sharding takes (all of them: under DP attention every

@@ -5,9 +5,12 @@ in separate rounds: once into a model built the ordinary way (every weight alloc
 ``build_model().to(device)`` does), once from the function that builds it (every parameter on meta:
 :func:`~wsharding.empty_build.empty_parameters`). On GPUs the peak is
 ``torch.cuda.max_memory_allocated`` above what the rank held before building; on CPU ranks the
-package's own count of the bytes its parameters held at the checkpoint's read (no RSS: freed host
-memory may stay resident under glibc's malloc, and the number would say more about the allocator
-than about the load). Beside both: the bound ``R/N + slots + the rest + one weight`` and the replicated
+package's own count of the bytes its parameters held at the checkpoint's read (no RSS for the peak:
+freed host memory may stay resident under glibc's malloc, and the number would say more about the
+allocator than about the load). On CPU ranks the steady state is also shown as the process sees it:
+the resident set beside the bytes held, what trimming the heap after the load gave back, and a
+forward's transient (gloo's gather temporaries, see [Note: gloo's gather temporary] in
+``wsharding/core/torch_backend.py``). Beside both: the bound ``R/N + slots + the rest + one weight`` and the replicated
 R. Then one forward of ``--tokens`` tokens: its peak above the steady state.
 """
 
@@ -30,7 +33,7 @@ from wsharding.core.units import MiB
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.cliargs import check_output_path, int_at_least
 from wsharding.lab.tasks.loading import outside_allocator_bytes
-from wsharding.memory import PeakMeter
+from wsharding.memory import PeakMeter, peak_rss_bytes, reset_peak_rss, rss_bytes
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, BlocksModel, blocks_config, build_blocks
 from wsharding.runtime import gpu_count, in_ci
 
@@ -80,6 +83,7 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
         if cuda:
             torch.cuda.synchronize(dev)
         base, out0 = (torch.cuda.memory_allocated(dev), outside()) if cuda else (0, 0)
+        rss0 = rss_bytes()
         seen: dict[str, int] = {}
         inner, inner_read = checkpoint_module.materialize, checkpoint_module.load_checkpoint
 
@@ -117,10 +121,23 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
         if cuda:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+        host: dict[str, int] | None = None
+        if not cuda:
+            # the resident set, not the package's count: what the rank's process really keeps (the meter
+            # maps every large allocation on its own, so freed weights leave the resident set)
+            host = {"rss_after_load": rss_bytes() - rss0, "trimmed": ws.host_bytes_released}
+            with torch.no_grad():
+                model(x)  # touches the slots' pages, which stay untouched until their first gather
+            host["rss_steady"] = rss_bytes() - rss0
+            reset_peak_rss()
+            steady_abs = rss_bytes()
         with torch.no_grad():
             model(x)
         if cuda:
             torch.cuda.synchronize(dev)
+        else:
+            host["forward_transient"] = peak_rss_bytes() - steady_abs
+            host["largest_layer"] = max(lay.total_bytes for lay in ws.layouts.values())
         forward_peak = torch.cuda.max_memory_allocated(dev) - base + outside() - out0 if cuda else None
         rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                    if not any(f".{t}." in f".{n}" for t in BLOCK_TARGETS))
@@ -129,6 +146,7 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
             "built_whole": ws.built_whole_bytes, "replicated": ws.replicated_bytes(),
             "bound": ws.formula_bytes() + ws.largest_weight_bytes() + rest, "resident": ws.resident_bytes(),
             "formula": ws.formula_bytes(), "rest": rest, "measured": "max_memory_allocated" if cuda else "bytes held",
+            "host": host,
         }
         ws.close()
         del model, ws
@@ -165,6 +183,22 @@ def format_table(results: list[dict[str, Any]], preset: str, tokens: int) -> str
             b = r["meta"]
             lines.append(f"  {r['rank']:>4} | steady {b['steady'] / MiB:.1f} | forward peak {b['forward_peak'] / MiB:.1f} "
                          f"| +{(b['forward_peak'] - b['steady']) / MiB:.1f}")
+    if r0["meta"]["host"] is not None:
+        lines.append("  host memory on meta, MiB per rank (the resident set above the rank's own before the build; "
+                     "large allocations mapped one by one):")
+        for r in results:
+            b, h = r["meta"], r["meta"]["host"]
+            lines.append(f"  {r['rank']:>4} | held {(b['resident'] + b['rest']) / MiB:.1f} | resident set after the "
+                         f"load {h['rss_after_load'] / MiB:.1f} (slots untouched), after a forward "
+                         f"{h['rss_steady'] / MiB:.1f} | heap trim gave back {h['trimmed'] / MiB:.1f}")
+        h = r0["meta"]["host"]
+        lines.append(f"  a forward's transient (rank 0): +{h['forward_transient'] / MiB:.1f} MiB of resident set, "
+                     f"{h['forward_transient'] / h['largest_layer']:.2f} x the largest layer "
+                     f"({h['largest_layer'] / MiB:.1f} MiB); gloo's all-gather flattens its output into a temporary "
+                     "of the whole layer, one per gather in flight: about 2 x at depth >= 1, whatever --tokens")
+        if h["largest_layer"] < 8 * MiB:
+            lines.append("  (at this size the resident set is noise -- the interpreter's own allocations move it as "
+                         "much: --model cpu-blocks shows the host numbers at 100 MiB layers)")
     return "\n".join(lines)
 
 
