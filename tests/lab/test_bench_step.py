@@ -25,6 +25,8 @@ def test_step_bench_measures_every_variant(cluster_of, model):
         # the floor: (N-1)/N of every layer over the bandwidth measured in the same run
         assert row["floor_ms"] > 0 and row["sharded_vs_floor"] == row["sharded"] / row["floor_ms"]
     assert report["planner_host_us_per_layer"] > 0 and report["bus_bandwidth_GBps"] > 0
+    # the check at use, per block: the slowest rank's median, printed
+    assert report["check_at_use_us"] == max(r["check_at_use_us"] for r in results) > 0
     for row in report["rows"]:  # paired host overhead: median between its quartiles
         assert row["host_overhead_us_per_layer_q1"] <= row["host_overhead_us_per_layer"] <= row["host_overhead_us_per_layer_q3"]
     for i, row in enumerate(report["rows"]):  # lookahead against off, round by round (the slowest rank)
@@ -37,6 +39,7 @@ def test_step_bench_measures_every_variant(cluster_of, model):
     assert "tokens/rank, lookahead - no lookahead: " in text
     assert "host +us/layer: what the sharded forward adds to the host" in text
     assert "emulated" in text and "fsdp2" in text and "floor" in text
+    assert f"the check at use (a block's slot holds its own layer, gathered in this step): {report['check_at_use_us']:.3f} us" in text
     assert "sharded_next_step: sharded, with the next step's first gather issued" in text
     # the planner's own calls, timed inside the forwards: the slowest rank's, one value per row
     for i, row in enumerate(report["rows"]):

@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,30 +27,11 @@ from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.rounds import round_orders
-from wsharding.lab.bench.step import MODELS, planner_host_us, sharded_twin, timed_steps
+from wsharding.lab.bench.step import MODELS, check_cost_us, sharded_twin, timed_steps
 from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, build_blocks
 from wsharding.runtime import gpu_count, in_ci
-
-
-def check_cost_us(ws: Any, calls: int = 20000) -> dict[str, float]:
-    """Host microseconds: per call of the check at use (``ensure`` of a held layer), and per layer of the
-    planner's whole step with no compute between (:func:`~wsharding.lab.bench.step.planner_host_us`:
-    the check, the issues and the joins)."""
-    p = ws.planner
-    layer = p.sharded_ids[-1]
-    p.lend_slots()
-    p.filled(layer)  # its slot holds it: the O(1) path
-    clock = time.perf_counter
-    samples = []
-    for _ in range(5):
-        t0 = clock()
-        for _ in range(calls):
-            p.ensure(layer)
-        samples.append((clock() - t0) / calls * 1e6)
-    ensure_us = statistics.median(samples)
-    return {"ensure_us": ensure_us, "planner_us_per_layer": planner_host_us(ws)}
 
 
 def schedule_bench_rank(ctx: RankContext, model: str, tokens: list[int], depths: list[int], *, steps: int = 5,

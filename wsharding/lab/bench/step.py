@@ -247,6 +247,26 @@ def planner_host_us(ws: WeightSharding, iters: int = 20) -> float:
     return total / iters / len(ws.sharded_layer_ids) * 1e6
 
 
+def check_cost_us(ws: Any, calls: int = 20000) -> dict[str, float]:
+    """Host microseconds: per call of the check at use (``ensure`` of a held layer), and per layer of the
+    planner's whole step with no compute between (:func:`~wsharding.lab.bench.step.planner_host_us`:
+    the check, the issues and the joins)."""
+    p = ws.planner
+    layer = p.sharded_ids[-1]
+    p.lend_slots()
+    p.filled(layer)  # its slot holds it: the O(1) path
+    clock = time.perf_counter
+    samples = []
+    for _ in range(5):
+        t0 = clock()
+        for _ in range(calls):
+            p.ensure(layer)
+        samples.append((clock() - t0) / calls * 1e6)
+    ensure_us = statistics.median(samples)
+    p.lend_slots()  # forget the pretend fill: the slot never received that layer's bytes
+    return {"ensure_us": ensure_us, "planner_us_per_layer": planner_host_us(ws)}
+
+
 def direct_launch_host_us(ws: WeightSharding) -> float | None:
     """:func:`planner_host_us` with every gather calling ``ncclAllGather`` itself instead of launching
     its captured graph ([Note: a gather launched as a graph]); None when no gather has a graph."""
@@ -281,6 +301,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     planner = ws.planner
     bw, floor_ms = link_floor(ws, c)
     planner_us = planner_host_us(ws)
+    check_us = check_cost_us(ws)["ensure_us"]
     planner_us_direct = direct_launch_host_us(ws)
     planner_us_mapped = planner_host_us(ws_mapped) if ws_mapped is not None else None
     issue_thread = issue_thread and is_ours(c)
@@ -389,6 +410,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     # communicator says what is emulated
     return {"rank": ctx.rank, "mode": c.mode, "emulation": c.emulation if dev.type == "cuda" else ctx.emulation,
             "rows": rows, "bus_bandwidth_Bps": bw, "floor_ms": floor_ms, "planner_host_us_per_layer": planner_us,
+            "check_at_use_us": check_us,
             "planner_host_us_per_layer_direct": planner_us_direct,
             "planner_host_us_per_layer_mapped": planner_us_mapped,
             "planner_host_us_per_layer_issue_thread": planner_us_issue_thread,
@@ -448,6 +470,7 @@ def summarize(results: list[dict[str, Any]], model: str, comm: str) -> dict[str,
             "graph_error": next((r["graph_error"] for r in results if r.get("graph_error")), None),
             "bus_bandwidth_GBps": min(r["bus_bandwidth_Bps"] for r in results) / 1e9,
             "planner_host_us_per_layer": max(r["planner_host_us_per_layer"] for r in results),
+            "check_at_use_us": max(r["check_at_use_us"] for r in results),
             "planner_host_us_per_layer_direct": (max(r["planner_host_us_per_layer_direct"] for r in results)
                                                  if results[0].get("planner_host_us_per_layer_direct") else None),
             "planner_host_us_per_layer_mapped": (max(r["planner_host_us_per_layer_mapped"] for r in results)
@@ -479,6 +502,9 @@ def format_table(report: dict[str, Any]) -> str:
                  + (f"; {report['planner_host_us_per_layer_issue_thread']:.1f} us with the issue thread, waits for "
                     "it included" if report.get("planner_host_us_per_layer_issue_thread") else "")
                  + ")")
+    if report.get("check_at_use_us") is not None:  # saved reports from before the check have none
+        lines.append(f"  the check at use (a block's slot holds its own layer, gathered in this step): "
+                     f"{report['check_at_use_us']:.3f} us on the host per block, the slowest rank's median")
     lines.append(f"  sharded weights per rank: {report['replicated_bytes_per_rank'] / 2**20:.1f} MiB replicated, "
                  f"{report['sharded_resident_bytes_per_rank'] / 2**20:.1f} MiB sharded (R/N + 2 max|T|)"
                  + (f", {report['mapped_resident_bytes_per_rank'] / 2**20:.1f} MiB with map_own_chunk "
