@@ -12,8 +12,10 @@ rank issues the same gathers). It prints a table and can write a JSON report and
 
 Default: all GPUs with NCCL, else 4 CPU rank processes with gloo (emulated GPUs: every line says so).
 
-Figures go to ``./wsharding-out/`` (git-ignored) unless ``--figures DIR`` says otherwise; the figures
-committed in the repository's ``figures/`` are only rewritten by asking for it: ``--figures figures``.
+Figures go to ``wsharding-out/`` ([Note: the default output folder] in :mod:`wsharding.lab.outdir`: at the
+top of the checkout when run inside it, git-ignored; else in the current folder) unless ``--figures DIR``
+says otherwise; the figures committed in the repository's ``figures/`` are only rewritten by asking for
+it: ``--figures figures``.
 Before any rank starts, the memory the preset needs is compared with what the machine has
 (:mod:`wsharding.lab.memory`); a run that does not fit is refused with what to pass instead.
 """
@@ -54,14 +56,13 @@ from wsharding.lab.cliargs import (
     nonempty_path,
 )
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
+from wsharding.lab.outdir import default_help, default_out_dir, default_output
 from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.models import PRESETS, decoder_config
 from wsharding.models.equality import tokens_for
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
 from wsharding.runtime import gpu_count, in_ci
 
-#: Where the demo writes its figures by default: untracked, so a run never dirties the checkout.
-DEFAULT_OUT = "wsharding-out"
 #: Said under the header of a one-rank run, where the sharded model holds more than the replicated one.
 ONE_RANK_NOTE = ("one rank: nothing is shared, so the sharded model holds no less than the replicated one (its "
                  "slots or page padding come on top); the saving needs 2 or more ranks, and several ranks on one "
@@ -430,9 +431,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="our NCCL communicator's native thread issues each layer's gather; the model's thread only "
                         "hands it over (GPUs, --comm nccl; off by default)")
     add_json_option(p, "the report", "--report")
-    p.add_argument("--figures", default=DEFAULT_OUT, metavar="DIR",
-                   help=f"folder for the figures (default ./{DEFAULT_OUT}/, git-ignored; '' for none; "
-                        "'figures' rewrites the committed ones)")
+    out = default_output("")
+    p.add_argument("--figures", default=out, metavar="DIR",
+                   help=f"folder for the figures ('' for none; 'figures' rewrites the committed ones; "
+                        f"{default_help(out)})")
     p.add_argument("--figures-from", default=None, metavar="REPORT", type=nonempty_path,
                    help="only draw the figures of a saved report (e.g. one from a GPU machine without plotly)")
     p.add_argument("--prefix", default="", help="prefix of the figure file names")
@@ -536,7 +538,7 @@ def main(args: argparse.Namespace) -> int:
             check_output_path(args.figures, "--figures", directory=True)
         report = load_report(args.figures_from)
         print(format_table(report))
-        for path in write_figures(report, args.figures or DEFAULT_OUT, args.prefix):
+        for path in write_figures(report, args.figures or default_out_dir(), args.prefix):
             print(f"  figure: {os.path.relpath(path)}")
         return 0
     gpus = gpu_count()
