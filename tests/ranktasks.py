@@ -112,3 +112,16 @@ def parallel_model_equality(ctx, preset: str | DecoderConfig, counts: list[list[
         "replicated_bytes": ws.replicated_bytes(), "resident_bytes": ws.resident_bytes(),
         "formula_bytes": ws.formula_bytes(),
     }
+
+
+#: Locks kept for the life of the rank process, as tqdm keeps its one multiprocessing lock per process.
+_KEPT_LOCKS: list[Any] = []
+
+
+def keep_a_process_lock(ctx) -> int:
+    """Make a multiprocessing lock (a named semaphore in a spawned rank) and keep it until the rank
+    exits, as tqdm does for its bars; returns the rank."""
+    import multiprocessing
+
+    _KEPT_LOCKS.append(multiprocessing.RLock())
+    return ctx.rank

@@ -213,7 +213,27 @@ def _worker_main(
     # Leave without destroy_process_group(): with gloo it waits for peers that may already be
     # gone, and the process's exit releases sockets and memory anyway.
     conn.close()
+    _release_named_semaphores()
     os._exit(0)
+
+
+def _release_named_semaphores() -> None:
+    """[Note: named semaphores at a worker's exit]
+    A rank is a spawned process, and there a multiprocessing lock is a named POSIX semaphore that the
+    parent's resource tracker is told about; the lock's finalizer unlinks it and tells the tracker
+    when the process exits through Python's exit handlers. ``os._exit`` skips those handlers, so
+    every such lock a task made was reported when the tracker shut down: tqdm makes one per
+    process for its bars (Hugging Face's "Loading weights", the checkpoint's bar), and
+    ``examples/hf_llama.py`` on 2 ranks ended with "resource_tracker: There appear to be 2 leaked
+    semaphore objects". Running multiprocessing's own finalizers here (priority >= 0, the ones its
+    exit handler runs first) unlinks them without running the rest of the exit handlers that
+    ``os._exit`` is there to skip."""
+    from multiprocessing import util
+
+    try:
+        util._run_finalizers(0)  # the call multiprocessing's exit handler makes (Python >= 3.4)
+    except Exception:  # noqa: BLE001 - a finalizer that fails must not keep the rank from exiting
+        pass
 
 
 # ------------------------------------------------------------------------------------------------

@@ -68,7 +68,6 @@ def test_table_names_gross_and_net_and_units(capsys):
     (["--preset", "kimi-k3-b200-fp8", "--bandwidth", "-1"], "bandwidth: must be a positive"),
     (["--preset", "kimi-k3-b200-fp8", "--dtype", "fp7"], "dtype: unknown dtype 'fp7'"),
     (["--preset", "kimi-k3-b200-fp8", "--device", "a100"], "device: unknown device 'a100'"),
-    ([], "preset: give --preset NAME or --model FILE"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, capsys):
     rc, out, err = run_plan(argv, capsys)
@@ -100,3 +99,20 @@ def test_wsharding_cli_plan(capsys):
 
     assert cli.main(["plan", "--preset", "kimi-k3-b200-moe-bf16", "--ranks", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["replicated_bytes"] == 92 * 367_000_000
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_no_arguments_plans_the_design_deployment_and_says_so(json_out, capsys):
+    """`wsharding plan` alone prices the deployment the design starts from (it failed with
+    "give --preset NAME or --model FILE"), and its first line says which preset that is; with --json
+    the line goes to stderr and stdout stays one JSON object."""
+    rc, out, err = run_plan(["--json"] if json_out else [], capsys)
+    assert rc == 0
+    said = err if json_out else out.splitlines()[0]
+    assert f"no --preset or --model given: pricing {plan.DEFAULT_PRESET}, the deployment the weight-sharding" in said
+    if json_out:
+        assert json.loads(out)["preset"] == plan.DEFAULT_PRESET
+    else:
+        assert "48.79 GiB" in out or "48.8" in out  # the design's 48.8 GiB of replicated weights
+    rc, out, err = run_plan(["--preset", plan.DEFAULT_PRESET], capsys)
+    assert rc == 0 and "no --preset" not in out + err

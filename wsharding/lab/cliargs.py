@@ -36,11 +36,35 @@ class InputError(WshardingError, ValueError):
     """Bad command-line input, found before any work started."""
 
 
+#: reStructuredText that docstrings use and a terminal shows literally: ``code``, :role:`~a.b.name`.
+_RST_ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj|ref):`~?([^`]*)`")
+_RST_LITERAL = re.compile(r"``([^`]*)``")
+
+
+def plain_text(text: str) -> str:
+    """``text`` without the reStructuredText a terminal would show literally: ````wsharding```` becomes
+    wsharding, ``:func:`~wsharding.core.layout.plan``` becomes plan (the last dotted part after ``~``,
+    else the whole name). Descriptions come from docstrings, which are written for Sphinx and for
+    ``help()``; ``--help`` is read in a terminal."""
+    def role(m: re.Match[str]) -> str:
+        return m.group(1).rsplit(".", 1)[-1] if "`~" in m.group(0) else m.group(1)
+
+    return _RST_LITERAL.sub(r"\1", _RST_ROLE.sub(role, text))
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (argparse's default adds the whole usage)."""
+    """An ArgumentParser whose errors are one line (argparse's default adds the whole usage) and whose
+    ``--help`` is plain text (:func:`plain_text`: descriptions taken from docstrings lose their markup).
+    Subcommands' parsers are of the same class (argparse makes them with the parent's class)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
+
+    def format_usage(self) -> str:
+        return plain_text(super().format_usage())
 
 
 def add_verbose_option(p: argparse.ArgumentParser) -> None:

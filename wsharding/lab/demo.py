@@ -12,8 +12,10 @@ rank issues the same gathers). It prints a table and can write a JSON report and
 
 Default: all GPUs with NCCL, else 4 CPU rank processes with gloo (emulated GPUs: every line says so).
 
-Figures go to ``./wsharding-out/`` (git-ignored) unless ``--figures DIR`` says otherwise; the figures
-committed in the repository's ``figures/`` are only rewritten by asking for it: ``--figures figures``.
+Figures go to ``wsharding-out/`` ([Note: the default output folder] in :mod:`wsharding.lab.outdir`: at the
+top of the checkout when run inside it, git-ignored; else in the current folder) unless ``--figures DIR``
+says otherwise; the figures committed in the repository's ``figures/`` are only rewritten by asking for
+it: ``--figures figures``.
 Before any rank starts, the memory the preset needs is compared with what the machine has
 (:mod:`wsharding.lab.memory`); a run that does not fit is refused with what to pass instead.
 """
@@ -40,7 +42,7 @@ from wsharding.core.runner import aligned_forward
 from wsharding.core.units import ceil_div
 from wsharding.cuda_graph import capture_graph
 from wsharding.io_checks import MAX_REPORT_BYTES, read_regular_file
-from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off
+from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, paired_ratio
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import link_floor
 from wsharding.lab.cliargs import (
@@ -54,14 +56,18 @@ from wsharding.lab.cliargs import (
     nonempty_path,
 )
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
+from wsharding.lab.outdir import default_help, default_out_dir, default_output
 from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.models import PRESETS, decoder_config
 from wsharding.models.equality import tokens_for
 from wsharding.models.kv_cache import ranks_sharing_device, replicated_vs_sharded
 from wsharding.runtime import gpu_count, in_ci
 
-#: Where the demo writes its figures by default: untracked, so a run never dirties the checkout.
-DEFAULT_OUT = "wsharding-out"
+#: Said once under the header of a run on CPU ranks: why its ratios come with intervals and its finalize
+#: peak is not held against the bound ([Note: CPU ranks measure noise]).
+CPU_NOISE_NOTE = ("at this size CPU step times and process-level memory peaks are noise: a ratio can change "
+                  "severalfold from one run to the next, so each comes with the interval its rounds give, and "
+                  "the finalize peak (a process's resident set) is not compared with the weight-byte bound")
 #: Said under the header of a one-rank run, where the sharded model holds more than the replicated one.
 ONE_RANK_NOTE = ("one rank: nothing is shared, so the sharded model holds no less than the replicated one (its "
                  "slots or page padding come on top); the saving needs 2 or more ranks, and several ranks on one "
@@ -270,6 +276,10 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "step_ms_samples": {k: [sum(col) / len(col) for col in zip(*(r["step_ms_samples"][k] for r in reports),
                                                                   strict=True)]
                             for k in TIMED_VARIANTS},
+        # per variant and round, the slowest rank (the slowest-rank line's ratio and its interval)
+        "step_ms_samples_slowest_rank": {k: [max(col) for col in zip(*(r["step_ms_samples"][k] for r in reports),
+                                                                     strict=True)]
+                                         for k in TIMED_VARIANTS},
         "exposed_gather_fraction": sum(r["exposed_gather_fraction"] for r in reports) / len(reports),
         # does lookahead beat no lookahead beyond the run's noise? (paired rounds, the slowest rank)
         "lookahead_vs_off": lookahead_vs_off([r["step_ms_samples"] for r in reports]).as_dict(),
@@ -307,6 +317,8 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     if report["emulation"]:
         lines.append(f"  NOTE: {report['emulation']}")
+    if on_cpu_ranks(report):
+        lines.append(f"  NOTE: {CPU_NOISE_NOTE}")
     if report["world_size"] == 1:
         lines.append(f"  NOTE: {ONE_RANK_NOTE}")
     if report.get("issue_thread"):
@@ -326,10 +338,10 @@ def format_table(report: dict[str, Any]) -> str:
           and report.get("map_own_chunk_reason") else []),
         f"  outputs equal bit for bit: {'yes' if report['outputs_equal'] else 'NO'}   "
         f"max_abs_diff {report['max_abs_diff']}",
-        f"  step time replicated {ms['replicated']:.3f} ms | sharded {ms['sharded']:.3f} ms "
-        f"({ms['sharded'] / ms['replicated']:.2f}x) | no lookahead {ms['sharded_no_lookahead']:.3f} ms "
-        f"({ms['sharded_no_lookahead'] / ms['replicated']:.2f}x)"
+        f"  step time replicated {ms['replicated']:.3f} ms | sharded {ms['sharded']:.3f} ms | no lookahead "
+        f"{ms['sharded_no_lookahead']:.3f} ms"
         + (f", median of {len(report['step_ms_samples']['sharded'])} rounds" if report.get("step_ms_samples") else ""),
+        *_ratio_lines(report.get("step_ms_samples")),
         *([_slowest_rank_line(report)] if report.get("step_ms_slowest_rank") and report["world_size"] > 1 else []),
         *([f"  {PairedDifference(**report['lookahead_vs_off']).line()}"] if report.get("lookahead_vs_off") else []),
         f"  exposed gather fraction (lookahead): {report['exposed_gather_fraction']:.3f}",
@@ -354,14 +366,42 @@ def format_table(report: dict[str, Any]) -> str:
         if g["floor_ms"]:
             lines.append(f"    link floor of the sharded step {g['floor_ms']:.3f} ms (every layer's gather crosses the "
                          f"link): CUDA graph sharded / floor {g['graph_sharded'] / g['floor_ms']:.2f}x")
-    if report.get("load_peak_per_rank"):  # finalize peak (device: CUDA allocator; CPU ranks: resident set)
-        peak = max(r["device_peak_bytes"] for r in report["load_peak_per_rank"])
-        lines.append(f"  finalize peak per rank (max, measured) {mib(peak)}  bound R/N + slots + one weight "
-                     f"{mib(report['load_peak_per_rank'][0]['bound_bytes'])}"
-                     # CPU ranks only: ranks sharing a GPU are emulated too, but measure the CUDA allocator
-                     + ("  (CPU ranks: resident set, MiBs of process noise)"
-                        if report["load_peak_per_rank"][0]["device_is_host"] else ""))
+    if report.get("load_peak_per_rank"):
+        lines += _finalize_lines(report["load_peak_per_rank"], mib)
     return "\n".join(lines)
+
+
+def on_cpu_ranks(report: dict[str, Any]) -> bool:
+    """Whether the report comes from CPU rank processes (ranks sharing a GPU are emulated too, but
+    their times and peaks are the GPU's)."""
+    return str(report.get("mode", "")).startswith("cpu")
+
+
+def _ratio_lines(samples: dict[str, list[float]] | None, against: str = "replicated") -> list[str]:
+    """[Note: CPU ranks measure noise]
+    A ratio of two step times is printed only with the interval its paired rounds give
+    (:func:`~wsharding.lab.bench.paired.paired_ratio`): on CPU ranks two runs of the same demo gave
+    2.38x and 0.66x, and a bare ratio reads as a result. A report without per-round times gets no
+    ratio at all. Likewise a measured peak is held against a bound only where both count the same
+    bytes: the CUDA allocator's peak and the bound both count tensor bytes, while a CPU rank's peak is
+    its process's resident set -- interpreter, gloo buffers and allocator pages included -- which no
+    weight-byte bound describes."""
+    if not samples or not samples.get(against):
+        return []
+    parts = [f"{name} / {against} {paired_ratio(samples[key], samples[against]).text()}"
+             for key, name in (("sharded", "sharded"), ("sharded_no_lookahead", "no lookahead")) if key in samples]
+    return [f"  {' | '.join(parts)}, the median of {len(samples[against])} per-round ratios"]
+
+
+def _finalize_lines(load: list[dict[str, Any]], mib: Any) -> list[str]:
+    """The finalize peak beside its bound where both count tensor bytes (the CUDA allocator); on CPU
+    ranks the bound alone, and the resident set named as what it is ([Note: CPU ranks measure noise])."""
+    peak = max(r["device_peak_bytes"] for r in load)
+    bound = load[0]["bound_bytes"]
+    if not load[0]["device_is_host"]:
+        return [f"  finalize peak per rank (max, measured) {mib(peak)}  bound R/N + slots + one weight {mib(bound)}"]
+    return [f"  finalize bound R/N + slots + one weight   {mib(bound)}  (CPU ranks measure only their process's "
+            f"resident set, up to {peak / 2**20:.3f} MiB with the interpreter's and gloo's pages: not comparable)"]
 
 
 def _slowest_rank_line(report: dict[str, Any]) -> str:
@@ -374,9 +414,12 @@ def _slowest_rank_line(report: dict[str, Any]) -> str:
     (what a group coupled anyway, by expert parallelism's all-to-all for example, runs at) it is
     printed beside it."""
     slow = report["step_ms_slowest_rank"]
-    return (f"  slowest rank: replicated {slow['replicated']:.3f} ms | sharded {slow['sharded']:.3f} ms "
-            f"({slow['sharded'] / slow['replicated']:.2f}x); the ratios above are against the replicated ranks' "
-            "mean (sharded ranks wait for each other at every gather, replicated ones do not)")
+    samples = report.get("step_ms_samples_slowest_rank")
+    # [Note: CPU ranks measure noise]: a ratio only with its interval (older reports have no samples)
+    ratio = f", sharded / replicated {paired_ratio(samples['sharded'], samples['replicated']).text()}" if samples else ""
+    return (f"  slowest rank: replicated {slow['replicated']:.3f} ms | sharded {slow['sharded']:.3f} ms{ratio}; "
+            "the ratios above are against the replicated ranks' mean (sharded ranks wait for each other at every "
+            "gather, replicated ones do not)")
 
 
 def write_figures(report: dict[str, Any], out_dir: str | Path, prefix: str = "") -> list[str]:
@@ -430,9 +473,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="our NCCL communicator's native thread issues each layer's gather; the model's thread only "
                         "hands it over (GPUs, --comm nccl; off by default)")
     add_json_option(p, "the report", "--report")
-    p.add_argument("--figures", default=DEFAULT_OUT, metavar="DIR",
-                   help=f"folder for the figures (default ./{DEFAULT_OUT}/, git-ignored; '' for none; "
-                        "'figures' rewrites the committed ones)")
+    out = default_output("")
+    p.add_argument("--figures", default=out, metavar="DIR",
+                   help=f"folder for the figures ('' for none; 'figures' rewrites the committed ones; "
+                        f"{default_help(out)})")
     p.add_argument("--figures-from", default=None, metavar="REPORT", type=nonempty_path,
                    help="only draw the figures of a saved report (e.g. one from a GPU machine without plotly)")
     p.add_argument("--prefix", default="", help="prefix of the figure file names")
@@ -536,7 +580,7 @@ def main(args: argparse.Namespace) -> int:
             check_output_path(args.figures, "--figures", directory=True)
         report = load_report(args.figures_from)
         print(format_table(report))
-        for path in write_figures(report, args.figures or DEFAULT_OUT, args.prefix):
+        for path in write_figures(report, args.figures or default_out_dir(), args.prefix):
             print(f"  figure: {os.path.relpath(path)}")
         return 0
     gpus = gpu_count()

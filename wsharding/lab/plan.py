@@ -1,5 +1,6 @@
 """``wsharding plan``: the memory and traffic bill of weight sharding, before any GPU runs.
 
+    wsharding plan                      # the design's own deployment: DEFAULT_PRESET, said on the first line
     wsharding plan --preset kimi-k3-b200-fp8 [--ranks N] [--bandwidth GBps] [--tokens T] [--json [PATH]]
     wsharding plan --model my_model.yaml --device h200 --ranks 4
     wsharding plan --list
@@ -34,10 +35,16 @@ from wsharding.lab.cliargs import (
 )
 from wsharding.presets import list_presets, load_preset
 
+#: The deployment the weight-sharding design starts from (Kimi K3 decode DP16 on B200, FP8: 48.8 GiB of
+#: KDA, MLA and MoE-peripheral weights replicated on every GPU): what ``wsharding plan`` prices when
+#: given neither ``--preset`` nor ``--model``.
+DEFAULT_PRESET = "kimi-k3-b200-fp8"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a shipped model preset (see --list)")
+    src.add_argument("--preset", help=f"a shipped model preset (see --list; default {DEFAULT_PRESET}, the "
+                                      "deployment the weight-sharding design starts from)")
     src.add_argument("--model", metavar="FILE", help="a model description in JSON or YAML (format: costmodel.model_from_dict)")
     src.add_argument("--list", action="store_true", help="list the presets and exit")
     p.add_argument("--ranks", type=int, default=None, help="shard group size N (default: the preset's)")
@@ -60,12 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """Build the :class:`~wsharding.costmodel.Plan` the arguments ask for (raises CostModelError)."""
-    if args.preset:
-        model = load_preset(args.preset)
-    elif args.model:
+    if args.model:
         model = load_model_file(args.model)
     else:
-        raise CostModelError("preset: give --preset NAME or --model FILE (--list shows the presets)")
+        model = load_preset(args.preset or DEFAULT_PRESET)
     if args.dtype:
         model = model.with_dtype(args.dtype)
     d = model.defaults
@@ -89,6 +94,12 @@ def main(args: argparse.Namespace) -> int:
         for name in list_presets():
             print(f"{name:<32} {load_preset(name).description}")
         return 0
+    if not (args.preset or args.model):
+        # said first, and beside the JSON on stderr, so that stdout stays one JSON object
+        print(f"wsharding plan: no --preset or --model given: pricing {DEFAULT_PRESET}, the deployment the "
+              "weight-sharding design starts from (--preset NAME or --model FILE for another; --list shows the "
+              "presets)",
+              file=sys.stderr if args.json == "-" else sys.stdout)
     try:
         check_output_path(args.json or "", "--json")
         plan = plan_from_args(args)

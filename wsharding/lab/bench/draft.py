@@ -20,6 +20,7 @@ from typing import Any
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least
+from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.tasks.draft import draft_exposed
 from wsharding.models import PRESETS
 from wsharding.runtime import gpu_count, in_ci
@@ -67,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      f"weight-sharding design's commit step; at most {MAX_COMMIT_MS:g})")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
-    p.add_argument("--json", default="figures/bench_draft", metavar="PREFIX",
-                   help="path prefix for .json and the figure ('' for none; default figures/bench_draft)")
+    out = default_output("bench_draft")
+    p.add_argument("--json", default=out, metavar="PREFIX",
+                   help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
     p.add_argument("--out", dest="json", help=argparse.SUPPRESS)  # the old name
 
 

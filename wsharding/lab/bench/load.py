@@ -32,6 +32,7 @@ from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.cliargs import check_output_path, int_at_least
+from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.tasks.loading import outside_allocator_bytes
 from wsharding.memory import PeakMeter, peak_rss_bytes, reset_peak_rss, rss_bytes
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, BlocksModel, blocks_config, build_blocks
@@ -209,9 +210,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comm", default="auto", choices=("auto", "torch", "nccl"),
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens per rank of the forward (default 256)")
-    p.add_argument("--checkpoint", default="wsharding-out/bench_load/{model}.safetensors",
-                   help="where the checkpoint is written once and read (default under wsharding-out/)")
-    p.add_argument("--json", default="wsharding-out/bench_load", help="path prefix for .json ('' for none)")
+    checkpoint = default_output("bench_load/{model}.safetensors")
+    p.add_argument("--checkpoint", default=checkpoint,
+                   help="where the checkpoint is written once and read ({model}: the model's name; "
+                        f"{default_help(checkpoint)})")
+    out = default_output("bench_load")
+    p.add_argument("--json", default=out, metavar="PREFIX", help=f"path prefix for .json ('' for none; {default_help(out)})")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -52,6 +52,55 @@ def interval_coverage(n: int, k: int) -> float:
     return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2**n
 
 
+def _check_pairs(a: list[float], b: list[float]) -> None:
+    if len(a) != len(b) or not a:
+        raise InvalidArgument(f"paired rounds: {len(a)} and {len(b)} samples; each round must time both variants once")
+
+
+def median_interval(values: list[float], coverage: float) -> tuple[float, float, float]:
+    """(low, high, its coverage): the narrowest order-statistic interval of ``values`` that holds their
+    median with at least ``coverage`` (the sign test's); with too few values, the widest one (smallest
+    to largest), whose coverage is then below the one asked for."""
+    d, n, k = sorted(values), len(values), 1
+    while k + 1 <= (n + 1) // 2 and interval_coverage(n, k + 1) >= coverage:
+        k += 1
+    return d[k - 1], d[n - k], interval_coverage(n, k)
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """``a / b`` over paired rounds: the median of the per-round ratios and the distribution-free
+    interval that holds it (:func:`median_interval`). A ratio of two run-wide medians has no interval,
+    and on CPU ranks it swung from 2.38x to 0.66x between two runs; this one says how far it can be
+    trusted."""
+
+    rounds: int
+    median: float
+    low: float
+    high: float
+    coverage: float
+
+    def text(self) -> str:
+        """'2.20x (1.98x .. 2.34x holds the median with 75%)'."""
+        return f"{self.median:.2f}x ({self.low:.2f}x .. {self.high:.2f}x holds the median with {self.coverage:.0%})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def paired_ratio(a: list[float], b: list[float], *, coverage: float = 0.9) -> PairedRatio:
+    """``a[r] / b[r]`` for the rounds r that timed both variants, its median and the interval around it.
+
+    >>> r = paired_ratio([2.0, 2.2, 1.8], [1.0, 1.0, 1.0])
+    >>> r.text()
+    '2.00x (1.80x .. 2.20x holds the median with 75%)'
+    """
+    _check_pairs(a, b)
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    low, high, cover = median_interval(ratios, coverage)
+    return PairedRatio(len(ratios), statistics.median(ratios), low, high, cover)
+
+
 def paired_difference(a: list[float], b: list[float], names: tuple[str, str] = ("a", "b"), *,
                       coverage: float = 0.9) -> PairedDifference:
     """Compare two variants timed in the same rounds (``a[r]`` and ``b[r]`` from round r).
@@ -66,15 +115,10 @@ def paired_difference(a: list[float], b: list[float], names: tuple[str, str] = (
     >>> paired_difference([5.0, 5.1, 5.2], [6.0, 6.0, 6.0]).verdict
     'cannot tell a from b: 3 rounds hold the median with at most 75%'
     """
-    if len(a) != len(b) or not a:
-        raise InvalidArgument(f"paired rounds: {len(a)} and {len(b)} samples; each round must time both variants once")
+    _check_pairs(a, b)
     n = len(a)
     d = sorted(x - y for x, y in zip(a, b, strict=True))
-    k = 1
-    while k + 1 <= (n + 1) // 2 and interval_coverage(n, k + 1) >= coverage:
-        k += 1
-    low, high = d[k - 1], d[n - k]
-    cover = interval_coverage(n, k)
+    low, high, cover = median_interval(d, coverage)
     na, nb = names
     if cover < coverage:
         verdict = f"cannot tell {na} from {nb}: {n} rounds hold the median with at most {cover:.0%}"

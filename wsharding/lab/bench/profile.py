@@ -44,6 +44,7 @@ from wsharding.lab.bench.planner_calls import CALLS
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, int_at_least
+from wsharding.lab.outdir import default_help, default_output
 from wsharding.models import PRESETS, ToyDecoder, decoder_config
 from wsharding.runtime import gpu_count, in_ci
 
@@ -325,8 +326,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profiled steps (default 3; the last is kept)")
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
-    p.add_argument("--json", default="wsharding-out/bench_profile", metavar="PREFIX",
-                   help="path prefix for .json and the figure ('' for none)")
+    out = default_output("bench_profile")
+    p.add_argument("--json", default=out, metavar="PREFIX",
+                   help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
 
 
 def _figure(report: dict[str, Any]) -> Any:

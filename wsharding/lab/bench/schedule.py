@@ -29,6 +29,7 @@ from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import MODELS, check_cost_us, sharded_twin, timed_steps
 from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
+from wsharding.lab.outdir import default_help, default_output
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, build_blocks
 from wsharding.runtime import gpu_count, in_ci
@@ -126,7 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lookahead depths to compare, the first is the reference (default 1,2,3)")
     p.add_argument("--steps", type=int_at_least(1), default=None, help="timed steps per measurement (default 20 GPU, 5 CPU)")
     p.add_argument("--repeats", type=int_at_least(1), default=None, help="rounds of rotating order (default 5 GPU, 3 CPU)")
-    p.add_argument("--json", default="wsharding-out/bench_schedule", help="path prefix for .json ('' for none)")
+    out = default_output("bench_schedule")
+    p.add_argument("--json", default=out, metavar="PREFIX",
+                   help=f"path prefix for .json ('' for none; {default_help(out)})")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
+from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.tasks.serve import serve_rank
 from wsharding.models import PRESETS
 from wsharding.runtime import gpu_count
@@ -269,8 +270,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
-    p.add_argument("--json", default="figures/bench_serve", metavar="PREFIX",
-                   help="path prefix for .json and the figure ('' for none; default figures/bench_serve)")
+    out = default_output("bench_serve")
+    p.add_argument("--json", default=out, metavar="PREFIX",
+                   help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
 
 
 def _figure(report: dict[str, Any]) -> Any:

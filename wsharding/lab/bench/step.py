@@ -49,6 +49,7 @@ from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
+from wsharding.lab.outdir import default_help, default_output
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
 from wsharding.runtime import gpu_count, in_ci
@@ -633,7 +634,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also a sharding whose gathers copy nothing of their own (map_own_chunk; NCCL >= 2.30)")
     p.add_argument("--issue-thread", action="store_true",
                    help="also the variants whose gathers a native thread issues (our NCCL communicator)")
-    p.add_argument("--json", default="wsharding-out/bench_step", help="path prefix for .json and the figure ('' for none)")
+    out = default_output("bench_step")
+    p.add_argument("--json", default=out, metavar="PREFIX",
+                   help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
 
 
 def _figure(report: dict[str, Any]) -> Any:

@@ -199,6 +199,8 @@ def hf_llama_sharded(ctx: RankContext, path: str, counts: list[list[int]], *, gr
         "resident_bytes": ws.resident_bytes(),
         "formula_bytes": ws.formula_bytes(),
         "replicated_bytes": ws.replicated_bytes(),
+        "slot_bytes": ws.slots.slot_bytes,
+        "slots": ws.slots.count,
     }
 
 
