@@ -20,11 +20,13 @@ def test_demo_reports_the_finalize_peak_within_its_bound(cluster_of):
         # the tiny preset's weights are KiBs: a resident-set peak is dominated by the process itself
         # here (code pages touched for the first time); tests/loading/test_loading_peaks.py checks the bound
         assert load["device_peak_bytes"] >= load["held_bytes"]
-    assert "finalize peak per rank (max, measured)" in format_table(report)
-    assert "(CPU ranks: resident set, MiBs of process noise)" in format_table(report)
-    # ranks sharing one GPU are emulated as well, but their peak is the CUDA allocator's: no such note
+    # CPU ranks: a resident set is not compared with a bound of tensor bytes, only shown beside it
+    assert "finalize peak per rank (max, measured)" not in format_table(report)
+    assert "resident set, up to" in format_table(report) and "not comparable" in format_table(report)
+    # ranks sharing one GPU are emulated as well, but their peak is the CUDA allocator's: compared, no such note
     on_gpu = dict(report, load_peak_per_rank=[dict(load, device_is_host=False) for load in report["load_peak_per_rank"]])
-    assert on_gpu["emulation"] and "resident set" not in format_table(on_gpu)
+    assert on_gpu["emulation"] and "resident set, up to" not in format_table(on_gpu)
+    assert "finalize peak per rank (max, measured)" in format_table(on_gpu)
     # lookahead against no lookahead, paired round by round over the demo's rounds (3 on CPU ranks)
     assert report["lookahead_vs_off"]["rounds"] == len(report["step_ms_samples"]["sharded"]) == 3
     assert "lookahead - no lookahead: " in format_table(report)
@@ -33,8 +35,8 @@ def test_demo_reports_the_finalize_peak_within_its_bound(cluster_of):
         per_rank = [r[variant] for r in report["step_ms_per_rank"]]
         assert ms == sum(per_rank) / 2 and report["step_ms_slowest_rank"][variant] == max(per_rank)
     slow = report["step_ms_slowest_rank"]
-    assert (f"slowest rank: replicated {slow['replicated']:.3f} ms | sharded {slow['sharded']:.3f} ms "
-            f"({slow['sharded'] / slow['replicated']:.2f}x)") in format_table(report)
+    assert (f"slowest rank: replicated {slow['replicated']:.3f} ms | sharded {slow['sharded']:.3f} ms, "
+            "sharded / replicated ") in format_table(report)  # a ratio only with its interval
 
 
 def test_plan_reports_load_peaks():
