@@ -47,7 +47,7 @@ from wsharding.serve import (
 )
 from wsharding.serve.engine import ServeRun
 from wsharding.serve.scheduler import check_servable
-from wsharding.serve.step import build_step, context_buckets
+from wsharding.serve.step import build_step, context_buckets, token_buckets
 
 #: The variants every run serves; with ``plain`` and where the sharded one maps its own chunk (our
 #: NCCL, >= 2.30), a third with plain slots shows what the mapping adds.
@@ -142,6 +142,34 @@ def _summary(run: ServeRun, pool: BlockPool) -> dict[str, Any]:
             "steps_by_bucket": {str(b): {"steps": c[0], "seconds": c[1], "tokens": c[2], "working": c[3]} for b, c in sorted(by_bucket.items())},
             "contexts": dict(Counter(w for w, n in zip(run.step_context, run.step_tokens, strict=True) if n)),
             "records": run.records}
+
+
+def _summed(ctx: RankContext, counts: list[int]) -> list[int]:
+    """``counts`` summed over every rank (every rank calls it)."""
+    if ctx.world_size == 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _probe_shapes(ctx: RankContext, summaries: Any, token_budget: int, max_context: int) -> tuple[list[int], int]:
+    """The shapes to time per layer, the same on every rank (each runs the probe's gathers): the token
+    bucket most working steps used and the largest any used, at the context bucket most used, counted
+    over every rank's runs."""
+    sizes, widths = token_buckets(token_budget), context_buckets(max_context)
+    steps, contexts = [0] * len(sizes), [0] * len(widths)
+    for s in summaries:
+        for k, c in s["steps_by_bucket"].items():
+            steps[sizes.index(int(k))] += c["working"]  # idle padding steps are not a batch size served
+        for w, c in s["contexts"].items():
+            contexts[widths.index(w)] += c
+    steps, contexts = _summed(ctx, steps), _summed(ctx, contexts)
+    used = [n for n, c in zip(sizes, steps, strict=True) if c]
+    if not used:
+        return [token_budget], max_context
+    common = max(zip(steps, sizes, strict=True))[1]
+    return sorted({common, used[-1]}), max(zip(contexts, widths, strict=True))[1]
 
 
 def _resolve_budget(spec: dict[str, Any], resident: int, reserve: int, device: torch.device, share: int) -> int:
@@ -246,19 +274,9 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
                 replays[(b, ri)].setdefault("outputs", {})[variant] = again.outputs
                 del replay_pool
                 gc.collect()
-        if ws is not None and ws.planner is not None:
-            widths: Counter[int] = Counter()
-            for s in runs[variant].values():
-                widths.update(s["contexts"])
-            width = widths.most_common(1)[0][0] if widths else max_context
-            used: Counter[int] = Counter()
-            for s in runs[variant].values():
-                for k, c in s["steps_by_bucket"].items():
-                    used[int(k)] += c["working"]  # idle padding steps are not a batch size served
-            used = +used  # drop the buckets no working step used
-            shapes = sorted({used.most_common(1)[0][0], max(used)} if used else {token_budget})
-            if variant == "sharded":
-                probes = [lt for n in shapes for lt in layer_times(model, ws, n, width, probe_steps)]
+        if variant == "sharded":
+            shapes, width = _probe_shapes(ctx, runs[variant].values(), token_budget, max_context)
+            probes = [lt for n in shapes for lt in layer_times(model, ws, n, width, probe_steps)]
         if ws is not None:
             ws.close()
         del model
