@@ -25,23 +25,22 @@ def test_request_latencies():
     assert request_metrics(RECORDS[2])["tpot_ms"] is None  # one token: no time per later token
 
 
-def test_a_trial_counts_the_window_while_load_was_offered():
+def test_a_trial_counts_the_measured_requests_from_the_first_send_to_the_last_token():
     t = trial_metrics(RECORDS, ranks=1, warmup=1, slo=SLO(ttft_ms=200))
-    # measured: requests 1 and 2; window: request 1's send (0.5 s) to the last send (1.0 s)
-    assert t["measured"] == 2 and t["window_s"] == pytest.approx(0.5)
-    assert t["request_throughput"] == pytest.approx(2.0)  # request 1 finished inside it
-    assert t["output_throughput"] == pytest.approx(4.0)  # its two tokens at 0.6 s and 0.7 s
-    assert t["total_throughput"] == pytest.approx(24.0)  # and its 10-token prompt
+    # measured: requests 1 and 2; duration: request 1's send (0.5 s) to request 2's last token (1.3 s)
+    assert t["measured"] == 2 and t["duration_s"] == pytest.approx(0.8)
+    assert t["request_throughput"] == pytest.approx(2.5) and t["output_throughput"] == pytest.approx(3.75)
+    assert t["total_throughput"] == pytest.approx(23 / 0.8)  # and their 10-token prompts
     assert t["ttft_ms"]["mean"] == pytest.approx(200) and t["ttft_ms"]["p50"] == pytest.approx(200)
-    assert t["attainment"] == 0.5 and t["goodput"] == pytest.approx(2.0)  # request 2's TTFT is 300 ms
+    assert t["attainment"] == 0.5 and t["goodput"] == pytest.approx(1.25)  # request 2's TTFT is 300 ms
     halved = trial_metrics(RECORDS, ranks=2, warmup=1, slo=None)
-    assert halved["request_throughput"] == pytest.approx(1.0) and "goodput" not in halved  # per rank
+    assert halved["request_throughput"] == pytest.approx(1.25) and "goodput" not in halved  # per rank
 
 
-def test_all_at_once_has_no_window_and_uses_the_whole_run():
+def test_all_at_once():
     burst = [_rec(0, 0.0, [0.5, 1.0]), _rec(1, 0.0, [0.5, 2.0])]
     t = trial_metrics(burst, ranks=1, warmup=0, slo=None)
-    assert t["window_s"] == pytest.approx(2.0) and t["request_throughput"] == pytest.approx(1.0)
+    assert t["duration_s"] == pytest.approx(2.0) and t["request_throughput"] == pytest.approx(1.0)
 
 
 def test_percentiles_intervals_and_the_highest_rate():

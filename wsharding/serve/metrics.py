@@ -8,9 +8,7 @@ last token). Over a trial: their mean, p50, p90 and p99 (linear interpolation, a
 **goodput**, the requests per second per rank that met every SLO.
 
 Steady state (:func:`trial_metrics`): the first ``warmup`` requests of each rank (by arrival) met an
-empty server and are left out of the latencies; throughputs count what happened between the first
-measured request's send and the last send, while the load was offered -- vLLM's benchmark duration
-runs to the last token instead, which in a short run mixes in the drain. Trials repeat a point with other
+empty server and are left out. Trials repeat a point with other
 seeds; a metric over trials is its mean and the half-width of a 95 % Student-t interval.
 """
 
@@ -109,39 +107,32 @@ def stats(values: list[float]) -> dict[str, float | None]:
 def trial_metrics(records: list[dict[str, Any]], ranks: int, warmup: int, slo: SLO | None) -> dict[str, Any]:
     """One trial's metrics over every rank's ``records``; rates and throughputs per rank.
 
-    Latencies are over the **measured** requests: each rank's, but its first ``warmup`` (they met an
-    empty server). Throughputs are over the **steady-state window**, from the first measured request's
-    send to the last request's send (after it the load only drains): tokens emitted and requests
-    finished inside it, divided by its length. Goodput: the requests finished inside it that met every
-    SLO, per second. With every request sent at once there is no window: the whole run, first send to
-    last token, stands in for it."""
+    Only the **measured** requests count: each rank's, but its first ``warmup`` (they met an empty
+    server). The duration runs from the first measured request's send to the last measured request's
+    last token -- vLLM's benchmark duration, over the measured requests; it includes the drain after
+    the last arrival, as vLLM's does, which a run of many requests makes small. Goodput: the measured
+    requests that met every SLO, per second."""
     measured = [r for r in records if r["rid"] >= warmup]
     if not measured:
         raise InvalidArgument(f"no request left to measure: {warmup} warm-up requests per rank of "
                               f"{len(records) // max(ranks, 1)}")
-    per = {(r["rank"], r["rid"]): request_metrics(r) for r in records}
-    start = min(r["sent_s"] for r in measured)
-    end = max(r["sent_s"] for r in records)
-    if end <= start:
-        end = max(r["token_s"][-1] for r in records)
-    window = end - start
-    inside = [r for r in records if start <= r["token_s"][-1] <= end]
-    out_tokens = sum(start <= t <= end for r in records for t in r["token_s"])
-    # a request's prompt counts when its first token comes: that is when its prefill is done
-    in_tokens = sum(r["prompt_tokens"] for r in records if start <= r["token_s"][0] <= end)
-    rate = 1.0 / (window * ranks) if window > 0 else 0.0
-    mine = [per[(r["rank"], r["rid"])] for r in measured]
+    per = [request_metrics(r) for r in measured]
+    duration = max(r["token_s"][-1] for r in measured) - min(r["sent_s"] for r in measured)
+    rate = 1.0 / (duration * ranks) if duration > 0 else 0.0
+    out_tokens = sum(r["output_tokens"] for r in measured)
+    in_tokens = sum(r["prompt_tokens"] for r in measured)
     result: dict[str, Any] = {
-        "measured": len(measured), "window_s": window, "request_throughput": len(inside) * rate,
+        "measured": len(measured), "duration_s": duration, "request_throughput": len(measured) * rate,
         "output_throughput": out_tokens * rate, "total_throughput": (in_tokens + out_tokens) * rate,
         "preempted": sum(r["preempted"] for r in measured),
-        "ttft_ms": stats([m["ttft_ms"] for m in mine]), "e2e_ms": stats([m["e2e_ms"] for m in mine]),
-        "tpot_ms": stats([m["tpot_ms"] for m in mine if m["tpot_ms"] is not None]),
-        "itl_ms": stats([x for m in mine for x in m["itl_ms"]]),
+        "ttft_ms": stats([m["ttft_ms"] for m in per]), "e2e_ms": stats([m["e2e_ms"] for m in per]),
+        "tpot_ms": stats([m["tpot_ms"] for m in per if m["tpot_ms"] is not None]),
+        "itl_ms": stats([x for m in per for x in m["itl_ms"]]),
     }
     if slo is not None:
-        result["goodput"] = sum(slo.met(per[(r["rank"], r["rid"])]) for r in inside) * rate
-        result["attainment"] = sum(slo.met(m) for m in mine) / len(mine)
+        good = sum(slo.met(m) for m in per)
+        result["goodput"] = good * rate
+        result["attainment"] = good / len(measured)
     return result
 
 

@@ -169,10 +169,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mib", type=number_list(float, 0.0, "MiB", "3,4,6"), default=None,
                    help="the same in MiB (for the small CPU models)")
     p.add_argument("--requests", type=int_at_least(1), default=None,
-                   help="requests per rank per trial (default 200 on GPUs, 24 on CPU)")
+                   help="requests per rank per trial (default 200 on GPUs, 12 on CPU)")
     p.add_argument("--rate", type=_rates, default=None,
                    help="request rates per rank, requests/s, > 0, a comma list sweeps; inf: all at once "
-                        "(default 4,8,16,32 on GPUs, 8,32 on CPU)")
+                        "(default 4,8,16,32 on GPUs, 10,40 on CPU)")
     p.add_argument("--burstiness", type=checked_number(float, 0.0), default=1.0,
                    help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier")
     p.add_argument("--max-concurrency", type=int_at_least(1), default=None,
@@ -185,8 +185,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default ttft=2000,tpot=200 on GPUs, ttft=3000,tpot=300 on CPU)")
     p.add_argument("--dataset", default="random", choices=["random", "sharegpt"],
                    help="request lengths: uniform ranges (default) or ShareGPT V3's (the 'trace' extra)")
-    p.add_argument("--prompt", type=_length_range, default=None, help="prompt lengths LOW:HIGH, uniform (default 8:32 CPU, 64:512 GPU)")
-    p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 8:32 CPU, 64:256 GPU)")
+    p.add_argument("--prompt", type=_length_range, default=None, help="prompt lengths LOW:HIGH, uniform (default 8:24 CPU, 64:512 GPU)")
+    p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 4:16 CPU, 64:256 GPU)")
     p.add_argument("--token-budget", type=int_at_least(1), default=None,
                    help="tokens per step, prefill chunks included (default 64 CPU, 512 GPU)")
     p.add_argument("--max-seqs", type=int_at_least(1), default=None, help="running requests per step at most (default: the token budget)")
@@ -210,14 +210,14 @@ def _figure(report: dict[str, Any]) -> Any:
 def main(args: argparse.Namespace) -> int:
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
-    rates = args.rate or ([4.0, 8.0, 16.0, 32.0] if gpus else [8.0, 32.0])
+    rates = args.rate or ([4.0, 8.0, 16.0, 32.0] if gpus else [10.0, 40.0])
     lengths, source = None, "random"
     if args.dataset == "sharegpt":
         from wsharding.serve.sharegpt import sharegpt_lengths
 
         lengths, source = sharegpt_lengths(), "ShareGPT V3 (vLLM's filter)"
-    wl = Workload(requests=args.requests or (200 if gpus else 24), prompt=args.prompt or ((64, 512) if gpus else (8, 32)),
-                  output=args.output or ((64, 256) if gpus else (8, 32)), rate=rates[0], seed=args.seed,
+    wl = Workload(requests=args.requests or (200 if gpus else 12), prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
+                  output=args.output or ((64, 256) if gpus else (4, 16)), rate=rates[0], seed=args.seed,
                   burstiness=args.burstiness, lengths=lengths, source=source)
     line = ""
     if args.ranks is not None:
