@@ -210,6 +210,8 @@ def _figure(report: dict[str, Any]) -> Any:
 def main(args: argparse.Namespace) -> int:
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
+    if args.utilization is not None and args.memory_gib is None and not gpus:
+        raise InvalidArgument("--utilization on CPU ranks needs --memory-gib (there is no GPU memory to take a share of)")
     rates = args.rate or ([4.0, 8.0, 16.0, 32.0] if gpus else [10.0, 40.0])
     lengths, source = None, "random"
     if args.dataset == "sharegpt":
