@@ -205,7 +205,7 @@ def test_workload_is_seeded_per_rank_bursty_and_round_trips():
     gaps = Workload(requests=2000, rate=4.0, burstiness=0.25).for_rank(0, 10)
     assert gaps[-1].arrival_s / 2000 == pytest.approx(0.25, rel=0.15)  # the mean gap is 1/rate whatever the shape
     traced = Workload(requests=6, lengths=((5, 2), (9, 4)), source="t")
-    assert traced.prompt == (5, 9) and {(len(r.prompt), r.output) for r in traced.for_rank(0, 10)} <= {(5, 2), (9, 4)}
+    assert traced.prompt == (5, 9) and traced.max_len == 12 and {(len(r.prompt), r.output) for r in traced.for_rank(0, 10)} <= {(5, 2), (9, 4)}
     assert Workload.from_dict(traced.as_dict()) == traced
     with pytest.raises(InvalidArgument, match="prompt lengths"):
         Workload(prompt=(5, 2))

@@ -76,7 +76,10 @@ class Workload:
 
     @property
     def max_len(self) -> int:
-        """The longest KV footprint a request of this workload can have."""
+        """The longest KV footprint a request of this workload can have (of a trace: its longest pair,
+        not its longest prompt plus its longest output)."""
+        if self.lengths is not None:
+            return max(p + o for p, o in self.lengths) - 1
         return self.prompt[1] + self.output[1] - 1
 
     def with_(self, **changes: Any) -> Workload:

@@ -232,7 +232,7 @@ def format_table(report: dict[str, Any]) -> str:
                  + f"; reserve for activations {_mib(s['replicated']['reserve_bytes'])}")
     lines.append(f"  SLO: {report['slo_text'] or 'none given (no goodput)'}")
     head = (f"    {'':<18}{'req/s':>12}{'out tok/s':>14}{'TTFT mean/p99':>17}{'TPOT mean/p99':>16}"
-            f"{'ITL p99':>9}{'E2E p50/p99':>17}{'goodput':>13}{'met':>6}{'seq':>5}{'preempt':>8}")
+            f"{'ITL p99':>10}{'E2E p50/p99':>22}{'goodput':>13}{'met':>6}{'seq':>5}{'preempt':>8}")
     for row in report["rows_by_budget"]:
         spec = row["budget_spec"]
         how = ("" if "bytes" in spec else f" (replicated KV share {spec['kv_share']:.0%})" if "kv_share" in spec
@@ -251,8 +251,8 @@ def format_table(report: dict[str, Any]) -> str:
                 lines.append(f"    {v:<18}{_iv(x['request_throughput'], '.2f'):>12}{_iv(x['output_throughput']):>14}"
                              f"{_v(x['ttft_ms']['mean']['mean']) + '/' + _v(x['ttft_ms']['p99']['mean']):>17}"
                              f"{_v(x['tpot_ms']['mean']['mean']) + '/' + _v(x['tpot_ms']['p99']['mean']):>16}"
-                             f"{_v(x['itl_ms']['p99']['mean']):>9}"
-                             f"{_v(x['e2e_ms']['p50']['mean']) + '/' + _v(x['e2e_ms']['p99']['mean']):>17}"
+                             f"{_v(x['itl_ms']['p99']['mean']):>10}"
+                             f"{_v(x['e2e_ms']['p50']['mean']) + '/' + _v(x['e2e_ms']['p99']['mean']):>22}"
                              f"{good:>13}{met:>6}{x['max_concurrency']:>5}{x['preemptions']:>8}")
         a = row["answer"]
         if a["max_rate"] is not None:
