@@ -1,5 +1,5 @@
-"""``wsharding bench serve`` on CPU ranks: the same requests, replicated and sharded, under one budget --
-the pool each variant sizes, the tokens they generate, the report, and the refusals."""
+"""``wsharding bench serve`` on CPU ranks: the same requests, replicated and sharded, under one budget at
+two rates -- the paged pool each variant sizes, the replay's tokens, the report, and the refusals."""
 
 from __future__ import annotations
 
@@ -8,82 +8,97 @@ import pytest
 from wsharding.cluster import RemoteError
 from wsharding.lab.bench.serve import format_table, replicated_footprint, summarize
 from wsharding.lab.tasks.serve import serve_rank
-from wsharding.serve import Workload
+from wsharding.serve import BLOCK_TOKENS, Workload, blocks_for
+from wsharding.serve.metrics import SLO
 
 WORKLOAD = Workload(requests=6, prompt=(4, 12), output=(3, 6))
-ROWS = 32
+TOKENS = 32
+RATES = [None, 400.0]  # all at once, and Poisson fast enough to keep the test short
+SLO_ = SLO(ttft_ms=60_000, tpot_ms=60_000)  # met by every request on any CPU: the counts below are exact
 
 
 @pytest.fixture(scope="module")
 def served(cluster_of):
-    f = replicated_footprint("tiny-deep", None, ROWS, WORKLOAD)
-    # the replicated pool holds about a third of one rank's requests at once: its pool is the limit
-    budget = f["resident_bytes"] + f["reserve_bytes"] + f["demand_bytes"] // 3
-    results = cluster_of(2).run(serve_rank, "tiny-deep", workload=WORKLOAD.as_dict(), budgets=[budget], rows=ROWS)
-    return budget, results
+    # the replicated pool is 6 % of the budget: 2 blocks, a third of one rank's demand, so it is the limit
+    return cluster_of(2).run(serve_rank, "tiny-deep", workload=WORKLOAD.as_dict(), budgets=[{"kv_share": 0.06}],
+                             rates=RATES, trials=2, token_budget=TOKENS)
 
 
-def test_every_request_generates_the_same_tokens(served):
-    _, results = served
-    assert [r["differ"] for r in results] == [[[]], [[]]]
-    assert all(r["runs"][v][0]["output_tokens"] == sum(q.output for q in WORKLOAD.for_rank(r["rank"], 192))
-               for r in results for v in ("replicated", "sharded"))
-
-
-def test_pool_is_budget_minus_measured_resident_minus_reserve(served):
-    budget, results = served
-    for r in results:
-        per_token = r["kv_bytes_per_token"]
+def test_the_replay_gives_every_token_and_every_request_finishes(served):
+    assert [r["differ"] for r in served] == [{"0/0": [], "0/1": []}] * 2
+    for r in served:
+        want = {q.rid: q.output for q in WORKLOAD.with_(seed=0).for_rank(r["rank"], 192)}
         for v in ("replicated", "sharded"):
-            s, run = r["sizing"][v], r["runs"][v][0]
-            assert run["pool_tokens"] == (budget - s["resident_bytes"] - s["reserve_bytes"]) // per_token - 1
-            assert run["pool_bytes"] == (run["pool_tokens"] + 1) * per_token <= budget - s["resident_bytes"]
-            assert run["peak_kv_tokens"] <= run["pool_tokens"]  # admission never over-commits the pool
-        gained = r["sizing"]["replicated"]["resident_bytes"] - r["sizing"]["sharded"]["resident_bytes"]
+            recs = r["runs"][v]["0/0/0"]["records"]
+            assert {x["rid"]: x["output_tokens"] for x in recs} == want
+
+
+def test_pool_is_whole_blocks_of_budget_minus_resident_minus_reserve(served):
+    for r in served:
+        per_token, budget = r["kv_bytes_per_token"], r["budgets"][0]
+        rep = r["sizing"]["replicated"]
+        assert budget == -(-(rep["resident_bytes"] + rep["reserve_bytes"]) // 0.94)  # the pool is 6 % of it
+        for v in ("replicated", "sharded"):
+            s = r["sizing"][v]
+            for run in r["runs"][v].values():
+                assert run["pool_blocks"] == (budget - s["resident_bytes"] - s["reserve_bytes"]) // (BLOCK_TOKENS * per_token) - 1
+                assert run["pool_bytes"] == (run["pool_blocks"] + 1) * BLOCK_TOKENS * per_token
+                assert run["peak_blocks"] <= run["pool_blocks"]
+        gained = rep["resident_bytes"] - r["sizing"]["sharded"]["resident_bytes"]
         assert gained == r["sizing"]["sharded"]["net_saving_bytes_predicted"] > 0  # the cost model's bill, exactly
-        assert r["runs"]["sharded"][0]["max_concurrency"] > r["runs"]["replicated"][0]["max_concurrency"]
-        assert r["runs"]["replicated"][0]["waited_for_memory"] > r["runs"]["sharded"][0]["waited_for_memory"]
 
 
-def test_report_ratios_prediction_and_table(served):
-    budget, results = served
-    report = summarize(results)
+def test_report_answer_and_table(served):
+    report = summarize(served, SLO_, warmup=1)
     row = report["rows_by_budget"][0]
-    assert report["equal"] and row["budget_bytes"] == budget
-    assert report["variants"] == ["replicated", "sharded"]  # torch's comm: plain slots only, no third variant
-    ratio = row["ratio"]["sharded"]
-    assert ratio["pool_tokens"] == row["sharded"]["pool_tokens"] / row["replicated"]["pool_tokens"] > 1
-    assert row["predicted"]["sharded"]["pool_tokens"] == row["sharded"]["pool_tokens"]
-    assert ratio["tokens_per_step"] > 1  # more sequences at once: more tokens per step, exactly counted
-    assert len(report["layer_times"]) == 11 and all(lt["gather_us"] > 0 and lt["compute_us"] > 0
-                                                      for lt in report["layer_times"])
+    assert report["schema"] == 2 and report["equal"] and report["variants"] == ["replicated", "sharded"]
+    assert row["sharded"]["pool_tokens"] == row["predicted"]["sharded"]["pool_tokens"] > row["replicated"]["pool_tokens"]
+    # whole blocks: the pool (its scratch block included) is at most the 6 % asked for
+    assert row["replicated"]["kv_share"] == row["replicated"]["pool_bytes"] / row["budget_bytes"] <= 0.06
+    assert row["sharded"]["kv_share"] > 0.06 and row["replicated"]["pool_blocks"] == 2
+    for p in row["points"]:
+        for v in ("replicated", "sharded"):
+            x = p[v]
+            assert x["attainment"]["mean"] == 1.0 and x["measured"]["mean"] == 10  # 5 per rank after 1 warm-up
+            assert x["goodput"]["n"] == 2 and x["ttft_ms"]["p99"]["mean"] >= x["ttft_ms"]["p50"]["mean"]
+    assert row["answer"]["max_rate"] == {"replicated": None, "sharded": None}  # every rate met: "all at once" too
+    assert row["answer"]["all_at_once_sustained"] == {"replicated": True, "sharded": True}
+    # every request of every run: 2 ranks x 6 requests x 2 rates x 2 trials x 2 variants
+    assert len(report["requests"]) == 96 and sum(q["measured"] for q in report["requests"]) == 80
+    sizes = {lt["tokens"] for lt in report["layer_times"]}
+    assert sizes and all(lt["gather_us"] > 0 and lt["compute_us"] > 0 for lt in report["layer_times"])
+    assert len(report["layer_times"]) == 11 * len(sizes)
     text = format_table(report)
-    assert "emulated" in text and "every request's tokens equal" in text and "cost model: pool sharded" in text
+    assert "CPU ranks" in text and "ANSWER" in text and "every token equal" in text and "KV share 6%" in text
 
 
-def test_figure_draws_both_variants(served):
-    from wsharding.lab.viz.serve import NOISE_NOTE, serve_figure
+def test_goodput_figure_states_the_slo(served):
+    from wsharding.lab.viz.serve import NOISE_NOTE, goodput_figure, serve_figure
 
-    fig = serve_figure(summarize(served[1]))
-    names = {t.name for t in fig.data}
-    assert {"replicated: most at once", "sharded: most at once", "sharded: pool / mean request (predicted)"} <= names
+    report = summarize(served, SLO_, warmup=1)
+    fig = goodput_figure(report)
+    assert {"replicated", "sharded"} <= {t.name for t in fig.data}
+    assert "TTFT <= 60000 ms and TPOT <= 60000 ms" in fig.layout.title.text
     assert NOISE_NOTE.split(":")[0] in fig.layout.title.text
+    assert "replicated" in {t.name for t in serve_figure(report).data}
 
 
 def test_a_request_one_rank_cannot_fit_stops_every_rank(cluster_of):
-    """Rank 1's longest request does not fit its pool, rank 0's do: both ranks stop with an error (rank 0 would
-    otherwise wait in its first gather for a rank that never comes)."""
-    f = replicated_footprint("tiny-deep", None, ROWS, WORKLOAD)
-    longest = [max(q.kv_tokens for q in WORKLOAD.for_rank(rank, 192)) for rank in (0, 1)]
+    """Rank 1's longest request needs more blocks than the pool has, rank 0's fit: both ranks stop with an
+    error (rank 0 would otherwise wait in its first gather for a rank that never comes)."""
+    wl = Workload(requests=6, prompt=(4, 30), output=(3, 6))
+    f = replicated_footprint("tiny-deep", None, TOKENS, wl)
+    longest = [max(q.kv_tokens for q in wl.for_rank(rank, 192)) for rank in (0, 1)]
     small, big = sorted(longest)
-    assert small < big, "the workload's seed must give the ranks different longest requests"
-    budget = f["resident_bytes"] + f["reserve_bytes"] + (small + 1) * f["kv_bytes_per_token"]
+    assert blocks_for(small) < blocks_for(big), "the seed must give the ranks longest requests of other block counts"
+    budget = f["resident_bytes"] + f["reserve_bytes"] + (blocks_for(small) + 1) * BLOCK_TOKENS * f["kv_bytes_per_token"]
     with pytest.raises(RemoteError) as err:
-        cluster_of(2).run(serve_rank, "tiny-deep", workload=WORKLOAD.as_dict(), budgets=[budget], rows=ROWS)
+        cluster_of(2).run(serve_rank, "tiny-deep", workload=wl.as_dict(), budgets=[{"bytes": budget}], rates=[None],
+                          trials=1, token_budget=TOKENS)
     failing = longest.index(big)
     text = str(err.value)
-    assert f"of rank {failing} needs {big} KV tokens" in text and f"the whole pool holds {small}" in text
-    assert "another rank refused" in text
+    assert f"of rank {failing} needs {big} KV tokens" in text
+    assert f"the whole pool holds {blocks_for(small) * BLOCK_TOKENS}" in text and "another rank refused" in text
 
 
 def test_a_cluster_of_another_size_is_refused(cluster_of):
@@ -91,17 +106,25 @@ def test_a_cluster_of_another_size_is_refused(cluster_of):
     from wsharding.lab.bench.serve import run_serve_bench
 
     with pytest.raises(InvalidArgument, match="ranks=3, but the cluster given has 2"):
-        run_serve_bench(3, "tiny-deep", WORKLOAD, budgets=[1 << 30], rows=ROWS, cluster=cluster_of(2))
+        run_serve_bench(3, "tiny-deep", WORKLOAD, budgets=[1 << 30], token_budget=TOKENS, cluster=cluster_of(2))
 
 
-def test_the_saved_gpu_run_is_labelled_time_sliced_not_cpu():
+def test_a_report_of_the_fixed_row_bench_is_refused_by_name():
     from pathlib import Path
 
+    from wsharding.core.errors import InvalidArgument
     from wsharding.lab.bench.step import MEASUREMENTS, pick_report, saved_reports
-    from wsharding.lab.viz.serve import NOISE_NOTE, serve_figure
 
     root = Path(__file__).resolve().parents[2]
-    report = pick_report(saved_reports(root / MEASUREMENTS, "bench_serve_*.json"), preset="k3-like", rows=1024)
-    title = serve_figure(report).layout.title.text
-    assert "time-slice" in title and NOISE_NOTE.split(":")[0] not in title
-    assert "time-sliced" in format_table(report) and "CPU times" not in format_table(report)
+    old = pick_report(saved_reports(root / MEASUREMENTS, "bench_serve_*.json"), preset="k3-like", rows=1024)
+    with pytest.raises(InvalidArgument, match="fixed-row benchmark before issue 39"):
+        format_table(old)
+
+
+def test_slo_parsing():
+    assert SLO.parse("ttft=500,tpot=50") == SLO(ttft_ms=500.0, tpot_ms=50.0)
+    assert SLO.parse("e2e=900,attainment=0.99").attainment == 0.99
+    with pytest.raises(Exception, match="KEY=VALUE"):
+        SLO.parse("ttft:500")
+    with pytest.raises(Exception, match="name at least one"):
+        SLO.parse("attainment=0.5")

@@ -85,7 +85,7 @@ BAD = [
     (["bench", "profile", "--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
     (["bench", "serve", "--layers", "1"], "argument --layers: must be at least 2, got 1"),
     (["bench", "serve", "--requests", "0"], "argument --requests: must be at least 1, got 0"),
-    (["bench", "serve", "--rows", "-1"], "argument --rows: must be at least 1, got -1"),
+    (["bench", "serve", "--token-budget", "-1"], "argument --token-budget: must be at least 1, got -1"),
     # nan passes every comparison and inf every lower bound: both ended in a traceback after parsing
     (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-pool-gib", "nan"], "argument --kv-pool-gib: 'nan' is not a finite"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-pool-gib", "inf"], "argument --kv-pool-gib: 'inf' is not a finite"),
@@ -446,7 +446,7 @@ def test_the_command_answers_a_package_error_in_one_line(argv, message, tmp_path
 def test_rate_inf_is_accepted_as_its_error_says():
     """``inf: all at once`` (the default, and what the error above says) was refused by --rate's type."""
     args = cli.build_parser().parse_args(["bench", "serve", "--rate", "inf"])
-    assert args.rate == float("inf")
+    assert args.rate == [float("inf")]  # a comma list of rates: one, all at once
 
 
 def test_run_command_sorts_package_errors_into_bad_input_and_failures(capsys):

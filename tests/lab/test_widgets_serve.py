@@ -9,7 +9,7 @@ WL = Workload(requests=4, prompt=(4, 8), output=(2, 4))
 
 
 def test_each_run_adds_its_budget_and_the_figure_holds_the_sweep(cluster_of):
-    panel = build_serve_panel({2: cluster_of(2)}, "tiny-deep", WL, rows=16, rank_choices=(2,))
+    panel = build_serve_panel({2: cluster_of(2)}, "tiny-deep", WL, token_budget=16, rank_choices=(2,))
     for value in (panel.budget_mib.min, panel.budget_mib.max):
         panel.budget_mib.value = value
         panel.run_button.click()
@@ -25,7 +25,7 @@ def test_each_run_adds_its_budget_and_the_figure_holds_the_sweep(cluster_of):
 
 
 def test_an_error_is_shown_not_raised(cluster_of):
-    panel = build_serve_panel({2: cluster_of(2)}, "tiny-deep", WL, rows=16, rank_choices=(2,))
+    panel = build_serve_panel({2: cluster_of(2)}, "tiny-deep", WL, token_budget=16, rank_choices=(2,))
     panel.budget_mib.min = 0.01
     panel.budget_mib.value = 0.01  # below the model itself
     panel.run_button.click()

@@ -1,5 +1,6 @@
-"""Serving a stream of requests on one rank: the token pool, admission, the fixed step shape, greedy
-tokens, and the refusals -- in this process, on the CPU."""
+"""Serving a stream of requests on one rank -- in this process, on the CPU: the paged pool, the
+scheduler's decisions on hand-built traces (chunked prefill, admission by blocks, growth, preemption
+by recompute), the step's buckets, replay, and the refusals."""
 
 from __future__ import annotations
 
@@ -10,9 +11,21 @@ from wsharding.core.errors import InvalidArgument
 from wsharding.linear import process_weights
 from wsharding.models import ToyDecoder, decoder_config
 from wsharding.models.kv_cache import kv_bytes_per_token
-from wsharding.models.token_pool import KVPoolFull, TokenKVPool
-from wsharding.serve import ContinuousBatcher, Request, Workload, pool_tokens, serve
-from wsharding.serve.engine import percentile
+from wsharding.models.token_pool import TokenKVPool
+from wsharding.serve import (
+    BlockPool,
+    Request,
+    Scheduler,
+    Workload,
+    budget_for_share,
+    budget_from_device,
+    pool_blocks,
+    serve,
+)
+from wsharding.serve.blocks import KVBlocksFull
+from wsharding.serve.engine import ServeStalled
+from wsharding.serve.scheduler import Scheduled
+from wsharding.serve.step import bucket, build_step, context_buckets, token_buckets
 
 
 @pytest.fixture(scope="module")
@@ -22,74 +35,115 @@ def model() -> ToyDecoder:
     return m
 
 
-def _requests(spec: list[tuple[int, int]], vocab: int = 192, rank: int = 0) -> list[Request]:
-    g = torch.Generator().manual_seed(5)
-    return [Request(i, rank, 0.0, tuple(torch.randint(0, vocab, (p,), generator=g).tolist()), o)
-            for i, (p, o) in enumerate(spec)]
+def _pool(blocks: int) -> BlockPool:
+    """A pool of one small layer: the scheduler's tests need its blocks, not its bytes."""
+    return BlockPool(TokenKVPool(1, 1, 4, torch.float32, (blocks + 1) * 16 - 1, "cpu"))
 
 
-def test_pool_hands_out_exactly_its_tokens(model):
-    pool = TokenKVPool.for_model(model, 10)
-    a, b = pool.take(4), pool.take(6)
-    assert sorted(a + b) == list(range(10)) and pool.free_tokens == 0
-    with pytest.raises(KVPoolFull, match="1 KV tokens asked, 0 of 10 free"):
+def _req(rid: int, prompt: int, output: int, arrival: float = 0.0, vocab: int = 192) -> Request:
+    g = torch.Generator().manual_seed(rid)
+    return Request(rid, 0, arrival, tuple(torch.randint(0, vocab, (prompt,), generator=g).tolist()), output)
+
+
+def _drive(s: Scheduler, steps: int) -> list[list[tuple[int, int, int]]]:
+    """Run the scheduler alone (every sampled token is 7): each step's (rid, start, count)."""
+    log = []
+    for _ in range(steps):
+        scheduled = s.schedule(0.0)
+        log.append([(x.seq.request.rid, x.start, x.count) for x in scheduled])
+        s.step_done(scheduled, [7] * sum(x.samples for x in scheduled), 0.0)
+        if not s.has_work():
+            break
+    return log
+
+
+def test_pool_hands_out_whole_blocks_and_keeps_a_scratch_block(model):
+    pool = BlockPool.for_model(model, 5)
+    assert pool.tokens == 80 and pool.scratch_block == 5 and pool.storage.tokens + 1 == 96
+    assert pool.nbytes == 6 * 16 * kv_bytes_per_token(model)  # the scratch block included
+    a, b = pool.take(2), pool.take(3)
+    assert (a, b) == ([0, 1], [2, 3, 4]) and pool.free_blocks == 0
+    with pytest.raises(KVBlocksFull, match="1 KV blocks asked, 0 of 5 free"):
         pool.take(1)
     pool.give_back(a)
-    assert pool.free_tokens == 4 and pool.used_tokens == 6
-    assert pool.nbytes == 11 * kv_bytes_per_token(model)  # the scratch row included
+    assert pool.take(1) == [0] and pool.used_blocks == 4
 
 
-def test_admission_never_exceeds_the_pool(model):
-    # Four requests of 12 KV tokens each (8 prompt + 5 output - 1), a pool of 30: two fit at once, never three.
-    reqs = _requests([(8, 5)] * 4)
-    pool = TokenKVPool.for_model(model, 30)
-    used = []
-    inner = model.forward_serve
-
-    class Watch(torch.nn.Module):
-        def forward_serve(self, step):
-            used.append(pool.used_tokens)
-            return inner(step)
-
-    run = serve(Watch(), pool, reqs, rows=32, max_len=12)
-    assert max(used) == 24 <= pool.tokens
-    assert max(run.concurrency) == 2 and run.peak_kv_tokens == 24
-    assert run.waited_for_memory == 2  # the last two waited until the first two finished
-    assert pool.free_tokens == 30  # every sequence gave its tokens back
-    assert sorted(run.outputs) == [0, 1, 2, 3] and all(len(v) == 5 for v in run.outputs.values())
+def test_budgets_in_blocks_shares_and_utilization():
+    # 10,000 - 3,000 - 1,000 B left; blocks of 16 tokens x 10 B = 160 B: 37 of them, one the scratch block
+    assert pool_blocks(10_000, 3_000, 1_000, 10) == 36
+    with pytest.raises(InvalidArgument, match="leaves no KV pool"):
+        pool_blocks(4_300, 3_000, 1_000, 10)
+    assert budget_for_share(700, 300, 0.2) == 1250  # the pool is a fifth of it: 1000 / 0.8
+    assert budget_from_device(141 * 10**9, 0.9, 2) == 63_450_000_000
+    with pytest.raises(InvalidArgument, match="strictly between 0 and 1"):
+        budget_for_share(1, 1, 1.0)
 
 
-def test_first_come_first_served_no_overtaking(model):
-    # The head (20 KV tokens) does not fit beside the running one; the small one behind it must wait too.
-    reqs = _requests([(10, 6), (15, 6), (2, 2)])
-    pool = TokenKVPool.for_model(model, 25)
-    b = ContinuousBatcher(pool, reqs, rows=32, max_len=20, device="cpu")
-    b.next_step(0.0)
-    assert [s.request.rid for s in b.running] == [0]
-    assert b.waited_for_memory == {1, 2}  # the small one fits, yet waits behind the head
-    assert [r.rid for r in b.pending] == [1, 2]
+def test_chunked_prefill_under_the_token_budget():
+    """A 40-token prompt with a budget of 32: its first chunk fills the step; the next step finishes it
+    (8 tokens), admits B whole (20) and starts C (4 of 10); then decodes beside C's last 6."""
+    s = Scheduler(_pool(6), [_req(0, 40, 3), _req(1, 20, 40), _req(2, 10, 2)], token_budget=32)
+    log = _drive(s, 5)
+    assert log[:4] == [[(0, 0, 32)],
+                       [(0, 32, 8), (1, 0, 20), (2, 0, 4)],
+                       [(0, 40, 1), (1, 20, 1), (2, 4, 6)],
+                       [(0, 41, 1), (1, 21, 1), (2, 10, 1)]]
+    assert log[4] == [(1, 22, 1)]  # A (3 tokens) and C (2) finished in step 3
+    assert [q.request.rid for q in s.finished] == [0, 2] and s.pool.used_blocks == 2  # B's 22 tokens: 2 blocks
 
 
-def test_rows_limit_admission(model):
-    reqs = _requests([(6, 3)] * 3)
-    b = ContinuousBatcher(TokenKVPool.for_model(model, 100), reqs, rows=13, max_len=8, device="cpu")
-    step = b.next_step(0.0)
-    assert len(b.running) == 2 and b.waited_for_rows == {2}  # 6 + 6 rows of prompts; 6 more would be 18 > 13
-    assert step.rows == 13 and step.max_len == 8
-    # padding rows write the scratch row and attend to it alone
-    assert step.write[12].item() == step.pool.scratch and step.mask[12].tolist() == [True] + [False] * 7
+def test_growth_block_by_block_and_preemption_of_the_newest_by_recompute():
+    """Two requests of 16 + 40 tokens in 4 blocks: each takes a second block at its 17th token; at the
+    33rd there is none, so the newest (1) is preempted, and the step admits no one. It waits until 0
+    finishes, then recomputes its prompt and its 17 generated tokens in one step."""
+    s = Scheduler(_pool(4), [_req(0, 16, 40), _req(1, 16, 40)], token_budget=64)
+    log = _drive(s, 100)
+    assert log[0] == [(0, 0, 16), (1, 0, 16)] and log[16] == [(0, 31, 1), (1, 31, 1)]
+    assert log[17] == [(0, 32, 1)] and s.preemptions == 1 and s.waited_for_memory == {1}
+    assert all(step == [(0, 15 + k, 1)] for k, step in enumerate(log[17:40], start=17))
+    assert log[40] == [(1, 0, 33)]  # 16 prompt + 17 generated, recomputed
+    assert log[41] == [(1, 33, 1)] and len(log) == 63
+    seq = next(q for q in s.finished if q.request.rid == 1)
+    assert seq.preempted == 1 and len(seq.generated) == 40 and s.pool.free_blocks == 4
 
 
-def test_greedy_tokens_do_not_depend_on_the_company(model):
-    """A request's tokens are the same served alone, in a crowd, with a small or a large pool."""
-    reqs = _requests([(9, 7), (4, 11), (12, 3), (7, 7), (5, 9)])
-    alone = {}
-    for r in reqs:
-        run = serve(model, TokenKVPool.for_model(model, 40), [Request(r.rid, 0, 0.0, r.prompt, r.output)], rows=16,
-                    max_len=16)
-        alone[r.rid] = run.outputs[r.rid]
-    for tokens in (16, 40, 200):
-        assert serve(model, TokenKVPool.for_model(model, tokens), reqs, rows=16, max_len=16).outputs == alone
+def test_first_come_first_served_no_overtaking():
+    # the head needs 3 blocks, 2 are free: the one-block request behind it waits too
+    s = Scheduler(_pool(4), [_req(0, 30, 8), _req(1, 40, 4), _req(2, 3, 2)], token_budget=128)
+    assert [(x.seq.request.rid, x.count) for x in s.schedule(0.0)] == [(0, 30)]
+    assert s.waited_for_memory == {1, 2} and [q.request.rid for q in s.waiting] == [1, 2]
+
+
+def test_a_concurrency_cap_sends_a_request_when_one_finishes():
+    s = Scheduler(_pool(8), [_req(0, 4, 1), _req(1, 4, 1), _req(2, 4, 1)], token_budget=64, max_concurrency=2)
+    first = s.schedule(0.0)
+    assert [x.seq.request.rid for x in first] == [0, 1] and len(s.pending) == 1
+    s.step_done(first, [5, 5], 0.25)
+    assert [x.seq.request.rid for x in s.schedule(0.5)] == [2]
+    assert s.running[0].sent_s == 0.25  # sent when a slot freed, not at its arrival (0)
+
+
+def test_buckets():
+    assert token_buckets(64) == [1, 2, 4, 8, 16, 32, 64] and token_buckets(48)[-2:] == [32, 48]
+    assert context_buckets(49) == [16, 32, 64] and context_buckets(16) == [16]
+    assert bucket(33, token_buckets(64)) == 64 and bucket(1, token_buckets(64)) == 1
+
+
+def test_a_step_is_its_tokens_rounded_up_and_reads_its_blocks():
+    pool = _pool(8)
+    s = Scheduler(pool, [_req(0, 20, 4), _req(1, 3, 4)], token_budget=32)
+    built = build_step(pool, s.schedule(0.0), token_buckets(32), context_buckets(64))
+    step = built.step
+    assert (built.tokens, step.rows, step.max_len) == (23, 32, 32)  # 23 tokens -> 32; context 20 -> 32
+    assert built.sample_rows == [19, 22]
+    # request 0 owns blocks 0, 1: its token at position 17 is row 16 + 1; request 1's at 2 is block 2's row 2
+    assert step.write[17].item() == 17 and step.write[22].item() == 2 * 16 + 2
+    assert step.mask[22].tolist() == [True] * 3 + [False] * 29
+    assert step.read[22, 16].item() == pool.scratch_block * 16  # beyond its one block: the scratch block
+    assert step.write[23:].tolist() == [pool.scratch_block * 16] * 9  # padding writes the scratch block
+    idle = build_step(pool, [], token_buckets(32), context_buckets(64))
+    assert (idle.tokens, idle.step.rows, idle.sample_rows) == (0, 1, [])
 
 
 def test_serving_path_computes_the_uncached_forward():
@@ -97,70 +151,68 @@ def test_serving_path_computes_the_uncached_forward():
     kernels that sum in another order differ only in the last bits)."""
     m = ToyDecoder(decoder_config("tiny").with_(dtype="float32")).eval()
     process_weights(m)
-    reqs = _requests([(10, 1)])
-    b = ContinuousBatcher(TokenKVPool.for_model(m, 20), reqs, rows=16, max_len=10, device="cpu")
+    r = _req(0, 10, 1)
+    pool = BlockPool.for_model(m, 2)
+    s = Scheduler(pool, [r], token_budget=16)
     with torch.no_grad():
-        served = m.forward_serve(b.next_step(0.0))[:10]
-        full = m(torch.tensor(reqs[0].prompt))
+        served = m.forward_serve(build_step(pool, s.schedule(0.0), [16], [16]).step)[:10]
+        full = m(torch.tensor(r.prompt))
     assert (served - full).abs().max() < 1e-4
 
 
-def test_attention_width_is_fixed_because_it_changes_bits(model):
-    """The guard behind the fixed step shape: the same request attended over a wider padded window gives
-    other logits (another summation), so the width must not follow the batch."""
-    reqs = _requests([(12, 1)])
-    outs = []
-    for width in (12, 40):
-        b = ContinuousBatcher(TokenKVPool.for_model(model, 50), reqs, rows=16, max_len=width, device="cpu")
-        with torch.no_grad():
-            outs.append(model.forward_serve(b.next_step(0.0))[:12])
-    assert not torch.equal(outs[0], outs[1])
+def test_serve_and_its_replay(model):
+    """Every request gets its tokens, the pool is never over-committed and is empty at the end; a replay
+    at the recorded times makes the same steps and gives the same tokens bit for bit."""
+    reqs = [_req(i, p, o) for i, (p, o) in enumerate([(9, 7), (30, 11), (12, 3), (7, 20), (5, 9)])]
+    pool = BlockPool.for_model(model, 4)
+    run = serve(model, pool, reqs, token_budget=16, max_context=48)
+    assert {rid: len(v) for rid, v in run.outputs.items()} == {r.rid: r.output for r in reqs}
+    assert run.peak_blocks <= 4 and pool.free_blocks == 4 and run.preemptions >= 1
+    assert all(b in token_buckets(16) and n <= b for b, n in zip(run.step_bucket, run.step_tokens, strict=True))
+    again = serve(model, BlockPool.for_model(model, 4), reqs, token_budget=16, max_context=48,
+                  schedule_times=run.schedule_times)
+    assert again.outputs == run.outputs and again.step_bucket == run.step_bucket
+    assert [r["preempted"] for r in again.records] == [r["preempted"] for r in run.records]
 
 
-def test_request_longer_than_the_pool_is_refused_before_anything_runs(model):
-    reqs = _requests([(5, 5), (30, 20)], rank=3)
-    with pytest.raises(InvalidArgument, match=r"request 1 of rank 3 needs 49 KV tokens .* the whole pool holds 40"):
-        serve(model, TokenKVPool.for_model(model, 40), reqs, rows=64, max_len=49)
-    with pytest.raises(InvalidArgument, match="prompt of 30 tokens does not fit in a step of 16 rows"):
-        serve(model, TokenKVPool.for_model(model, 100), reqs, rows=16, max_len=49)
+def test_arrivals_are_respected(model):
+    """A request is not scheduled before it arrives; its times count from its arrival."""
+    reqs = [_req(0, 3, 2), _req(1, 2, 2, arrival=0.75)]
+    ticks = iter(range(100))
+    run = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4,
+                clock=lambda: next(ticks) / 10, warmup=0)
+    # a step reads the clock twice (schedule, then its tokens): steps schedule at 0.1, 0.3, 0.5, 0.7, 0.9 s
+    assert run.step_requests == [1, 1, 0, 0, 1, 1]  # request 1 arrives at 0.75 s: padding steps until then
+    assert [r["token_s"][0] - r["sent_s"] for r in run.records] == pytest.approx([0.2, 0.25])
 
 
-def test_pool_tokens_is_budget_minus_resident_minus_reserve():
-    assert pool_tokens(10_000, 3_000, 1_000, 100) == 59  # 60 rows of 100 B, one of them the scratch row
-    with pytest.raises(InvalidArgument, match="leaves no KV pool"):
-        pool_tokens(4_000, 3_000, 1_000, 100)
+def test_refusals_before_anything_runs(model):
+    with pytest.raises(InvalidArgument, match=r"request 1 of rank 0 needs 49 KV tokens .* the whole pool holds 32"):
+        serve(model, BlockPool.for_model(model, 2), [_req(0, 5, 5), _req(1, 30, 20)], token_budget=16, max_context=64)
+    with pytest.raises(InvalidArgument, match="a step attends over at most 32"):
+        serve(model, BlockPool.for_model(model, 8), [_req(0, 30, 20)], token_budget=16, max_context=32)
+    with pytest.raises(ServeStalled, match="still working after 3 steps on rank 0"):
+        serve(model, BlockPool.for_model(model, 2), [_req(0, 4, 9)], token_budget=8, max_context=16, max_steps=3)
 
 
-def test_workload_is_seeded_per_rank_and_round_trips():
+def test_workload_is_seeded_per_rank_bursty_and_round_trips():
     w = Workload(requests=5, prompt=(3, 9), output=(2, 4), rate=10.0, seed=1)
     a, b = w.for_rank(0, 100), w.for_rank(1, 100)
     assert a == w.for_rank(0, 100) and a != b
     assert all(3 <= len(r.prompt) <= 9 and 2 <= r.output <= 4 for r in a)
     assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a) and a[0].arrival_s > 0
-    assert Workload.from_dict(w.as_dict()) == w
-    assert Workload.from_dict(Workload().as_dict()).rate == float("inf")
+    assert Workload.from_dict(w.as_dict()) == w and Workload.from_dict(Workload().as_dict()).rate == float("inf")
+    gaps = Workload(requests=2000, rate=4.0, burstiness=0.25).for_rank(0, 10)
+    assert gaps[-1].arrival_s / 2000 == pytest.approx(0.25, rel=0.15)  # the mean gap is 1/rate whatever the shape
+    traced = Workload(requests=6, lengths=((5, 2), (9, 4)), source="t")
+    assert traced.prompt == (5, 9) and traced.max_len == 12 and {(len(r.prompt), r.output) for r in traced.for_rank(0, 10)} <= {(5, 2), (9, 4)}
+    assert Workload.from_dict(traced.as_dict()) == traced
     with pytest.raises(InvalidArgument, match="prompt lengths"):
         Workload(prompt=(5, 2))
+    with pytest.raises(InvalidArgument, match="burstiness"):
+        Workload(burstiness=0.0)
 
 
-def test_arrivals_are_respected(model):
-    """A request is not admitted before it arrives: TTFT is measured from its arrival."""
-    reqs = [Request(0, 0, 0.0, (1, 2, 3), 2), Request(1, 0, 0.75, (4, 5), 2)]
-    ticks = iter(range(100))
-    run = serve(model, TokenKVPool.for_model(model, 20), reqs, rows=8, max_len=4, clock=lambda: next(ticks) / 10, warmup=0)
-    # a step reads the clock twice (admission, then its tokens): steps admit at 0.1, 0.3, 0.5, 0.7, 0.9 s
-    assert run.concurrency == [1, 1, 0, 0, 1, 1]  # request 1 arrives at 0.75 s: dummy steps until then
-    assert run.ttft_s == pytest.approx([0.2, 0.25])  # from arrival to the end of its prefill step
-
-
-def test_percentile_nearest_rank():
-    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
-    assert percentile(list(map(float, range(1, 101))), 99) == 99.0
-    assert percentile([], 99) is None
-
-
-def test_a_loop_that_never_ends_is_stopped_with_an_error(model):
-    from wsharding.serve.engine import ServeStalled
-
-    with pytest.raises(ServeStalled, match="still working after 3 steps on rank 0"):
-        serve(model, TokenKVPool.for_model(model, 40), _requests([(4, 9)]), rows=8, max_len=12, max_steps=3)
+def test_scheduled_samples_only_at_the_end_of_its_known_tokens():
+    seq = Scheduler(_pool(2), [_req(0, 10, 3)], token_budget=4).schedule(0.0)[0].seq
+    assert not Scheduled(seq, 0, 4).samples and Scheduled(seq, 6, 4).samples

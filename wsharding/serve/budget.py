@@ -9,24 +9,42 @@ from __future__ import annotations
 from typing import Any
 
 from wsharding.core.errors import InvalidArgument
+from wsharding.serve.blocks import BLOCK_TOKENS
 
 
-def pool_tokens(budget_bytes: int, resident_bytes: int, reserve_bytes: int, bytes_per_token: int) -> int:
-    """Token rows of a :class:`~wsharding.models.token_pool.TokenKVPool` that fit in
-    ``budget - resident - reserve`` bytes, one scratch row included (so one less than the quotient)."""
+def pool_blocks(budget_bytes: int, resident_bytes: int, reserve_bytes: int, bytes_per_token: int) -> int:
+    """KV blocks of a :class:`~wsharding.serve.blocks.BlockPool` that fit in ``budget - resident - reserve``
+    bytes, its scratch block included (so one less than the quotient)."""
     left = budget_bytes - resident_bytes - reserve_bytes
-    tokens = left // bytes_per_token - 1
-    if tokens < 1:
+    blocks = left // (BLOCK_TOKENS * bytes_per_token) - 1
+    if blocks < 1:
         raise InvalidArgument(
             f"a budget of {budget_bytes / 2**20:.1f} MiB leaves no KV pool: the model holds "
             f"{resident_bytes / 2**20:.1f} MiB and the activations need {reserve_bytes / 2**20:.1f} MiB. "
             "Give the ranks a larger budget (or shard more weights)")
-    return int(tokens)
+    return int(blocks)
+
+
+def budget_for_share(resident_bytes: int, reserve_bytes: int, share: float) -> int:
+    """The budget in which the KV pool is ``share`` of the whole (0 < share < 1): what the weights and
+    the reserve take is the rest, so ``budget = (resident + reserve) / (1 - share)``."""
+    if not 0 < share < 1:
+        raise InvalidArgument(f"KV share: need a fraction of the budget strictly between 0 and 1, got {share}")
+    return int(-(-(resident_bytes + reserve_bytes) // (1 - share)))
+
+
+def budget_from_device(memory_bytes: int, utilization: float, ranks_per_device: int = 1) -> int:
+    """A rank's budget as a server sizes it: ``utilization`` (vLLM's ``gpu_memory_utilization``) of the
+    device's memory, split between the ranks that share the device."""
+    if not 0 < utilization <= 1:
+        raise InvalidArgument(f"utilization: need a fraction in (0, 1], got {utilization}")
+    return int(memory_bytes * utilization) // ranks_per_device
 
 
 def activation_reserve_bytes(model: Any, rows: int, max_len: int) -> int:
-    """Bytes set aside for the transient tensors of one serving step of ``rows`` rows (a stated rule,
-    an upper estimate): every row's gathered K and V (``rows x max_len`` tokens of one layer, twice:
+    """Bytes set aside for the transient tensors of the largest serving step -- ``rows`` tokens (the
+    step's token budget) attending over ``max_len`` (the widest context bucket) -- a stated rule, an
+    upper estimate: every row's gathered K and V (``rows x max_len`` tokens of one layer, twice:
     the gather and the attention's copy), the widest projection outputs, the logits in float32, and
     the step's index tensors."""
     cfg = model.cfg

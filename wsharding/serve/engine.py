@@ -1,25 +1,29 @@
-"""Serve a stream of requests on one rank, greedy decoding, and measure what a user would see.
+"""Serve a stream of requests on one rank, greedy decoding, and record what a user would see.
 
 Every rank runs every step, working or not: a sharded model gathers its weights in every forward, and
 a rank that skipped one would leave the others waiting in that gather. A rank with nothing to do runs
-an all-padding step (the dummy step). The ranks stop together when none has work left, which they
-agree on after every step (``agree``).
+a one-token padding step. The ranks stop together when none has work left, which they agree on after
+every step (``agree``).
+
+What is recorded: per request, when it arrived, when it was sent, the time each token reached the
+host (TTFT, ITL, TPOT and end-to-end latency follow, :mod:`wsharding.serve.metrics`); per step, its
+tokens, its buckets and its time; and the time each step was scheduled, which is all a replay needs
+to make the same decisions again ([Note: bits across buckets] in :mod:`wsharding.serve.step`).
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from wsharding.core.errors import WshardingError
-from wsharding.models.token_pool import TokenKVPool
-from wsharding.serve.batcher import ContinuousBatcher
+from wsharding.serve.blocks import BlockPool
+from wsharding.serve.scheduler import Scheduler, Sequence, check_servable
+from wsharding.serve.step import build_step, context_buckets, token_buckets
 from wsharding.serve.workload import Request
 
 
@@ -27,81 +31,91 @@ class ServeStalled(WshardingError, RuntimeError):
     """The step loop ran ``max_steps`` steps and some rank still had work."""
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile of ``values`` by nearest rank (the smallest value with at least q % of the
-    values at or below it); None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
 @dataclass
 class ServeRun:
-    """One rank's run of one model variant."""
+    """One rank's run of one model variant on one workload."""
 
-    steps: int
-    wall_s: float
     outputs: dict[int, list[int]]
-    ttft_s: list[float]
-    tpot_s: list[float]
-    concurrency: list[int]
-    waited_for_memory: int
-    waited_for_rows: int
-    pool_tokens: int
-    #: The most KV tokens in use at once.
-    peak_kv_tokens: int
+    #: Per request (in rid order): times in seconds since the start, lengths, preemptions.
+    records: list[dict[str, Any]]
+    #: Per step: real tokens, token bucket, context bucket, requests, seconds (host clock, end to end).
+    step_tokens: list[int] = field(default_factory=list)
+    step_bucket: list[int] = field(default_factory=list)
+    step_context: list[int] = field(default_factory=list)
+    step_requests: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    #: When each step was scheduled (seconds since the start): a replay's clock.
+    schedule_times: list[float] = field(default_factory=list)
+    pool_blocks: int = 0
+    peak_blocks: int = 0
+    preemptions: int = 0
+    waited_for_memory: int = 0
+    wall_s: float = 0.0
 
-    def summary(self) -> dict[str, Any]:
-        tokens = sum(len(v) for v in self.outputs.values())
-        ms = [1e3 * x for x in self.ttft_s], [1e3 * x for x in self.tpot_s]
-        return {
-            "steps": self.steps, "wall_s": self.wall_s, "output_tokens": tokens,
-            "tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else 0.0,
-            "tokens_per_step": tokens / self.steps if self.steps else 0.0,
-            "max_concurrency": max(self.concurrency, default=0),
-            "mean_concurrency": statistics.fmean(self.concurrency) if self.concurrency else 0.0,
-            "ttft_ms_median": statistics.median(ms[0]) if ms[0] else None, "ttft_ms_p99": percentile(ms[0], 99),
-            "tpot_ms_median": statistics.median(ms[1]) if ms[1] else None, "tpot_ms_p99": percentile(ms[1], 99),
-            "waited_for_memory": self.waited_for_memory, "waited_for_rows": self.waited_for_rows,
-            "pool_tokens": self.pool_tokens, "peak_kv_tokens": self.peak_kv_tokens,
-        }
+    @property
+    def steps(self) -> int:
+        return len(self.step_tokens)
 
 
-def serve(model: torch.nn.Module, pool: TokenKVPool, requests: list[Request], *, rows: int, max_len: int,
+def _record(seq: Sequence) -> dict[str, Any]:
+    r = seq.request
+    return {"rid": r.rid, "rank": r.rank, "arrival_s": r.arrival_s, "sent_s": seq.sent_s, "prompt_tokens": len(r.prompt),
+            "output_tokens": len(seq.generated), "token_s": list(seq.token_s), "preempted": seq.preempted}
+
+
+def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, token_budget: int,
+          max_context: int, max_seqs: int | None = None, max_concurrency: int | None = None,
           agree: Callable[[bool], bool] = bool, clock: Callable[[], float] = time.perf_counter,
-          warmup: int = 1, max_steps: int = 1_000_000) -> ServeRun:
+          warmup: int = 1, max_steps: int = 1_000_000, schedule_times: list[float] | None = None) -> ServeRun:
     """Serve ``requests`` (this rank's) with ``model.forward_serve`` until no rank has work left.
 
     ``agree(has_work)`` returns whether any rank still has work (all ranks call it after every step;
-    ``bool`` for a single rank). Times are seconds since the start; a request's TTFT runs from its
-    arrival to its first token, its TPOT is the mean time between its later tokens. ``warmup`` all-padding
-    steps run first, untimed (the first forward of a process pays one-time set-up costs).
+    ``bool`` for a single rank). A request's times run from when it is sent (:mod:`~wsharding.serve.scheduler`).
+    ``warmup`` padding steps of every token bucket run first, untimed (a process's first forward of a
+    shape pays one-time costs). ``schedule_times``: replay -- step i is scheduled as if at that time, and
+    exactly that many steps run (every rank replays its own recorded run, so the ranks stay in step).
     """
-    device = pool.k.device
-    batcher = ContinuousBatcher(pool, requests, rows=rows, max_len=max_len, device=device)
-    steps, peak_used = 0, 0
+    check_servable(requests, pool, max_context)
+    sched = Scheduler(pool, requests, token_budget=token_budget, max_seqs=max_seqs, max_concurrency=max_concurrency)
+    sizes, widths = token_buckets(token_budget), context_buckets(max_context)
+    run = ServeRun(outputs={}, records=[], pool_blocks=pool.blocks)
     with torch.no_grad():
-        idle = ContinuousBatcher(pool, [], rows=rows, max_len=max_len, device=device)
         for _ in range(warmup):
-            model.forward_serve(idle.next_step(0.0)).argmax(-1).tolist()
+            for n in sizes:  # every shape once; the contents are padding
+                idle = build_step(pool, [], [n], widths)
+                model.forward_serve(idle.step).argmax(-1).tolist()
     t0 = clock()
     with torch.no_grad():
         while True:
-            step = batcher.next_step(clock() - t0)
-            peak_used = max(peak_used, pool.used_tokens)
-            chosen = model.forward_serve(step).argmax(-1).tolist()  # the host needs them: a sync per step
-            batcher.step_done(chosen, clock() - t0)
-            steps += 1
-            if not agree(batcher.has_work()):
+            began = clock()
+            now = began - t0 if schedule_times is None else schedule_times[run.steps]
+            scheduled = sched.schedule(now)
+            run.peak_blocks = max(run.peak_blocks, pool.used_blocks)
+            built = build_step(pool, scheduled, sizes, widths)
+            logits = model.forward_serve(built.step)
+            # the host needs the tokens to build the next step: one sync per step, as a server has
+            sampled = logits[built.sample_rows].argmax(-1).tolist() if built.sample_rows else []
+            ended = clock()
+            sched.step_done(scheduled, sampled, ended - t0)
+            run.schedule_times.append(now)
+            run.step_tokens.append(built.tokens)
+            run.step_bucket.append(built.bucket_tokens)
+            run.step_context.append(built.bucket_context)
+            run.step_requests.append(len(scheduled))
+            run.step_s.append(ended - began)
+            if schedule_times is not None:
+                if run.steps == len(schedule_times):
+                    break
+            elif not agree(sched.has_work()):
                 break
-            if steps >= max_steps:
+            if run.steps >= max_steps:
                 raise ServeStalled(f"serve: still working after {max_steps} steps on rank "
-                                   f"{requests[0].rank if requests else '?'}; something never finishes")
-    wall = clock() - t0
-    done = batcher.finished
-    ttft = [s.first_token_s - s.request.arrival_s for s in done]
-    tpot = [(s.done_s - s.first_token_s) / (s.request.output - 1) for s in done if s.request.output > 1]
-    return ServeRun(steps=steps, wall_s=wall, outputs={s.request.rid: s.generated for s in done}, ttft_s=ttft,
-                    tpot_s=tpot, concurrency=batcher.concurrency, waited_for_memory=len(batcher.waited_for_memory),
-                    waited_for_rows=len(batcher.waited_for_rows), pool_tokens=pool.tokens, peak_kv_tokens=peak_used)
+                                   f"{requests[0].rank if requests else '?'}: {len(sched.running)} running, "
+                                   f"{len(sched.waiting)} waiting, {len(sched.pending)} not arrived")
+    run.wall_s = clock() - t0
+    done = sorted(sched.finished, key=lambda s: s.request.rid)
+    run.outputs = {s.request.rid: s.generated for s in done}
+    run.records = [_record(s) for s in done]
+    run.preemptions = sched.preemptions
+    run.waited_for_memory = len(sched.waited_for_memory)
+    return run

@@ -1,15 +1,19 @@
 """Rank task of ``wsharding bench serve``: the same requests served by the replicated and the sharded
-model under the same memory budget (notebook 06's last section, the benchmark, tests).
+model under the same memory budget, at a sweep of request rates, each point repeated.
 
 Variants run one after the other on each rank, so only one model is resident while it serves: its KV
-pool is the budget less what *it* holds (:func:`wsharding.serve.budget.pool_tokens`). Each variant
-is built once and serves the workload once per budget.
+pool is the budget less what *it* holds (:func:`wsharding.serve.budget.pool_blocks`). Each variant
+is built once and serves every (budget, rate, trial) point. The replicated model goes first and
+records when it scheduled each step of each point's first trial; the sharded model then replays
+those steps with the replicated pool's size -- the same steps, so every token must be equal
+([Note: bits across buckets] in :mod:`wsharding.serve.step`).
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
+from collections import Counter
 from typing import Any
 
 import torch
@@ -32,12 +36,21 @@ from wsharding.models.kv_cache import (
     ranks_sharing_device,
     sharded_model_bytes,
 )
-from wsharding.models.token_pool import TokenKVPool
-from wsharding.serve import Workload, activation_reserve_bytes, pool_tokens, serve
-from wsharding.serve.batcher import ContinuousBatcher, check_fits
+from wsharding.serve import (
+    BlockPool,
+    Workload,
+    activation_reserve_bytes,
+    budget_for_share,
+    budget_from_device,
+    pool_blocks,
+    serve,
+)
+from wsharding.serve.engine import ServeRun
+from wsharding.serve.scheduler import check_servable
+from wsharding.serve.step import build_step, context_buckets, token_buckets
 
-#: The variants every run serves; where the sharded one maps its own chunk (our NCCL, >= 2.30), a
-#: third with plain slots shows what the mapping adds.
+#: The variants every run serves; with ``plain`` and where the sharded one maps its own chunk (our
+#: NCCL, >= 2.30), a third with plain slots shows what the mapping adds.
 VARIANTS = ("replicated", "sharded")
 PLAIN = "sharded_plain"
 
@@ -83,17 +96,18 @@ def _build(variant: str, cfg, comm, seed: int) -> tuple[ToyDecoder, WeightShardi
     return model, ws, {"load_peak_bytes": peak.device_peak_bytes, "load_peak_is_host": peak.device_is_host}
 
 
-def _layer_times(model: ToyDecoder, ws: WeightSharding, rows: int, max_len: int, steps: int) -> list[dict[str, float]]:
-    """Per sharded layer, the median gather time and compute time (µs) of ``steps`` traced full steps."""
-    pool = TokenKVPool.for_model(model, 1)
-    idle = ContinuousBatcher(pool, [], rows=rows, max_len=max_len, device=pool.k.device)
+def layer_times(model: ToyDecoder, ws: WeightSharding, tokens: int, width: int, steps: int) -> list[dict[str, Any]]:
+    """Per sharded layer, the median gather and compute time (µs) of ``steps`` traced padding steps of
+    ``tokens`` rows attending over ``width`` (a shape the run used: its cost is its shape's)."""
+    pool = BlockPool.for_model(model, 1)
+    idle = build_step(pool, [], [tokens], [width])
     planner = ws.planner
     planner.trace_enabled = True
     traces = []
     try:
         with torch.no_grad():
             for _ in range(steps):
-                model.forward_serve(idle.next_step(0.0)).argmax(-1).tolist()
+                model.forward_serve(idle.step).argmax(-1).tolist()
                 traces.append(planner.finish_step())
     finally:
         planner.trace_enabled = False
@@ -103,90 +117,188 @@ def _layer_times(model: ToyDecoder, ws: WeightSharding, rows: int, max_len: int,
         marks = [t.layers.get(layer, {}) for t in traces]
         gather = [m["gather_end"] - m["gather_start"] for m in marks if "gather_end" in m and "gather_start" in m]
         compute = [m["compute_end"] - m["compute_start"] for m in marks if "compute_end" in m]
-        out.append({"layer": layer, "gather_us": statistics.median(gather) if gather else None,
+        out.append({"layer": layer, "tokens": tokens, "width": width, "layout_bytes": ws.layouts[layer].total_bytes,
+                    "payload_bytes": ws.layouts[layer].payload_bytes,
+                    "gather_us": statistics.median(gather) if gather else None,
                     "compute_us": statistics.median(compute) if compute else None})
     return out
 
 
-def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budgets: list[int | None],
-               rows: int, reserve_bytes: int | None = None, comm: str = "torch", layers: int | None = None,
-               seed: int = 0, probe_steps: int = 3) -> dict[str, Any]:
-    """Serve this rank's requests with each variant under each budget (bytes per rank; None: what the
-    GPU has free now, split between the ranks on it -- CPU ranks need a number, an emulated budget).
+def _summary(run: ServeRun, pool: BlockPool) -> dict[str, Any]:
+    """What the report keeps of one run: counts, per-bucket step times, the per-request records."""
+    by_bucket: dict[int, list[float]] = {}
+    for b, s, n in zip(run.step_bucket, run.step_s, run.step_tokens, strict=True):
+        c = by_bucket.setdefault(b, [0, 0.0, 0, 0])
+        c[0] += 1
+        c[1] += s
+        c[2] += n
+        c[3] += n > 0
+    working = [n for n in run.step_requests if n]
+    return {"pool_blocks": pool.blocks, "pool_tokens": pool.tokens, "pool_bytes": pool.nbytes,
+            "peak_blocks": run.peak_blocks, "preemptions": run.preemptions, "waited_for_memory": run.waited_for_memory,
+            "steps": run.steps, "wall_s": run.wall_s, "max_concurrency": max(run.step_requests, default=0),
+            "mean_concurrency": statistics.fmean(working) if working else 0.0,
+            "tokens_per_step": statistics.fmean(n for n in run.step_tokens if n) if any(run.step_tokens) else 0.0,
+            "steps_by_bucket": {str(b): {"steps": c[0], "seconds": c[1], "tokens": c[2], "working": c[3]} for b, c in sorted(by_bucket.items())},
+            "contexts": dict(Counter(w for w, n in zip(run.step_context, run.step_tokens, strict=True) if n)),
+            "records": run.records}
 
-    Returns, per budget and variant, :meth:`ServeRun.summary` plus the pool's sizing, the load peak and
-    (sharded) per-layer gather and compute times; and the requests whose tokens differ from the
-    replicated model's in any sharded variant. Variants: :data:`VARIANTS`, and :data:`PLAIN` where
-    the sharded one maps its own chunk.
+
+def _summed(ctx: RankContext, counts: list[int]) -> list[int]:
+    """``counts`` summed over every rank (every rank calls it)."""
+    if ctx.world_size == 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _probe_shapes(ctx: RankContext, summaries: Any, token_budget: int, max_context: int) -> tuple[list[int], int]:
+    """The shapes to time per layer, the same on every rank (each runs the probe's gathers): the token
+    bucket most working steps used and the largest any used, at the context bucket most used, counted
+    over every rank's runs."""
+    sizes, widths = token_buckets(token_budget), context_buckets(max_context)
+    steps, contexts = [0] * len(sizes), [0] * len(widths)
+    for s in summaries:
+        for k, c in s["steps_by_bucket"].items():
+            steps[sizes.index(int(k))] += c["working"]  # idle padding steps are not a batch size served
+        for w, c in s["contexts"].items():
+            contexts[widths.index(w)] += c
+    steps, contexts = _summed(ctx, steps), _summed(ctx, contexts)
+    used = [n for n, c in zip(sizes, steps, strict=True) if c]
+    if not used:
+        return [token_budget], max_context
+    common = max(zip(steps, sizes, strict=True))[1]
+    return sorted({common, used[-1]}), max(zip(contexts, widths, strict=True))[1]
+
+
+def _resolve_budget(spec: dict[str, Any], resident: int, reserve: int, device: torch.device, share: int) -> int:
+    """Bytes per rank for one budget spec: ``{"bytes": B}``, ``{"kv_share": s}`` (the replicated pool
+    is s of the budget) or ``{"utilization": u, "memory_bytes": M or None}`` (M: the GPU's total)."""
+    if "bytes" in spec:
+        return int(spec["bytes"])
+    if "kv_share" in spec:
+        return budget_for_share(resident, reserve, spec["kv_share"])
+    memory = spec.get("memory_bytes")
+    if memory is None:
+        if device.type != "cuda":
+            raise InvalidArgument("a budget from a utilization needs the device's memory on CPU ranks (--memory-gib)")
+        memory = torch.cuda.get_device_properties(device).total_memory
+    return budget_from_device(int(memory), float(spec["utilization"]), share)
+
+
+def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budgets: list[dict[str, Any]],
+               rates: list[float | None], trials: int = 3, token_budget: int = 64, max_seqs: int | None = None,
+               max_concurrency: int | None = None, comm: str = "torch", layers: int | None = None, seed: int = 0,
+               reserve_bytes: int | None = None, plain: bool = False, probe_steps: int = 3,
+               check: bool = True) -> dict[str, Any]:
+    """Serve this rank's requests with each variant under each budget, at each rate (None: all at
+    once), ``trials`` times with other seeds.
+
+    Returns per variant, budget, rate and trial the run's summary and per-request records; the
+    sizing of each variant; per sharded layer the gather and compute times at the shapes the run
+    used most and at its largest; and, per (budget, rate), the requests whose tokens differ between
+    the replicated run and the sharded model's replay of it (``differ``, which must be empty) and
+    between the replicated run and the sharded model's own run (``own_differ``, informative).
     """
     cfg = decoder_config(preset, layers)
     comm_ = shard_comm_for(ctx, comm)
     device = comm_.device
     share = ranks_sharing_device(ctx.world_size, device)
-    if device.type == "cuda":
-        # one budget for every rank: the least free
-        free_now = _reduced(ctx, kv_budget_bytes(device, share=share)[0], dist.ReduceOp.MIN)
-        budgets = [free_now if b is None else b for b in budgets]
-    elif any(b is None for b in budgets):
-        raise InvalidArgument("serve_rank: CPU ranks need an explicit (emulated) budget in bytes")
-    wl = Workload.from_dict(workload)
-    requests = wl.for_rank(ctx.rank, cfg.vocab)
-    runs: dict[str, list[dict[str, Any]]] = {}
-    outputs: dict[str, list[dict[int, list[int]]]] = {}
+    base = Workload.from_dict(workload)
+    max_context = context_buckets(base.max_len)[-1]
+    points = [(b, ri, t) for b in range(len(budgets)) for ri in range(len(rates)) for t in range(trials)]
+
+    def workload_at(ri: int, t: int) -> Workload:
+        rate = rates[ri]
+        return base.with_(rate=float("inf") if rate is None else rate, seed=base.seed * 1000 + t)
+
+    runs: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[tuple[int, int, int], dict[int, list[int]]]] = {}
+    replays: dict[tuple[int, int], dict[str, Any]] = {}
     sizing: dict[str, dict[str, Any]] = {}
+    resolved: list[int] = []
+    probes: list[dict[str, Any]] = []
     variants = list(VARIANTS)
-    for variant in variants:  # grows by PLAIN when the sharded variant maps its own chunk
+    for variant in variants:  # grows by PLAIN when asked and the sharded variant maps its own chunk
         model, ws, load = _build(variant, cfg, comm_, seed)
-        if variant == "sharded" and ws.map_own_chunk:
+        if variant == "sharded" and plain and ws.map_own_chunk:
             variants.append(PLAIN)
         resident = model_bytes(model) if ws is None else sharded_model_bytes(model, ws)
-        reserve = activation_reserve_bytes(model, rows, wl.max_len) if reserve_bytes is None else reserve_bytes
+        reserve = activation_reserve_bytes(model, token_budget, max_context) if reserve_bytes is None else reserve_bytes
+        per_token = kv_bytes_per_token(model)
         sizing[variant] = {"resident_bytes": resident, "reserve_bytes": reserve, **load}
+        if variant == "replicated":
+            resolved = [_resolve_budget(s, resident, reserve, device, share) for s in budgets]
         if ws is not None:
             bill = bill_for_layouts(list(ws.layouts.values()), ranks=comm_.world_size, map_own_chunk=ws.map_own_chunk,
                                     granularity=comm_.alloc_granularity)
             sizing[variant].update({"net_saving_bytes_predicted": bill.net_saving_bytes,
                                     "map_own_chunk": ws.map_own_chunk, "slot_layout": ws.map_own_chunk_reason})
-            sizing[variant]["layer_times"] = _layer_times(model, ws, rows, wl.max_len, probe_steps)
-        runs[variant], outputs[variant] = [], []
-        per_token = kv_bytes_per_token(model)
-        for budget in budgets:
-            problem = None
+        runs[variant] = {}
+        outputs[variant] = {}
+        for b, ri, t in points:
+            problem, pool = None, None
+            wl = workload_at(ri, t)
+            requests = wl.for_rank(ctx.rank, cfg.vocab)
             try:
-                tokens = pool_tokens(budget, resident, reserve, per_token)
+                blocks = pool_blocks(resolved[b], resident, reserve, per_token)
                 if device.type == "cuda":
                     room = kv_budget_bytes(device, share=share)[0]
-                    if (tokens + 1) * per_token > room:
+                    if (blocks + 1) * 16 * per_token > room:
                         raise InvalidArgument(
-                            f"rank {ctx.rank}: a budget of {budget / 2**30:.2f} GiB asks for a KV pool of "
-                            f"{(tokens + 1) * per_token / 2**30:.2f} GiB, but only {room / 2**30:.2f} GiB is free for "
-                            "this rank on its GPU: give a smaller --budget-gib")
-                pool = TokenKVPool.for_model(model, tokens)
-                check_fits(requests, pool, rows, wl.max_len)
+                            f"rank {ctx.rank}: a budget of {resolved[b] / 2**30:.2f} GiB asks for a KV pool of "
+                            f"{(blocks + 1) * 16 * per_token / 2**30:.2f} GiB, but only {room / 2**30:.2f} GiB is free "
+                            "for this rank on its GPU: give a smaller budget")
+                pool = BlockPool.for_model(model, blocks)
+                check_servable(requests, pool, max_context)
             except WshardingError as e:
                 problem = e
             _all_ranks_ready(ctx, problem)
             align_ranks(ctx)
-            run = serve(model, pool, requests, rows=rows, max_len=wl.max_len, agree=lambda has_work: _any_rank(ctx, has_work))
-            runs[variant].append({"budget_bytes": budget, "pool_bytes": pool.nbytes, **run.summary(),
-                                  "ttft_s": run.ttft_s, "tpot_s": run.tpot_s})
-            outputs[variant].append(run.outputs)
+            run = serve(model, pool, requests, token_budget=token_budget, max_context=max_context, max_seqs=max_seqs,
+                        max_concurrency=max_concurrency, agree=lambda has_work: _any_rank(ctx, has_work))
+            runs[variant][f"{b}/{ri}/{t}"] = _summary(run, pool)
+            outputs[variant][(b, ri, t)] = run.outputs
+            if variant == "replicated" and t == 0:
+                replays[(b, ri)] = {"times": run.schedule_times, "blocks": pool.blocks}
             del pool
             gc.collect()
+            if variant != "replicated" and t == 0 and check:
+                # [Note: bits across buckets]: the replicated run's steps, on this model, token for token
+                rep = replays[(b, ri)]
+                replay_pool = BlockPool.for_model(model, rep["blocks"])
+                align_ranks(ctx)
+                again = serve(model, replay_pool, requests, token_budget=token_budget, max_context=max_context,
+                              max_seqs=max_seqs, max_concurrency=max_concurrency, schedule_times=rep["times"])
+                replays[(b, ri)].setdefault("outputs", {})[variant] = again.outputs
+                del replay_pool
+                gc.collect()
+        if variant == "sharded":
+            shapes, width = _probe_shapes(ctx, runs[variant].values(), token_budget, max_context)
+            probes = [lt for n in shapes for lt in layer_times(model, ws, n, width, probe_steps)]
         if ws is not None:
             ws.close()
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    differ = [sorted({rid for v in variants[1:] for rid in outputs["replicated"][i]
-                      if outputs["replicated"][i][rid] != outputs[v][i].get(rid)}) for i in range(len(budgets))]
+    differ, own_differ = {}, {}
+    for (b, ri), rep in replays.items():
+        want = outputs["replicated"][(b, ri, 0)]
+        differ[f"{b}/{ri}"] = sorted({rid for v, got in rep.get("outputs", {}).items() for rid in want
+                                      if got.get(rid) != want[rid]})
+        own_differ[f"{b}/{ri}"] = sorted({rid for v in variants[1:] for rid in want
+                                          if outputs[v][(b, ri, 0)].get(rid) != want[rid]})
     # ranks sharing a GPU meet over gloo (a CPU context) but serve on the GPU: the communicator says what is emulated
     emulation = comm_.emulation if device.type == "cuda" else ctx.emulation
-    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": emulation, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    return {"rank": ctx.rank, "mode": comm_.mode, "emulation": emulation,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
             "communicator": type(comm_).__name__, "world_size": ctx.world_size, "ranks_per_device": share,
-            "kv_bytes_per_token": per_token,
-            "budgets": budgets, "sizing": sizing, "runs": runs, "differ": differ, "workload": wl.as_dict(),
-            "workload_text": wl.describe(),
-            "kv_tokens_mean": statistics.fmean(r.kv_tokens for r in requests), "rows": rows, "max_len": wl.max_len, "preset": preset,
+            "kv_bytes_per_token": per_token, "dtype": str(cfg.torch_dtype).removeprefix("torch."),
+            "budget_specs": budgets, "budgets": resolved, "rates": rates, "trials": trials, "sizing": sizing,
+            "runs": runs, "differ": differ, "own_differ": own_differ, "checked": check, "layer_times": probes,
+            "workload": base.as_dict(), "workload_text": base.describe(), "token_budget": token_budget,
+            "max_seqs": max_seqs, "max_concurrency": max_concurrency, "max_context": max_context, "preset": preset,
             "layers": cfg.layers}

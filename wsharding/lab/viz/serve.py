@@ -1,10 +1,12 @@
-"""The figure of ``wsharding bench serve`` (notebook 06's last section): what the saving buys.
+"""The figures of ``wsharding bench serve``: what the saving buys, as goodput under SLOs.
 
-Drawn only from a report of :func:`wsharding.lab.bench.serve.summarize`: nothing here measures anything.
+Drawn only from a report of :func:`wsharding.lab.bench.serve_report.summarize`: nothing here
+measures anything. Every figure states the SLO and, for CPU ranks or a time-sliced GPU, says so.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import plotly.graph_objects as go
@@ -12,55 +14,90 @@ from plotly.subplots import make_subplots
 
 COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c", "sharded_plain": "#98df8a"}
 
-#: Said beside an emulated (CPU) run's throughput: its rank processes share two cores.
-NOISE_NOTE = ("CPU ranks, emulated budgets: tokens/s are noise-bound CPU times;<br>"
-              "concurrency and tokens per step are exact counts")
+#: Said beside a run on CPU ranks (the first words are the test's handle).
+NOISE_NOTE = "CPU ranks, emulated budgets: times are CPU times on shared cores; token and block counts are exact"
+
+
+def rate_label(rate: float | None) -> str:
+    return "all at once" if rate is None else f"{rate:g}/s"
+
+
+def _setup(report: dict[str, Any]) -> str:
+    text = (f"{report['mode']}, {report['world_size']} ranks, {report['preset']}, {report['workload_text']}, "
+            f"{report['trials']} trial(s) per point (95 % intervals)")
+    if report["device"] == "cpu":
+        return text + "<br>" + NOISE_NOTE
+    return "<br>".join([text, *report["notes"]])
+
+
+def _budget_title(report: dict[str, Any], row: dict[str, Any]) -> str:
+    unit, scale = ("GiB", 2**30) if row["budget_bytes"] >= 2**30 else ("MiB", 2**20)
+    return (f"budget {row['budget_bytes'] / scale:,.2f} {unit}/rank: KV pool "
+            f"{row['replicated']['kv_share']:.0%} replicated, {row['sharded']['kv_share']:.0%} sharded")
+
+
+def goodput_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
+    """Goodput (requests per second per rank that met every SLO) against the request rate, both
+    variants, one panel per budget, with 95 % intervals over trials; a dotted line marks the highest
+    rate each variant sustains (SLO attainment at least the target at it and every lower rate). The
+    SLO is stated in the title. A rate of "all at once" is drawn right of the others."""
+    rows = report["rows_by_budget"]
+    rates = report["rates"]
+    finite = [r for r in rates if r is not None]
+    at_once = (max(finite) * 2 if finite else 1.0)
+    xs = [at_once if r is None else r for r in rates]
+    fig = make_subplots(rows=1, cols=len(rows), subplot_titles=[_budget_title(report, r) for r in rows],
+                        horizontal_spacing=0.08)
+    for col, row in enumerate(rows, start=1):
+        for v in report["variants"]:
+            c = COLORS.get(v, "#7f7f7f")
+            pts = row["points"]
+            y = [p[v]["goodput"]["mean"] if "goodput" in p[v] else None for p in pts]
+            err = [(p[v]["goodput"]["half"] or 0.0) if "goodput" in p[v] else 0.0 for p in pts]
+            met = [p[v]["attainment"]["mean"] if "attainment" in p[v] else None for p in pts]
+            fig.add_trace(go.Scatter(x=xs, y=y, mode="lines+markers", name=v, legendgroup=v, showlegend=col == 1,
+                                     line={"color": c, "width": 3}, error_y={"type": "data", "array": err, "visible": True},
+                                     customdata=[[rate_label(r), m if m is not None else math.nan] for r, m in zip(rates, met, strict=True)],
+                                     hovertemplate=v + " at %{customdata[0]}: goodput %{y:.2f}/s<br>"
+                                                   "SLO met by %{customdata[1]:.0%}<extra></extra>"),
+                          row=1, col=col)
+            best = (row["answer"]["max_rate"] or {}).get(v)
+            if best is not None:
+                fig.add_vline(x=best, line={"color": c, "dash": "dot"}, row=1, col=col)
+        fig.add_trace(go.Scatter(x=xs, y=xs, mode="lines", name="goodput = rate (every request met the SLO)",
+                                 line={"color": "#bbbbbb", "dash": "dash"}, showlegend=col == 1), row=1, col=col)
+    fig.update_xaxes(title_text="request rate per rank (req/s)", type="log",
+                     tickvals=xs, ticktext=[rate_label(r) for r in rates])
+    fig.update_yaxes(title_text="goodput per rank (req/s)", rangemode="tozero", col=1)
+    slo = report.get("slo_text") or "no SLO given"
+    fig.update_layout(title={"text": (title or f"Goodput within the SLO: {slo}") + f"<br><sub>{_setup(report)}</sub>",
+                             "y": 0.97, "yanchor": "top"},
+                      height=560, margin={"t": 170, "b": 110}, legend={"orientation": "h", "y": -0.2}, font={"size": 13})
+    return fig
 
 
 def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
-    """Left: concurrent sequences (most at once, solid; mean, dotted) against the budget per rank, both
-    variants, with the cost model's prediction (open diamonds): the requests of mean length its pool
-    holds, at most the requests there are. Right: output tokens per second per rank against the budget (and tokens per step in the
-    hover). The subtitle gives the set-up; a CPU run says its throughput is noise-bound, a time-sliced
-    GPU run says so."""
+    """Per budget: left, the most requests served at once (both variants); right, output tokens per
+    second per rank at the sweep's highest rate. The serving panel's figure, a sweep of budgets."""
     rows = report["rows_by_budget"]
     unit, scale = ("GiB", 2**30) if rows[-1]["budget_bytes"] >= 2**30 else ("MiB", 2**20)
     x = [r["budget_bytes"] / scale for r in rows]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("concurrent sequences per rank", "output tokens per second per rank"))
-    variants = report.get("variants", ["replicated", "sharded"])
-    for v in variants:
+                        subplot_titles=("requests running at once, most", "output tokens/s per rank, highest rate"))
+    for v in report["variants"]:
         c = COLORS.get(v, "#7f7f7f")
-        fig.add_trace(go.Scatter(x=x, y=[r[v]["max_concurrency"] for r in rows], mode="lines+markers",
-                                 name=f"{v}: most at once", line={"color": c, "width": 3}, legendgroup=v,
-                                 customdata=[[r[v]["pool_tokens"], r[v]["waited_for_memory"]] for r in rows],
-                                 hovertemplate="%{y} sequences<br>KV pool %{customdata[0]:,} tokens<br>"
-                                               "%{customdata[1]} requests waited for memory<extra></extra>"),
-                      row=1, col=1)
-        fig.add_trace(go.Scatter(x=x, y=[r[v]["mean_concurrency"] for r in rows], mode="lines",
-                                 name=f"{v}: mean", line={"color": c, "dash": "dot"}, legendgroup=v), row=1, col=1)
-        fig.add_trace(go.Scatter(x=x, y=[r[v]["tokens_per_s"] for r in rows], mode="lines+markers",
-                                 name=f"{v}: tokens/s", line={"color": c, "width": 3}, legendgroup=v, showlegend=False,
-                                 customdata=[r[v]["tokens_per_step"] for r in rows],
-                                 hovertemplate="%{y:.1f} tokens/s<br>%{customdata:.2f} tokens per step<extra></extra>"),
-                      row=1, col=2)
-    for v in variants:
-        fig.add_trace(go.Scatter(x=x, y=[r["predicted"][v]["concurrency"] for r in rows], mode="markers",
-                                 name=f"{v}: pool / mean request (predicted)",
-                                 marker={"symbol": "diamond-open", "size": 13, "color": COLORS.get(v, "#7f7f7f"),
-                                                                               "line": {"width": 2}}),
-                      row=1, col=1)
-    setup = (f"{report['mode']}, {report['world_size']} ranks, {report['preset']}, "
-             f"{report['workload']['requests']} requests per rank")
-    if report.get("device") == "cpu":
-        setup += "<br>" + NOISE_NOTE
-    elif report.get("emulation"):  # GPU ranks that time-slice one GPU: their times take turns
-        setup += f"<br>{report['emulation']}: the ranks' steps take turns, a gather is a copy inside the GPU"
+        fig.add_trace(go.Scatter(x=x, y=[r[v]["max_concurrency"] for r in rows], mode="lines+markers", name=v,
+                                 line={"color": c, "width": 3}, legendgroup=v,
+                                 customdata=[[r[v]["pool_tokens"], r[v]["kv_share"], r[v]["preemptions"]] for r in rows],
+                                 hovertemplate="%{y} requests<br>KV pool %{customdata[0]:,} tokens "
+                                               "(%{customdata[1]:.0%} of the budget)<br>%{customdata[2]} preemptions"
+                                               "<extra></extra>"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=x, y=[r["points"][-1][v]["output_throughput"]["mean"] for r in rows],
+                                 mode="lines+markers", name=f"{v}: tokens/s", line={"color": c, "width": 3},
+                                 legendgroup=v, showlegend=False), row=1, col=2)
     fig.update_xaxes(title_text=f"memory budget per rank ({unit})")
-    fig.update_yaxes(title_text="sequences", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title_text="tokens/s", rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero")
     fig.update_layout(title={"text": (title or "What the saving buys: the same requests under the same budget")
-                             + f"<br><sub>{setup}</sub>", "y": 0.97, "yanchor": "top"},
-                      height=540, margin={"t": 140, "b": 150},
-                      legend={"orientation": "h", "y": -0.25}, font={"size": 13})
+                             + f"<br><sub>{_setup(report)}</sub>", "y": 0.97, "yanchor": "top"},
+                      height=540, margin={"t": 150, "b": 120}, legend={"orientation": "h", "y": -0.25}, font={"size": 13})
     return fig

@@ -1,6 +1,5 @@
 """The serving panel of notebook 06: pick a memory budget per rank and the number of ranks, serve the
-workload replicated and sharded, and watch concurrency and tokens per second grow into a sweep,
-beside the cost model's prediction.
+workload replicated and sharded, and watch concurrency and tokens per second grow into a sweep.
 
 A thin wrapper over :func:`wsharding.lab.bench.serve.run_serve_bench` (which tests call directly);
 each run adds one budget to the figure of its rank count, so a few clicks draw the curve.
@@ -57,16 +56,19 @@ class ServePanel:
         self.started.clear()
 
 
-def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: Workload, *, rows: int = 32,
-                      rank_choices: tuple[int, ...] = (2, 4), initial: dict[str, Any] | None = None,
+def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: Workload, *,
+                      token_budget: int | None = None, rows: int | None = None, rank_choices: tuple[int, ...] = (2, 4),
+                      initial: dict[str, Any] | None = None,
                       start_cluster: Callable[[int], RankCluster] | None = None) -> ServePanel:
     """Controls: ranks (N) and the budget per rank in MiB, from the replicated model's resident bytes and
     reserve plus a quarter of one rank's KV demand (at least the longest request) up to one and a half of it; a **serve** button.
     ``clusters``: running clusters by size (the notebook's); others are started on first use with
     ``start_cluster`` (default :func:`~wsharding.lab.bench.ranks.bench_cluster`: GPUs where there are,
     else CPU ranks with gloo) and closed by :meth:`ServePanel.close`.
-    ``initial``: a report to show before the first run (its rank count's first sweep)."""
-    f = replicated_footprint(preset, None, rows, workload)
+    ``initial``: a report to show before the first run (its rank count's first sweep). ``token_budget``:
+    tokens per step (default 32; ``rows`` is its old name). Each run serves the workload at its own rate."""
+    token_budget = token_budget or rows or 32
+    f = replicated_footprint(preset, None, token_budget, workload)
     base = (f["resident_bytes"] + f["reserve_bytes"]) / 2**20
     low, high = (kv_room(f, share, workload) / 2**20 for share in (0.25, 1.5))
     size = {"layout": widgets.Layout(width="380px"), "style": {"description_width": "150px"}}
@@ -105,8 +107,8 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
         report = None
         try:
             n = ranks.value
-            report = run_serve_bench(n, preset, workload, budgets=[int(budget.value * 2**20)], rows=rows,
-                                     cluster=cluster_for(n))
+            report = run_serve_bench(n, preset, workload, budgets=[int(budget.value * 2**20)],
+                                     token_budget=token_budget, cluster=cluster_for(n))
             panel.reports.setdefault(n, []).append(report)
         except Exception as e:  # noqa: BLE001 -- shown in the panel, kept in panel.error for callers
             panel.error = f"{type(e).__name__}: {e}"

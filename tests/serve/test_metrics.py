@@ -1,0 +1,60 @@
+"""What a user sees, from hand-built request records: latencies, the steady-state window, goodput,
+intervals over trials, the highest rate sustained."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from wsharding.serve.metrics import SLO, interval, max_sustained_rate, percentile, request_metrics, trial_metrics
+
+
+def _rec(rid: int, sent: float, tokens: list[float], prompt: int = 10) -> dict:
+    return {"rid": rid, "rank": 0, "arrival_s": sent, "sent_s": sent, "prompt_tokens": prompt,
+            "output_tokens": len(tokens), "token_s": tokens, "preempted": 0}
+
+
+RECORDS = [_rec(0, 0.0, [0.1, 0.2, 0.4]), _rec(1, 0.5, [0.6, 0.7]), _rec(2, 1.0, [1.3])]
+
+
+def test_request_latencies():
+    m = request_metrics(RECORDS[0])
+    assert m["ttft_ms"] == pytest.approx(100) and m["e2e_ms"] == pytest.approx(400)
+    assert m["tpot_ms"] == pytest.approx(150) and m["itl_ms"] == pytest.approx([100, 200])
+    assert request_metrics(RECORDS[2])["tpot_ms"] is None  # one token: no time per later token
+
+
+def test_a_trial_counts_the_measured_requests_from_the_first_send_to_the_last_token():
+    t = trial_metrics(RECORDS, ranks=1, warmup=1, slo=SLO(ttft_ms=200))
+    # measured: requests 1 and 2; duration: request 1's send (0.5 s) to request 2's last token (1.3 s)
+    assert t["measured"] == 2 and t["duration_s"] == pytest.approx(0.8)
+    assert t["request_throughput"] == pytest.approx(2.5) and t["output_throughput"] == pytest.approx(3.75)
+    assert t["total_throughput"] == pytest.approx(23 / 0.8)  # and their 10-token prompts
+    assert t["ttft_ms"]["mean"] == pytest.approx(200) and t["ttft_ms"]["p50"] == pytest.approx(200)
+    assert t["attainment"] == 0.5 and t["goodput"] == pytest.approx(1.25)  # request 2's TTFT is 300 ms
+    halved = trial_metrics(RECORDS, ranks=2, warmup=1, slo=None)
+    assert halved["request_throughput"] == pytest.approx(1.25) and "goodput" not in halved  # per rank
+
+
+def test_all_at_once():
+    burst = [_rec(0, 0.0, [0.5, 1.0]), _rec(1, 0.0, [0.5, 2.0])]
+    t = trial_metrics(burst, ranks=1, warmup=0, slo=None)
+    assert t["duration_s"] == pytest.approx(2.0) and t["request_throughput"] == pytest.approx(1.0)
+
+
+def test_percentiles_intervals_and_the_highest_rate():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+    assert percentile([], 99) is None
+    iv = interval([1.0, 2.0, 3.0])
+    assert iv["mean"] == 2.0 and iv["half"] == pytest.approx(4.303 / math.sqrt(3)) and iv["n"] == 3
+    assert interval([5.0])["half"] is None
+    # 8/s met again, but 4/s did not: the answer is 2/s
+    assert max_sustained_rate([8.0, 1.0, 2.0, 4.0], [0.95, 1.0, 0.95, 0.5], 0.9) == 2.0
+    assert max_sustained_rate([1.0], [0.5], 0.9) is None
+
+
+def test_slo_met_and_described():
+    slo = SLO(ttft_ms=100, tpot_ms=10)
+    assert slo.met({"ttft_ms": 100, "tpot_ms": None, "e2e_ms": 5}) and not slo.met({"ttft_ms": 1, "tpot_ms": 11, "e2e_ms": 5})
+    assert slo.describe() == "TTFT <= 100 ms and TPOT <= 10 ms for 90% of requests"

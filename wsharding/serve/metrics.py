@@ -1,0 +1,170 @@
+"""What a user of the server sees, from per-request records: the result fields of vLLM's
+``benchmark_serving`` and SGLang's ``bench_serving``, and goodput under SLOs (vLLM's ``--goodput``).
+
+Per request, from the time it was sent: **TTFT** (to its first token), **ITL** (between consecutive
+tokens), **TPOT** (``(E2E - TTFT) / (output - 1)``: the mean time per later token), **E2E** (to its
+last token). Over a trial: their mean, p50, p90 and p99 (linear interpolation, as numpy's
+``percentile``, which vLLM uses); request throughput, output and total tokens per second, per rank;
+**goodput**, the requests per second per rank that met every SLO.
+
+Steady state (:func:`trial_metrics`): the first ``warmup`` requests of each rank (by arrival) met an
+empty server and are left out. Trials repeat a point with other
+seeds; a metric over trials is its mean and the half-width of a 95 % Student-t interval.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from wsharding.core.errors import InvalidArgument
+
+#: Two-sided 95 % Student-t quantiles by degrees of freedom (1..30); above, the normal's 1.96 is near enough.
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives in milliseconds (None: not asked) and the share of requests that must
+    meet them all for a rate to count as sustained (``attainment``)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise InvalidArgument(f"SLO {name[:-3]}: need a number of milliseconds > 0, got {v}")
+        if not 0 < self.attainment <= 1:
+            raise InvalidArgument(f"SLO attainment: need a fraction in (0, 1], got {self.attainment}")
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """``ttft=MS,tpot=MS[,e2e=MS][,attainment=F]``."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in ("ttft", "tpot", "e2e", "attainment"):
+                raise InvalidArgument(f"SLO {part!r}: give KEY=VALUE with KEY one of ttft, tpot, e2e (ms), attainment")
+            try:
+                values[key if key == "attainment" else key + "_ms"] = float(value)
+            except ValueError:
+                raise InvalidArgument(f"SLO {part!r}: {value!r} is not a number") from None
+        if not any(k.endswith("_ms") for k in values):
+            raise InvalidArgument(f"SLO {text!r}: name at least one of ttft, tpot, e2e")
+        return cls(**values)
+
+    def met(self, m: dict[str, Any]) -> bool:
+        """Whether one request's metrics meet every objective (a one-token output has no TPOT to miss)."""
+        return all(limit is None or m[key] is None or m[key] <= limit
+                   for key, limit in (("ttft_ms", self.ttft_ms), ("tpot_ms", self.tpot_ms), ("e2e_ms", self.e2e_ms)))
+
+    def describe(self) -> str:
+        parts = [f"{k[:-3].upper()} <= {v:g} ms" for k, v in asdict(self).items() if k.endswith("_ms") and v is not None]
+        return " and ".join(parts) + f" for {self.attainment:.0%} of requests"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def request_metrics(record: dict[str, Any]) -> dict[str, Any]:
+    """TTFT, TPOT, E2E (ms) and the ITLs (ms) of one request's record (:class:`~wsharding.serve.engine.ServeRun`)."""
+    times = record["token_s"]
+    sent = record["sent_s"]
+    n = len(times)
+    return {"ttft_ms": 1e3 * (times[0] - sent), "e2e_ms": 1e3 * (times[-1] - sent),
+            "tpot_ms": 1e3 * (times[-1] - times[0]) / (n - 1) if n > 1 else None,
+            "itl_ms": [1e3 * (b - a) for a, b in zip(times, times[1:], strict=False)]}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile by linear interpolation between closest ranks (numpy's default); None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q / 100 * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def stats(values: list[float]) -> dict[str, float | None]:
+    """Mean, p50, p90, p99."""
+    return {"mean": statistics.fmean(values) if values else None, "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+def trial_metrics(records: list[dict[str, Any]], ranks: int, warmup: int, slo: SLO | None) -> dict[str, Any]:
+    """One trial's metrics over every rank's ``records``; rates and throughputs per rank.
+
+    Only the **measured** requests count: each rank's, but its first ``warmup`` (they met an empty
+    server). The duration runs from the first measured request's send to the last measured request's
+    last token -- vLLM's benchmark duration, over the measured requests; it includes the drain after
+    the last arrival, as vLLM's does, which a run of many requests makes small. Goodput: the measured
+    requests that met every SLO, per second."""
+    measured = [r for r in records if r["rid"] >= warmup]
+    if not measured:
+        raise InvalidArgument(f"no request left to measure: {warmup} warm-up requests per rank of "
+                              f"{len(records) // max(ranks, 1)}")
+    per = [request_metrics(r) for r in measured]
+    duration = max(r["token_s"][-1] for r in measured) - min(r["sent_s"] for r in measured)
+    rate = 1.0 / (duration * ranks) if duration > 0 else 0.0
+    out_tokens = sum(r["output_tokens"] for r in measured)
+    in_tokens = sum(r["prompt_tokens"] for r in measured)
+    result: dict[str, Any] = {
+        "measured": len(measured), "duration_s": duration, "request_throughput": len(measured) * rate,
+        "output_throughput": out_tokens * rate, "total_throughput": (in_tokens + out_tokens) * rate,
+        "preempted": sum(r["preempted"] for r in measured),
+        "ttft_ms": stats([m["ttft_ms"] for m in per]), "e2e_ms": stats([m["e2e_ms"] for m in per]),
+        "tpot_ms": stats([m["tpot_ms"] for m in per if m["tpot_ms"] is not None]),
+        "itl_ms": stats([x for m in per for x in m["itl_ms"]]),
+    }
+    if slo is not None:
+        good = sum(slo.met(m) for m in per)
+        result["goodput"] = good * rate
+        result["attainment"] = good / len(measured)
+    return result
+
+
+def interval(values: Iterable[float | None]) -> dict[str, float | None]:
+    """Mean and the half-width of its 95 % Student-t interval (None with fewer than two values)."""
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "half": None, "n": 0}
+    if len(xs) == 1:
+        return {"mean": xs[0], "half": None, "n": 1}
+    t = T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 1.96
+    return {"mean": statistics.fmean(xs), "half": t * statistics.stdev(xs) / math.sqrt(len(xs)), "n": len(xs)}
+
+
+def over_trials(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every scalar of :func:`trial_metrics` (latencies: each statistic) as an :func:`interval` over trials."""
+    out: dict[str, Any] = {}
+    for key, value in trials[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: interval(t[key][k] for t in trials) for k in value}
+        else:
+            out[key] = interval(t[key] for t in trials)
+    return out
+
+
+def max_sustained_rate(rates: list[float], attainments: list[float | None], target: float) -> float | None:
+    """The highest rate up to which every rate of the sweep (ascending) met the SLOs for ``target`` of
+    its requests (mean over trials); None when the lowest did not. Requiring every lower rate too keeps
+    one lucky point above a failing one from counting."""
+    best = None
+    for rate, a in sorted(zip(rates, attainments, strict=True), key=lambda x: x[0]):
+        if a is None or a < target:
+            break
+        best = rate
+    return best
