@@ -17,7 +17,7 @@ from wsharding.lab.bench import serve as bench_serve
 ROOT = Path(__file__).resolve().parents[2]
 #: The options whose value is where a command writes (a file, a prefix or a folder).
 OUTPUT_DESTS = {"json", "figures", "checkpoint"}
-SAVED_SERVE = ROOT / "docs" / "measurements" / "h200-2026-12-02" / "bench_serve_k3-like_2ranks_1gpu_rows256.json"
+SAVED_SERVE = ROOT / "docs" / "measurements" / "cpu-2026-12-04" / "bench_serve_tiny-deep_2ranks_gloo.json"
 
 
 def _git_status() -> str:
