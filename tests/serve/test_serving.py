@@ -22,7 +22,7 @@ from wsharding.serve import (
     pool_blocks,
     serve,
 )
-from wsharding.serve.blocks import KVBlocksFull
+from wsharding.serve.blocks import KVBlocksFull, blocks_for
 from wsharding.serve.engine import ServeStalled
 from wsharding.serve.scheduler import Scheduled
 from wsharding.serve.step import bucket, build_step, context_buckets, token_buckets
@@ -91,6 +91,33 @@ def test_chunked_prefill_under_the_token_budget():
                        [(0, 41, 1), (1, 21, 1), (2, 10, 1)]]
     assert log[4] == [(1, 22, 1)]  # A (3 tokens) and C (2) finished in step 3
     assert [q.request.rid for q in s.finished] == [0, 2] and s.pool.used_blocks == 2  # B's 22 tokens: 2 blocks
+
+
+def test_a_prompt_prefilled_in_chunks_holds_its_blocks_and_no_more():
+    """A 64-token prompt (4 blocks) admitted beside a decoding request, 16 tokens a step: it holds its
+    4 blocks from its admission on. Without the floor at 0 its second chunk asked blocks_for(32) - 4 =
+    -2 blocks, and take(-2) handed out every free block but two: on one H200 the k3-like serve run
+    preempted requests with its pool 95 % empty."""
+    s = Scheduler(_pool(40), [_req(0, 16, 30), _req(1, 64, 2)], token_budget=16)
+    for _ in range(12):
+        scheduled = s.schedule(0.0)
+        held = sum(len(q.blocks) for q in s.running)
+        assert s.pool.used_blocks == held and all(len(q.blocks) <= blocks_for(q.known) for q in s.running)
+        s.step_done(scheduled, [7] * sum(x.samples for x in scheduled), 0.0)
+    assert s.preemptions == 0
+    with pytest.raises(InvalidArgument, match="a count of blocks is >= 0, got -2"):
+        s.pool.take(-2)
+
+
+def test_a_block_given_back_twice_is_refused():
+    pool = _pool(4)
+    a = pool.take(2)
+    pool.give_back(a)
+    with pytest.raises(InvalidArgument, match="block 0 is already free"):
+        pool.give_back(a)
+    with pytest.raises(InvalidArgument, match="block 9 is not one of the pool's 4 blocks"):
+        pool.give_back([9])
+    assert pool.free_blocks == 4
 
 
 def test_growth_block_by_block_and_preemption_of_the_newest_by_recompute():

@@ -76,7 +76,12 @@ class BlockPool:
         return self.storage.k.device
 
     def take(self, count: int) -> list[int]:
-        """``count`` free blocks. Raises :class:`KVBlocksFull` when fewer are free."""
+        """``count`` free blocks. Raises :class:`KVBlocksFull` when fewer are free.
+
+        A negative ``count`` is refused: sliced from the end of the free list it would hand out every
+        block but ``-count`` of them, silently."""
+        if count < 0:
+            raise InvalidArgument(f"BlockPool.take: a count of blocks is >= 0, got {count}")
         if count > len(self._free):
             raise KVBlocksFull(f"{count} KV blocks asked, {len(self._free)} of {self.blocks} free")
         if count == 0:
@@ -86,5 +91,12 @@ class BlockPool:
         return taken
 
     def give_back(self, blocks: list[int]) -> None:
-        """Return a sequence's blocks."""
+        """Return a sequence's blocks. A block that is already free, or not of this pool, is refused:
+        handed out twice later, two sequences would write each other's K/V."""
+        free = set(self._free)
+        for b in blocks:
+            if not 0 <= b < self.blocks or b in free:
+                raise InvalidArgument(f"BlockPool.give_back: block {b} is " + (
+                    "already free" if b in free else f"not one of the pool's {self.blocks} blocks"))
+            free.add(b)
         self._free.extend(reversed(blocks))

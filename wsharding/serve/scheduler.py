@@ -149,7 +149,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             count = min(seq.left, budget)
-            need = blocks_for(seq.computed + count) - len(seq.blocks)
+            # a prompt holds the blocks of all its known tokens from its admission on, so a later chunk of
+            # its prefill needs none (blocks_for(...) is then below what it holds: never a negative ask)
+            need = max(0, blocks_for(seq.computed + count) - len(seq.blocks))
             itself = False
             while need > self.pool.free_blocks:
                 victim = self.running.pop()
