@@ -294,8 +294,11 @@ DRIVES: dict[str, list[tuple[list[tuple], str]]] = {
              ("button", "gather on ranks")], "byte-exact on every rank")],
     "02": [([("button", "run AllGather benchmark")], "emulated")],
     "03": [([("checkbox", "lookahead"), ("button", "run on ranks")], "lookahead off")],
+    "04": [([("button", "load on ranks")], "peak held")],
     "05": [([("int", "KV heads", 4)], "K=4")],
-    "06": [([("button", "serve")], "budgets so far")],  # the figure of the sweep, one budget more
+    "06": [],  # one figure per idea, no panel
+    "07": [([("button", "serve")], "budgets so far")],  # the figure of the sweep, one budget more
+    "08": [([("button", "run benchmark")], "mode:")],
 }
 
 

@@ -58,7 +58,7 @@ def test_a_notebook_is_a_lesson(nb):
     cells = sources(nb)
     assert lab_log_in(cells) == [], f"{nb.name}: lab-log material in the lesson"
     assert "glossary.md" in cells[0][1] or "glossary.md" in cells[1][1], f"{nb.name}: no glossary link at the top"
-    assert "Question(" in "".join(t for _, t in cells), f"{nb.name}: no Check-yourself questions"
+    assert re.search(r"\b(ask|questions)\(\"\d\d", "".join(t for _, t in cells)), f"{nb.name}: no Check-yourself questions"
     assert empty_predictions(cells) >= 2, f"{nb.name}: fewer than two predictions that start empty"
     assert literal_brackets(cells) == [], f"{nb.name}: takeaways that render with literal brackets"
 
@@ -75,3 +75,18 @@ def test_the_bracket_rule_sees_d2l_marks_and_spares_links():
                                  ("markdown", "**Takeaway: [the claim\non two lines].**")])) == 2
     assert literal_brackets([("markdown", "**see [the glossary](../docs/glossary.md)**"),
                              ("markdown", "```\n**x[1]**\n```"), ("code", "print('**[x]**')")]) == []
+
+
+def test_the_linear_contract_says_first_why_a_weight_sharding_course_needs_it():
+    nb = next(p for p in NOTEBOOKS if p.name.startswith("05_"))
+    opening = sources(nb)[0][1][:700]
+    assert "tp_size == 1" in opening and "sharding targets" in opening, opening
+
+
+def test_serving_and_performance_are_their_own_notebooks_and_the_draft_leaves_03():
+    names = [p.name for p in NOTEBOOKS]
+    assert "07_serving.ipynb" in names and "08_performance.ipynb" in names
+    text = {p.name[:2]: "".join(t for _, t in sources(p)) for p in NOTEBOOKS}
+    assert "draft_exposed" not in text["03"] and "draft_exposed" in text["08"]
+    assert "run_serve_bench" not in text["06"] and "run_serve_bench" in text["07"]
+    assert text["07"].count("format_table(") == 1  # the CPU sweep's table is the panel's: printed once
