@@ -23,7 +23,7 @@ DTYPE_CHOICES = ("as given", "bf16", "fp8_e4m3", "fp32")
 #: keep every track a few hundred pixels long at any window width.
 CONTROL_WIDTH = "420px"
 #: The figures' height in the panel (px): both fit under the controls in one screen.
-PANEL_FIGURE_HEIGHT = 340
+PANEL_FIGURE_HEIGHT = 320
 DESCRIPTION_WIDTH = "110px"
 
 
