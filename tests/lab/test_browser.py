@@ -183,13 +183,13 @@ LABEL_PROBLEMS = """() => {
       if (r.width && !inside(r)) out.push(`${title}: text "${t.textContent.slice(0, 60)}" is cut at the figure's edge`);
     }
     // bar and marker labels clipped by the plot area: compare with the subplot's drag rectangle
-    const area = plot.querySelector('.nsewdrag');
-    if (area) {
-      const a = area.getBoundingClientRect();
+    // (a figure of several subplots has one drag rectangle each: a label must sit inside one of them)
+    const areas = [...plot.querySelectorAll('.nsewdrag')].map(a => a.getBoundingClientRect());
+    if (areas.length) {
       for (const t of plot.querySelectorAll('.bartext, .textpoint text')) {
         const clipped = t.closest('[clip-path]');
         const r = t.getBoundingClientRect();
-        if (clipped && r.width && (r.top < a.top - 1 || r.bottom > a.bottom + 1))
+        if (clipped && r.width && !areas.some(a => r.top >= a.top - 1 && r.bottom <= a.bottom + 1))
           out.push(`${title}: label "${t.textContent.slice(0, 60)}" is cut by the plot area`);
       }
     }

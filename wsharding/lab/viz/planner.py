@@ -11,6 +11,7 @@ numbers. Records of several steps are reduced to the last step of each rank.
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -239,8 +240,9 @@ def lookahead_pair_figure(on: Iterable[Record], off: Iterable[Record], *, title:
             fig.add_trace(t, row=row, col=1)
         fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title="", row=row, col=1)
     fig.update_xaxes(title="µs from the step start (each rank's own clock)", row=2, col=1)
-    if note:
-        title += f"<br><sup>{note}</sup>"
+    if note:  # in lines of at most 100 characters: one long line would run past the figure's edge
+        lines_of_note = [ln for part in note.split("<br>") for ln in textwrap.wrap(part, 100)]
+        title += "".join(f"<br><sup>{ln}</sup>" for ln in lines_of_note)
     lines = title.count("<br>") + 1
     top, bottom = 70 + 22 * lines, 110
     plot = 2 * 55 * lanes_per + 60  # px of the two subplots and the gap between them
