@@ -75,6 +75,7 @@ FLOORS: dict[str, int] = {
     "wsharding.lab.plan": 22,
     "wsharding.lab.soak": 22,
     "wsharding.lab.info": 22,
+    "wsharding.lab.questions": 22,
     "wsharding.lab.widgets": 23,
     "wsharding.lab.cli": 24,
     "wsharding.lab.bench.__main__": 24,

@@ -183,13 +183,13 @@ LABEL_PROBLEMS = """() => {
       if (r.width && !inside(r)) out.push(`${title}: text "${t.textContent.slice(0, 60)}" is cut at the figure's edge`);
     }
     // bar and marker labels clipped by the plot area: compare with the subplot's drag rectangle
-    const area = plot.querySelector('.nsewdrag');
-    if (area) {
-      const a = area.getBoundingClientRect();
+    // (a figure of several subplots has one drag rectangle each: a label must sit inside one of them)
+    const areas = [...plot.querySelectorAll('.nsewdrag')].map(a => a.getBoundingClientRect());
+    if (areas.length) {
       for (const t of plot.querySelectorAll('.bartext, .textpoint text')) {
         const clipped = t.closest('[clip-path]');
         const r = t.getBoundingClientRect();
-        if (clipped && r.width && (r.top < a.top - 1 || r.bottom > a.bottom + 1))
+        if (clipped && r.width && !areas.some(a => r.top >= a.top - 1 && r.bottom <= a.bottom + 1))
           out.push(`${title}: label "${t.textContent.slice(0, 60)}" is cut by the plot area`);
       }
     }
@@ -244,9 +244,14 @@ def check_quiz_panels(page, server) -> int:
     for quiz in page.locator(".jupyter-widgets.wsharding-quiz").all():
         for check, show in zip(quiz.locator("button.jupyter-button", has_text="Check").all(),
                                quiz.locator("button.jupyter-button", has_text="Show answer").all(), strict=True):
+            # a label cut to "Sho..." shows as text wider than its button
+            for b in (check, show):
+                assert b.evaluate("(el) => el.scrollWidth <= el.clientWidth + 1"), f"button cut: {b.inner_text()!r}"
             check.click()
             wait_idle(page, server, 60)
-            assert "write your prediction first" in quiz.inner_text(), quiz.inner_text()[:300]
+            text = quiz.inner_text()
+            assert "write your prediction first" in text, text[:300]
+            assert "run the cell" not in text and ".reveal()" not in text, text[:300]
             show.click()
             wait_idle(page, server, 60)
             assert "answer:" in quiz.inner_text(), quiz.inner_text()[:300]
@@ -294,9 +299,50 @@ DRIVES: dict[str, list[tuple[list[tuple], str]]] = {
              ("button", "gather on ranks")], "byte-exact on every rank")],
     "02": [([("button", "run AllGather benchmark")], "emulated")],
     "03": [([("checkbox", "lookahead"), ("button", "run on ranks")], "lookahead off")],
+    "04": [([("button", "load on ranks")], "peak held")],
     "05": [([("int", "KV heads", 4)], "K=4")],
-    "06": [([("button", "serve")], "budgets so far")],  # the figure of the sweep, one budget more
+    "06": [],  # one figure per idea, no panel
+    "07": [([("button", "serve")], "budgets so far")],  # the figure of the sweep, one budget more
+    "08": [([("button", "run benchmark")], "mode:")],
 }
+
+
+#: Printed (stream) lines that the output area wraps: JupyterLab breaks a printed <pre> anywhere
+#: (``word-break: break-all``), so a line wider than the output area is cut inside a word or a
+#: number ("conser vative", "sh arded"). A line wraps where its text takes more line boxes than it has
+#: lines. One entry per wrapped line: its start.
+STREAM_WRAPS = """() => {
+  const out = [];
+  const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+  for (const pre of nb.querySelectorAll('[data-mime-type="application/vnd.jupyter.stdout"] pre')) {
+    const lines = pre.textContent.replace(/\\n$/, '').split('\\n');
+    const range = document.createRange();
+    range.selectNodeContents(pre);
+    const tops = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+    if (tops.size > lines.length) {
+      const w = pre.getBoundingClientRect().width;
+      const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), '');
+      out.push(`${longest.length} chars in ${Math.round(w)} px: "${longest.slice(0, 90)}"`);
+    }
+  }
+  return out;
+}"""
+
+
+def stream_wraps_at_1280(page) -> list[str]:
+    """Printed lines that wrap at 1280 px with the file browser open (as a learner opens the series),
+    then the viewport and the side bar as they were."""
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.evaluate("() => window.jupyterapp.commands.execute('filebrowser:activate')")
+    page.evaluate("() => window.dispatchEvent(new Event('resize'))")
+    time.sleep(1.0)
+    opened = page.evaluate("() => !document.querySelector('#jp-left-stack').classList.contains('lm-mod-hidden')")
+    wraps = page.evaluate(STREAM_WRAPS)
+    page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    time.sleep(0.5)
+    assert opened, "the file browser did not open"
+    return wraps
 
 
 #: <pre> blocks with text in a panel that the browser may break inside a word.
@@ -397,6 +443,8 @@ def test_notebook_in_the_browser(nb, browser, lab):
         assert facts["panel_errors"] == [], f"{nb.name}: a panel shows an error after Run All: {facts['panel_errors']}"
         problems = page.evaluate(LABEL_PROBLEMS)
         assert problems == [], f"{nb.name}: labels a reader cannot see:\n" + "\n".join(problems)
+        wraps = stream_wraps_at_1280(page)
+        assert wraps == [], f"{nb.name}: printed lines wrap at 1280 px with the file browser open:\n" + "\n".join(wraps)
 
         # one control per panel, through the page
         found = panels(page)

@@ -56,3 +56,11 @@ def test_panel_puts_the_figure_before_the_folded_table():
     kinds = [type(c).__name__ for c in panel.children]
     assert kinds.index("Output") < kinds.index("Accordion") and panel.shapes.selected_index is None
     assert "16 rows" in panel.shapes.get_title(0)  # 4 ranks x 4 linears
+
+
+def test_the_row_error_axis_labels_one_tick_per_decade():
+    """05's log axis labelled 2 and 5 inside each decade too: crammed minor labels."""
+    from wsharding.lab.viz.linear import row_error_figure
+
+    fig = row_error_figure({"a": 1e-7, "b": 0.0, "c": 3e-4}, 1e-5, "t")
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.dtick == 1 and fig.layout.yaxis.minor.ticks == ""

@@ -32,6 +32,7 @@ def test_loading_figures(cluster_of, tmp_path):
     v = variants_figure(res)
     assert list(v.data[0].x) == ["bf16", "fp8_block"] and len(v.data) == 6
     assert v.layout.yaxis.type == "log" and all(t != "" for t in v.layout.yaxis.ticktext)  # scales visible
+    assert v.layout.xaxis.range[0] <= -0.9  # room for the first bar's label beside the tick labels ("32 MiB20.6 MiB")
     peak, resident = v.data[2], v.data[3]  # like with like: both held (allocated) bytes
     assert peak.y[0] * 2**20 == held_peak_bytes(r0) >= resident.y[0] * 2**20 == r0["resident_bytes"]
     assert peak.y[1] * 2**20 >= res["fp8_block"][0]["replicated_bytes"]  # requant-then-shard: not reduced

@@ -38,13 +38,29 @@ def empty_predictions(cells: list[tuple[str, str]]) -> int:
     return sum(len(re.findall(r"^my_\w+\s*=\s*None\b", text, re.M)) for kind, text in cells if kind == "code")
 
 
+def literal_brackets(cells: list[tuple[str, str]]) -> list[str]:
+    """Bold text holding ``[...]`` that is not a link: d2l's ``[**claim**]`` marks, which JupyterLab
+    renders with their brackets (STYLE.md: write the claim in bold alone). Fenced code is skipped."""
+    found = []
+    for kind, text in cells:
+        if kind != "markdown":
+            continue
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        found += [m[:80] for m in re.findall(r"\[\*\*.*?\*\*\]", prose, re.S)]
+        for bold in re.findall(r"\*\*(.+?)\*\*", prose, re.S):
+            if re.search(r"\[[^\]]*\](?!\()", bold):
+                found.append(bold[:80])
+    return found
+
+
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_a_notebook_is_a_lesson(nb):
     cells = sources(nb)
     assert lab_log_in(cells) == [], f"{nb.name}: lab-log material in the lesson"
     assert "glossary.md" in cells[0][1] or "glossary.md" in cells[1][1], f"{nb.name}: no glossary link at the top"
-    assert "Question(" in "".join(t for _, t in cells), f"{nb.name}: no Check-yourself questions"
+    assert re.search(r"\b(ask|questions)\(\"\d\d", "".join(t for _, t in cells)), f"{nb.name}: no Check-yourself questions"
     assert empty_predictions(cells) >= 2, f"{nb.name}: fewer than two predictions that start empty"
+    assert literal_brackets(cells) == [], f"{nb.name}: takeaways that render with literal brackets"
 
 
 def test_the_rules_see_a_lab_log_and_a_filled_prediction():
@@ -52,3 +68,25 @@ def test_the_rules_see_a_lab_log_and_a_filled_prediction():
     assert len(lab_log_in(cells)) == 2
     assert empty_predictions(cells) == 0
     assert empty_predictions([("code", "my_x = None  # <- your prediction\nmy_y = None")]) == 2
+
+
+def test_the_bracket_rule_sees_d2l_marks_and_spares_links():
+    assert len(literal_brackets([("markdown", "So [**the claim**] holds."),
+                                 ("markdown", "**Takeaway: [the claim\non two lines].**")])) == 2
+    assert literal_brackets([("markdown", "**see [the glossary](../docs/glossary.md)**"),
+                             ("markdown", "```\n**x[1]**\n```"), ("code", "print('**[x]**')")]) == []
+
+
+def test_the_linear_contract_says_first_why_a_weight_sharding_course_needs_it():
+    nb = next(p for p in NOTEBOOKS if p.name.startswith("05_"))
+    opening = sources(nb)[0][1][:700]
+    assert "tp_size == 1" in opening and "sharding targets" in opening, opening
+
+
+def test_serving_and_performance_are_their_own_notebooks_and_the_draft_leaves_03():
+    names = [p.name for p in NOTEBOOKS]
+    assert "07_serving.ipynb" in names and "08_performance.ipynb" in names
+    text = {p.name[:2]: "".join(t for _, t in sources(p)) for p in NOTEBOOKS}
+    assert "draft_exposed" not in text["03"] and "draft_exposed" in text["08"]
+    assert "run_serve_bench" not in text["06"] and "run_serve_bench" in text["07"]
+    assert text["07"].count("format_table(") == 1  # the CPU sweep's table is the panel's: printed once

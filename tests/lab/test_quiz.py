@@ -58,3 +58,24 @@ def test_the_panel_checks_and_reveals():
     assert out.value.startswith("right")
     show.click()
     assert out.value == "answer: gathers per step = 7."
+
+
+def test_the_panel_speaks_of_its_box_and_buttons_not_of_cells():
+    panel = quiz_panel(Question("gathers per step", 7, hint="one per sharded layer"))
+    box, check, show, out = panel.children[0].children[1].children
+    for value in ("", "6"):
+        box.value = value
+        check.click()
+        assert "run the cell" not in out.value and ".reveal()" not in out.value, out.value
+    assert "press Show answer" in out.value
+    box.value = ""
+    check.click()
+    assert "type it in the box, then press Check" in out.value
+
+
+def test_the_buttons_keep_their_labels_whole():
+    """ipywidgets' fixed 148 px button, squeezed beside the verdict, showed "Sho..."."""
+    _box, check, show, out = quiz_panel(Question("x", 1)).children[0].children[1].children
+    for b in (check, show):
+        assert b.layout.width == "auto" and b.layout.flex == "0 0 auto"
+    assert show.layout.min_width == "120px"

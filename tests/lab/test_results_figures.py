@@ -99,5 +99,5 @@ def test_spread_figure_whiskers_reach_the_fastest_and_slowest_round():
     assert list(off.error_y.arrayminus) == [r["sharded_no_lookahead"] - r["sharded_no_lookahead_min"] for r in rows]
     assert fig.layout.xaxis.type == fig.layout.yaxis.type == "log"
     assert [t.name for t in fig.data] == ["lookahead on", "lookahead off"]
-    # the lesson of notebook 07 section 5: on two H200s every lookahead round beat every round without it
+    # the lesson of notebook 08 section 6: on two H200s every lookahead round beat every round without it
     assert all(r["sharded_max"] < r["sharded_no_lookahead_min"] for r in rows)

@@ -99,3 +99,24 @@ def test_costmodel_panel_controls_have_room_and_the_text_skips_the_assumptions()
     text = panel_text(panel.plan)
     assert m.assumptions and not any(a in text for a in m.assumptions)
     assert "net saving" in text
+
+
+def test_costmodel_panel_is_short_and_its_text_has_no_orphaned_fragments():
+    """The panel reprinted sections 1-3 (1,670 px tall, figures off screen after a slider moved) and
+    kept wrapped tails of the lines it dropped ("them out of the layout)", "--context)")."""
+    from wsharding.lab.widgets.costmodel import PANEL_FIGURE_HEIGHT, build_costmodel_panel, panel_text
+
+    m = load_preset("kimi-k3-b200-fp8")
+    panel = build_costmodel_panel(m)
+    text = panel_text(panel.plan)
+    lines = text.splitlines()
+    assert len(lines) <= 20 and "replicated weights per GPU, by group" not in text and "load peaks" not in text
+    # every line kept belongs to a kept block: none starts with a continuation of a dropped line
+    assert not any(line.startswith("    ") and line.strip().endswith(")") and "GiB" not in line for line in lines)
+    assert "them out of the layout)" not in text and "--context)" not in text
+    # the figures come right under the controls, the text after them
+    import ipywidgets as w
+
+    rows, figs, html = panel.widget.children
+    assert rows.layout.flex_flow == "row wrap" and isinstance(figs, w.Output) and html.value.startswith("<pre")
+    assert 3 * 40 + 2 * PANEL_FIGURE_HEIGHT + 16 * len(lines) < 1100  # controls, figures, text: not 1,670 px

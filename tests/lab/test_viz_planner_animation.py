@@ -44,7 +44,10 @@ def assert_gated(fig):
 @pytest.mark.parametrize("gather_ms", [4.0, 6.0, 15.0])
 def test_model_schedule_keeps_the_planners_order(gather_ms):
     recs = model_schedule(6, gather_ms=gather_ms, compute_ms=10.0)
-    assert [(r["layer"], r["slot"]) for r in recs] == [(1, "A"), (2, "B"), (3, "A"), (4, "B"), (5, "A")]
+    # the dense layer 0 too (compute only): a figure of "six layers" draws six
+    assert [(r["layer"], r["slot"]) for r in recs] == [(0, None), (1, "A"), (2, "B"), (3, "A"), (4, "B"), (5, "A")]
+    assert recs[0]["compute_start"] == 0.0 and recs[0]["compute_end"] == 10_000.0 and "gather_start" not in recs[0]
+    recs = recs[1:]
     by = {r["layer"]: r for r in recs}
     for r in recs:
         assert r["issue"] <= r["gather_start"] < r["gather_end"] <= r["wait_end"] == r["compute_start"]
@@ -53,7 +56,7 @@ def test_model_schedule_keeps_the_planners_order(gather_ms):
             assert r["gather_start"] >= by[r["layer"] - 2]["compute_end"]
     assert slot_overlaps(recs) == []
     hidden = sum(r["wait_end"] - r["wait_start"] for r in recs)
-    exposed_off = sum(r["wait_end"] - r["wait_start"] for r in model_schedule(6, gather_ms, 10.0, lookahead=False))
+    exposed_off = sum(r["wait_end"] - r["wait_start"] for r in model_schedule(6, gather_ms, 10.0, lookahead=False)[1:])
     assert exposed_off == 5 * gather_ms * 1e3 and hidden < exposed_off
     if gather_ms < 10.0:
         assert hidden == 0.0  # the compute hides every gather
@@ -135,3 +138,11 @@ def test_exposed_wait_of_a_layer_that_gathered_inline_starts_at_its_issue():
     assert exposed_us([dict(r, lookahead=False)]) == {0: 6.0}
     assert exposed_us([r]) == exposed_us([dict(r, lookahead=True)]) == {0: 1.0}
     assert median_exposed_us([dict(r, lookahead=False), dict(r, step=1, lookahead=False, wait_end=30)]) == {0: 13.0}
+
+
+def test_the_opening_figure_draws_all_six_layers():
+    """00 says "six layers": its animation draws L0 (dense) to L5, not L1-L5."""
+    fig = animated_timeline(model_schedule(6, 6.0, 10.0))
+    compute = next(t for t in fig.data if t.name == "compute")
+    assert list(compute.text) == ["L0", "L1·A", "L2·B", "L3·A", "L4·B", "L5·A"]
+    assert min(compute.base) == 0.0

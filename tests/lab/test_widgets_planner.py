@@ -9,7 +9,7 @@ import pytest
 
 from wsharding.cluster import RemoteError
 from wsharding.lab.tasks.planner import gate_experiment, run_traced_steps, slot_table, traced_run
-from wsharding.lab.viz.planner import last_step, median_exposed_us, slot_overlaps
+from wsharding.lab.viz.planner import last_step, median_exposed_us, slot_overlaps, timeline_figure
 from wsharding.lab.widgets.planner import build_planner_panel, planner_view
 
 
@@ -17,8 +17,8 @@ def test_run_traced_steps_records(cluster_of):
     per_rank = cluster_of(2).run(run_traced_steps, "tiny", [6, 0], True, 2)  # rank 1 idle: dummy step
     for rank, records in enumerate(per_rank):
         assert [(r["rank"], r["step"], r["layer"], r["slot"]) for r in records] == [
-            (rank, s, layer, slot) for s in (0, 1) for layer, slot in ((1, "A"), (2, "B"), (3, "A"))]
-        for r in records:  # every mark of a released gather, in causal order
+            (rank, s, layer, slot) for s in (0, 1) for layer, slot in ((0, None), (1, "A"), (2, "B"), (3, "A"))]
+        for r in (r for r in records if r["slot"]):  # every mark of a released gather, in causal order
             assert r["issue"] <= r["gather_start"] <= r["gather_end"]
             assert r["wait_start"] <= r["wait_end"] <= r["compute_start"] <= r["compute_end"]
 
@@ -63,7 +63,7 @@ def test_planner_view_and_errors(cluster_of):
     view = planner_view(cluster_of(2), "tiny", layers=5, sharded=(1, 4), tokens=3, lookahead=False, steps=1)
     assert [r["gathers"] for r in view.results] == [[4], [4]]
     compute = next(t for t in view.timeline.data if t.name == "compute")
-    assert len(compute.y) == 2 * 4  # one compute bar per sharded layer and rank
+    assert len(compute.y) == 2 * 5  # one compute bar per layer and rank, the dense layer 0 included
     assert set(view.exposed_ms) == {0, 1} and "emulated" in view.text()
     assert median_exposed_us(view.records) == {k: v * 1e3 for k, v in view.exposed_ms.items()}
     assert "fixed 10 ms" in view.text() and "median over 1 step" in view.timeline.layout.title.text
@@ -134,3 +134,28 @@ def test_panel_driven_through_both_modes(cluster_of):
     panel.preset.value = "huge" if "huge" in panel.preset.options else panel.preset.value
     panel.run_button.click()
     assert panel.error == ""
+
+
+def test_a_traced_run_draws_the_dense_layer_0(cluster_of):
+    """The timelines started with a blank compute lane as long as layer 0: it was never traced."""
+    (r0, _r1) = cluster_of(2).run(traced_run, "tiny", 4, True, 1, compute_ms=2.0)
+    first = [rec for rec in r0["records"] if rec["layer"] == 0]
+    assert len(first) == 1 and first[0]["slot"] is None and "gather_start" not in first[0]
+    assert 0 <= first[0]["compute_start"] < first[0]["compute_end"]
+    fig = timeline_figure(r0["records"])
+    assert "L0" in next(t for t in fig.data if t.name == "compute").text
+
+
+def test_lookahead_on_and_off_share_one_time_axis_and_say_what_noise_decides(cluster_of):
+    from wsharding.lab.widgets.planner import lookahead_view
+
+    pair = lookahead_view(cluster_of(2), "tiny", [6, 2], rounds=2, steps=1, compute_ms=3.0)
+    fig = pair.figure
+    assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"  # one x range for both panels
+    assert len(pair.step_ms[True]) == len(pair.step_ms[False]) == 2  # paired: every round ran both
+    assert pair.counts[True] == pair.counts[False] == {(3, 3)}
+    assert "step ends: lookahead minus off" in fig.layout.title.text
+    names = [t.name for t in fig.data if t.showlegend is not False]
+    assert names.count("compute") == 1  # one legend for the two panels
+    assert fig.layout.legend.y < 0 and fig.layout.uniformtext.mode == "hide"
+    assert {lab for t in fig.data if t.name == "compute" for lab in t.text} >= {"L0", "L1·A"}

@@ -39,11 +39,15 @@ class Question:
         if self.rel < 0:
             raise InvalidArgument(f"rel must be >= 0, got {self.rel}")
 
-    def verdict(self, guess: Any) -> tuple[bool | None, str]:
+    def verdict(self, guess: Any, *, panel: bool = False) -> tuple[bool | None, str]:
         """``(right, message)`` for ``guess``: right is None when there is no prediction yet, or when
-        it is not something the answer can be compared with."""
+        it is not something the answer can be compared with. ``panel``: the message is shown in
+        :func:`quiz_panel`, where the learner types into a box and presses buttons (no cell to run
+        again, no ``.reveal()`` to call)."""
         if guess is None or guess is Ellipsis:
-            return None, f"{self.text}: write your prediction first (it starts empty), then run the cell again."
+            how = ("type it in the box, then press Check." if panel else
+                   "write it after my_... = (it starts as None), then run the cell again.")
+            return None, f"{self.text}: write your prediction first; {how}"
         if isinstance(self.answer, str):
             ok = str(guess).strip().lower() == self.answer.strip().lower()
         else:
@@ -60,7 +64,8 @@ class Question:
             return True, f"right{tol}: {self.text} = {self._fmt(self.answer)}{self.unit}. {self.why}".rstrip()
         return False, (f"not yet: {self.text} -- your {self._fmt(guess)}{self.unit} is not it{tol}. "
                        + (f"Hint: {self.hint} " if self.hint else "")
-                       + "Try again, or call .reveal() to see the answer.").rstrip()
+                       + ("Try again, or press Show answer." if panel else
+                          "Try again, or call .reveal() to see the answer.")).rstrip()
 
     def check(self, guess: Any) -> None:
         """Print the verdict on ``guess`` (nothing raised: a wrong answer is part of learning)."""
@@ -97,8 +102,10 @@ def quiz_panel(*questions: Question) -> Any:
     rows = []
     for q in questions:
         box = w.Text(placeholder="your prediction", layout=w.Layout(width="160px"))
-        out = w.HTML(layout=w.Layout(margin="0 0 0 8px"))
-        check, show = w.Button(description="Check"), w.Button(description="Show answer")
+        out = w.HTML(layout=w.Layout(margin="0 0 0 8px", flex="1 1 auto"))
+        # each button as wide as its label: ipywidgets' default width (148 px) cut "Show answer"
+        check = w.Button(description="Check", layout=w.Layout(width="auto", min_width="80px", flex="0 0 auto"))
+        show = w.Button(description="Show answer", layout=w.Layout(width="auto", min_width="120px", flex="0 0 auto"))
 
         def on_check(_b: Any, q: Question = q, box: w.Text = box, out: w.HTML = out) -> None:
             text = box.value.strip()
@@ -106,7 +113,7 @@ def quiz_panel(*questions: Question) -> Any:
                 guess: Any = float(text.replace(",", "")) if text else None
             except ValueError:
                 guess = text
-            out.value = q.verdict(guess)[1]
+            out.value = q.verdict(guess, panel=True)[1]
 
         def on_show(_b: Any, q: Question = q, out: w.HTML = out) -> None:
             out.value = q.answer_text()

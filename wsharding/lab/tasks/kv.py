@@ -1,4 +1,4 @@
-"""Rank tasks of the KV-cache pool: what the memory weight sharding gives back buys (notebook 06 section 7).
+"""Rank tasks of the KV-cache pool: what the memory weight sharding gives back buys (notebook 06 section 6).
 
 * :func:`kv_decode_equality` -- the decode path (prefill, then one token at a time through a
   :class:`~wsharding.models.kv_cache.KVCachePool`), sharded against replicated, bit for bit;

@@ -92,6 +92,29 @@ def add_synthetic_compute(layers: Iterable[nn.Module], compute_ms: float) -> lis
     return [layer.register_forward_hook(pause) for layer in layers]
 
 
+def trace_dense_layers(planner: Any, layers: Sequence[nn.Module], compute_ms: float = 0.0) -> list[Any]:
+    """Forward hooks that mark the compute of every layer the planner does not shard (the dense
+    layer 0) in the step's trace, as the planner marks its sharded layers: a timeline then draws
+    layer 0 too, where it would otherwise show a blank compute lane before layer 1. Register after
+    :func:`add_synthetic_compute`, so that the end mark comes after the added compute. Returns the
+    hook handles."""
+    handles = []
+    for i, layer in enumerate(layers):
+        if i in planner.slot_of:
+            continue
+
+        def start(_m: nn.Module, _args: Any, i: int = i) -> None:
+            if planner.trace is not None:
+                planner.trace.mark(i, "compute_start")
+
+        def end(_m: nn.Module, _args: Any, _out: Any, i: int = i) -> None:
+            if planner.trace is not None:
+                planner.trace.mark(i, "compute_end")
+
+        handles += [layer.register_forward_pre_hook(start), layer.register_forward_hook(end)]
+    return handles
+
+
 def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequence[int], lookahead: bool = True,
                steps: int = 2, *, layers: int | None = None, sharded_layers: Iterable[int] | None = None,
                seed: int = 0, group_size: int | None = None, compute_ms: float = 0.0) -> dict[str, Any]:
@@ -102,8 +125,9 @@ def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequ
     ``layers`` overrides the preset's layer count; ``sharded_layers`` the sharded range (default:
     every layer but the dense layer 0). ``compute_ms`` adds a fixed compute to every layer
     (:func:`add_synthetic_compute`; 0: the decoder's own compute only). The ranks are aligned
-    before each step (:func:`align_ranks`). Returns the per-layer trace records of every step, the
-    gathers and waits counted by the planner per step, and the step wall times.
+    before each step (:func:`align_ranks`). Returns the per-layer trace records of every step (the
+    dense layers' compute included: :func:`trace_dense_layers`), the gathers and waits counted by
+    the planner per step, and the step wall times.
     """
     cfg = decoder_config(preset, layers)
     model = _sharded_model(ctx, cfg, sharded_layers, lookahead, seed, group_size)
@@ -113,6 +137,7 @@ def traced_run(ctx: RankContext, preset: str | DecoderConfig, tokens: int | Sequ
     records: list[dict[str, Any]] = []
     gathers, waits, step_ms = [], [], []
     hooks = add_synthetic_compute(model.layers, compute_ms)
+    hooks += trace_dense_layers(planner, model.layers)
     with torch.no_grad():
         planner.trace_enabled = True
         try:
@@ -314,8 +339,9 @@ def model_schedule(n_layers: int = 6, gather_ms: float = 6.0, compute_ms: float 
     layer 0 runs (``begin_step``); with lookahead the gather of layer ``l+1`` is issued as layer
     ``l`` starts, into slot A or B by parity, and not before the previous reader of that slot,
     layer ``l-1``, has finished (the gate) nor before the previous gather (one side stream); each layer waits for its own gather, then computes for
-    ``compute_ms``. Without lookahead each gather is issued at its layer's start. A live run
-    (:func:`run_schedule`) has the same order with measured times."""
+    ``compute_ms``. Without lookahead each gather is issued at its layer's start. The dense layers
+    before ``first_sharded`` get a record too (compute only, ``slot`` None), so that a figure draws
+    every layer of the step. A live run (:func:`run_schedule`) has the same order with measured times."""
     if n_layers < first_sharded + 1 or first_sharded < 0:
         raise InvalidArgument(f"model_schedule: need 0 <= first_sharded < n_layers, got {first_sharded}, {n_layers}")
     if gather_ms <= 0 or compute_ms <= 0:
@@ -349,6 +375,9 @@ def model_schedule(n_layers: int = 6, gather_ms: float = 6.0, compute_ms: float 
             rec["wait_start"] = t
             t = max(t, gather_end[layer])
             rec["wait_end"] = rec["compute_start"] = t
+        if layer < first_sharded:  # a dense layer: computed, never gathered (drawn all the same)
+            records[layer] = {"step": 0, "rank": 0, "layer": layer, "slot": None, "lookahead": lookahead,
+                              "compute_start": t, "compute_end": t + c}
         t += c
         compute_end[layer] = t
         if layer >= first_sharded:

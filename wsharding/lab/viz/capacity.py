@@ -1,4 +1,4 @@
-"""Figures of shard groups and of what the saving buys (notebook 06 sections 6 and 7).
+"""Figures of shard groups and of what the saving buys (notebook 06 sections 5 and 6, notebook 07 section 1).
 
 Drawn only from what rank tasks returned (:func:`wsharding.models.equality.model_equality`,
 :func:`wsharding.lab.tasks.kv.kv_capacity_now`) or from the cost model's

@@ -41,6 +41,27 @@ ROW_RANKS = "T: rank chunks"
 
 #: At most this many border labels are drawn; more would hide the figure behind text.
 MAX_BORDER_LABELS = 12
+#: Levels the border labels stack on, and the plot width they are laid out for (px: the narrowest a
+#: learner sees, 1280 px with the file browser open) at about 6.6 px per character of 11 px text.
+LABEL_LEVELS, LABEL_PLOT_PX, LABEL_CHAR_PX = 3, 760, 6.6
+
+
+def border_label_levels(cuts: list[BorderCut], total_bytes: int) -> list[tuple[BorderCut, int]]:
+    """``(cut, level)`` for the border labels drawn: each on the lowest level where it keeps clear of
+    the labels already there (widths estimated from the text), at most :data:`MAX_BORDER_LABELS`; a
+    label with no clear level is left out (its border line stays, and the title counts every cut).
+    On one level, two labels at borders a chunk apart ran together ("cuts ...weightcuts ...weight")."""
+    placed: list[tuple[BorderCut, int, float, float]] = []  # cut, level, centre px, half width px
+    for c in cuts:
+        if len(placed) == MAX_BORDER_LABELS:
+            break
+        x = c.border / max(1, total_bytes) * LABEL_PLOT_PX
+        half = (len(f"cuts {c.name}") * LABEL_CHAR_PX + 8) / 2
+        for level in range(LABEL_LEVELS):
+            if all(abs(x - px) >= half + h for _c, lv, px, h in placed if lv == level):
+                placed.append((c, level, x, half))
+                break
+    return [(c, level) for c, level, _x, _h in placed]
 
 
 def human_bytes(n: int) -> str:
@@ -257,10 +278,10 @@ def chunk_map_figure(layout: FlatLayout, *, title: str | None = None, height: in
     for i in range(1, layout.group_size):
         fig.add_vline(x=i * layout.chunk_bytes, line_width=2, line_dash="dash", line_color="black")
     cuts = border_cuts(layout)
-    for k, c in enumerate(cuts[:MAX_BORDER_LABELS]):
+    for c, level in border_label_levels(cuts, layout.total_bytes):
         fig.add_annotation(
             x=c.border, y=1.0, yref="paper", yanchor="bottom", showarrow=False, font_size=11,
-            yshift=16 * (k % 2),  # neighbouring labels on two levels so long names do not overlap
+            yshift=16 * level,  # neighbouring labels on different levels, so that they never run together
             text=f"cuts {c.name}", hovertext=f"{c.name}: head on rank {c.left_rank}, tail on rank {c.right_rank}",
         )
     n = layout.group_size

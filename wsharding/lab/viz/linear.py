@@ -122,6 +122,9 @@ def row_error_figure(errors: Mapping[str, float], tolerance: float, title: str, 
     fig.add_hline(y=tolerance, line_dash="dot")
     fig.add_annotation(x=1, xref="x domain", y=math.log10(tolerance), yref="y", showarrow=False, xanchor="right",
                        yanchor="bottom", text=f"fp32 reduction tolerance {tolerance:g}")
-    fig.update_layout(title=title + (f"<br><sup>{note}</sup>" if note else ""), yaxis_type="log",
-                      yaxis_title="max abs error", height=400)
+    # one label per decade: plotly's own log ticks label 2 and 5 inside each decade too, crammed
+    # into a 400 px figure
+    fig.update_layout(title=title + (f"<br><sup>{note}</sup>" if note else ""), height=400,
+                      yaxis={"type": "log", "title": "max abs error", "dtick": 1, "exponentformat": "power",
+                             "minor": {"ticks": ""}})
     return fig

@@ -153,6 +153,8 @@ def variants_figure(per_variant: dict[str, list[dict[str, Any]]]) -> go.Figure:
         if not s:
             fig.add_annotation(x=names[i], y=math.log10(min(positive)) - 0.45, xref="x", yref="y", text="no scales",
                                showarrow=False, xshift=18, yanchor="bottom", textangle=-90, font={"size": 11})
+    # room left of the first bars: their labels ("20.6 MiB"), wider than a bar, sat on the tick labels
+    fig.update_xaxes(range=[-0.9, len(names) - 0.4], row=1, col=1)
     vals, text = _byte_ticks(min(positive), max(positive))
     fig.update_yaxes(type="log", tickvals=vals, ticktext=text, title_text="bytes per rank (log)",
                      range=[math.log10(min(positive)) - 0.5, math.log10(max(positive)) + 0.8], row=1, col=1)

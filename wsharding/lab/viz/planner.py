@@ -11,6 +11,7 @@ numbers. Records of several steps are reduced to the last step of each rank.
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -167,21 +168,13 @@ def _layout(fig: go.Figure, title: str, lanes: list[str], n_ranks: int, note: st
 
 
 # ---- the timeline ------------------------------------------------------------------------------
-def timeline_figure(records: Iterable[Record], title: str = "Gathers and compute per rank", note: str = "") -> go.Figure:
-    """Two lanes per rank: **compute** (compute_start → compute_end, labelled ``L<layer>·<slot>``)
-    and **gather** (gather_start → gather_end, coloured by the slot it fills), plus the **exposed
-    wait** segments (wait_start → wait_end) as a red strip along the compute lane's lower edge: the
-    time the layer could not start because its gather had not arrived (a strip, so that it never
-    covers a label). With lookahead they shrink to slivers; without it each covers its whole
-    gather. Only the last step of each rank is shown. ``note`` is written under the title (what the
-    run was, whether noise dominates it)."""
-    recs = last_step(records)
-    ranks = _ranks(recs)
+def _timeline_traces(recs: Sequence[Record]) -> tuple[list[go.Bar], list[str]]:
+    """The bars of :func:`timeline_figure` for records of one step per rank, and their lanes."""
     compute = _Bars("compute", COLORS["compute"], **MAIN_BAR)
     gathers = {s: _Bars(f"gather → slot {s}", COLORS[f"gather {s}"], **MAIN_BAR) for s in ("A", "B")}
     wait = _Bars("exposed wait", COLORS["wait"], **WAIT_STRIP)
     lanes = []
-    for rank in ranks:
+    for rank in _ranks(recs):
         lanes += [f"rank {rank} · compute", f"rank {rank} · gather"]
     for r in recs:
         label = f"L{r['layer']}" + (f"·{r['slot']}" if r.get("slot") else "")
@@ -193,12 +186,73 @@ def timeline_figure(records: Iterable[Record], title: str = "Gathers and compute
         if (s := exposed_span(r)) is not None:
             wait.add(c_lane, s[0], s[1], "", _hover("exposed wait", r, *s))
     # the wait strip first: drawn behind everything else
-    fig = go.Figure([b.trace() for b in (wait, compute, gathers["A"], gathers["B"])])
+    return [b.trace() for b in (wait, compute, gathers["A"], gathers["B"])], lanes
+
+
+#: A bar's label is drawn only where it fits inside the bar, at one size for the whole figure: labels
+#: of short bars (11 layers on a narrow page) would otherwise run into each other. Hover shows them all.
+LABELS_THAT_FIT = {"minsize": 10, "mode": "hide"}
+
+
+def timeline_figure(records: Iterable[Record], title: str = "Gathers and compute per rank", note: str = "") -> go.Figure:
+    """Two lanes per rank: **compute** (compute_start → compute_end, labelled ``L<layer>·<slot>``;
+    a dense layer, traced by :func:`wsharding.lab.tasks.planner.trace_dense_layers`, has no slot)
+    and **gather** (gather_start → gather_end, coloured by the slot it fills), plus the **exposed
+    wait** segments (wait_start → wait_end) as a red strip along the compute lane's lower edge: the
+    time the layer could not start because its gather had not arrived (a strip, so that it never
+    covers a label). With lookahead they shrink to slivers; without it each covers its whole
+    gather. Only the last step of each rank is shown. ``note`` is written under the title (what the
+    run was, whether noise dominates it)."""
+    recs = last_step(records)
+    traces, lanes = _timeline_traces(recs)
+    fig = go.Figure(traces)
     exposed = exposed_us(recs)
     if exposed:
         title += "<br><sup>exposed wait per rank in this step: " + ", ".join(
             f"rank {k} {v / 1e3:.2f} ms" for k, v in sorted(exposed.items())) + "</sup>"
-    return _layout(fig, title, lanes, len(ranks), note)
+    fig.update_layout(uniformtext=LABELS_THAT_FIT)
+    return _layout(fig, title, lanes, len(_ranks(recs)), note)
+
+
+def lookahead_pair_figure(on: Iterable[Record], off: Iterable[Record], *, title: str = "Lookahead on and off",
+                          note: str = "", ranks: Sequence[int] | None = None) -> go.Figure:
+    """One step with lookahead (top) and one without (bottom), on **one** time axis: the two can be
+    compared by eye, the end of each step included. ``on`` / ``off``: records of one step per rank
+    (:func:`wsharding.lab.widgets.planner.lookahead_view` picks the median step of each);
+    ``ranks``: the ranks drawn (default all). Each panel's title gives that step's end and its
+    exposed wait per rank."""
+    from plotly.subplots import make_subplots
+
+    parts = []
+    for name, records in (("lookahead on", on), ("lookahead off", off)):
+        recs = [r for r in last_step(records) if ranks is None or r["rank"] in ranks]
+        end = max((float(v) for r in recs for k, v in r.items() if k in ("compute_end", "gather_end")), default=0.0)
+        exposed = exposed_us(recs)
+        parts.append((recs, f"{name}: step ends at {end / 1e3:.1f} ms; exposed wait "
+                      + ", ".join(f"rank {k} {v / 1e3:.1f} ms" for k, v in sorted(exposed.items()))))
+    lanes_per = max(2, 2 * max(len(_ranks(p[0])) for p in parts))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=[p[1] for p in parts])
+    for row, (recs, _t) in enumerate(parts, start=1):
+        traces, lanes = _timeline_traces(recs)
+        for t in traces:
+            t.update(legendgroup=t.name, showlegend=row == 1)
+            fig.add_trace(t, row=row, col=1)
+        fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title="", row=row, col=1)
+    fig.update_xaxes(title="µs from the step start (each rank's own clock)", row=2, col=1)
+    if note:  # in lines of at most 100 characters: one long line would run past the figure's edge
+        lines_of_note = [ln for part in note.split("<br>") for ln in textwrap.wrap(part, 100)]
+        title += "".join(f"<br><sup>{ln}</sup>" for ln in lines_of_note)
+    lines = title.count("<br>") + 1
+    top, bottom = 70 + 22 * lines, 110
+    plot = 2 * 55 * lanes_per + 60  # px of the two subplots and the gap between them
+    fig.update_layout(title=title, barmode="overlay", uniformtext=LABELS_THAT_FIT, font={"size": 12},
+                      height=top + plot + bottom, margin={"t": top, "b": bottom},
+                      # the legend under the x-axis title (about 45 px below the plot), never on it
+                      legend={"orientation": "h", "x": 0, "y": -55 / plot, "yanchor": "top"})
+    for a in fig.layout.annotations:  # the subplot titles: left-aligned, small
+        a.update(x=0, xanchor="left", font={"size": 12})
+    return fig
 
 
 # ---- slot occupancy ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The per-stream timeline of one profiled step (notebook 07, ``wsharding bench profile``).
+"""The per-stream timeline of one profiled step (notebook 08, ``wsharding bench profile``).
 
 Drawn only from a report of :func:`wsharding.lab.bench.profile.summarize`: nothing here measures.
 One lane per rank and stream (per rank and thread on CPU ranks, where there are no streams), plus

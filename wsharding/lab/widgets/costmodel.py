@@ -22,14 +22,33 @@ DTYPE_CHOICES = ("as given", "bf16", "fp8_e4m3", "fp32")
 #: leave a slider's track a few pixels wide in a 1400 px window (nothing to drag). Rows that wrap
 #: keep every track a few hundred pixels long at any window width.
 CONTROL_WIDTH = "420px"
+#: The figures' height in the panel (px): both fit under the controls in one screen.
+PANEL_FIGURE_HEIGHT = 320
 DESCRIPTION_WIDTH = "110px"
 
 
+#: The blocks of ``plan_table`` the panel shows, by their first line: what the controls change (the
+#: deployment, the memory per GPU and the savings, the traffic). The model's header, source and
+#: assumptions, the replicated bytes by group and the load peaks are the notebook's sections 1-3,
+#: stated once above the panel: reprinted on every move of a slider they pushed its figures off screen.
+PANEL_BLOCKS = ("  shard group N = ", "memory per GPU", "  gross saving R", "traffic and time")
+
+
 def panel_text(plan: Plan) -> str:
-    """The plan's text report without the model's source and assumptions: the notebook states them
-    once above the panel, and every move of a slider would print them again."""
-    return "\n".join(line for line in plan_table(plan).splitlines()
-                     if not line.startswith(("  source: ", "  assumption: ")))
+    """The part of the plan's text report that the panel's controls change (:data:`PANEL_BLOCKS`),
+    whole blocks only: a block is cut at a blank line, so no wrapped continuation of a dropped line
+    is left behind."""
+    lines = plan_table(plan).splitlines()
+    kept: list[str] = []
+    for i, line in enumerate(lines):
+        if line.startswith(PANEL_BLOCKS):
+            if kept:
+                kept.append("")
+            for follow in lines[i:]:
+                if not follow.strip() or (follow is not line and follow.startswith(PANEL_BLOCKS)):
+                    break
+                kept.append(follow)
+    return "\n".join(kept)
 
 
 def costmodel_view(
@@ -91,20 +110,21 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
         "map_own_chunk": widgets.Checkbox(value=False, description="map_own_chunk", style=style, layout=sized()),
     }
     text = widgets.HTML()  # not an Output: its <pre> would wrap inside numbers and names at 1280 px
+    # the figures right under the controls, the text last: a moved slider redraws them in view
     figs = widgets.Output()
     rows = widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap"))
-    panel = CostModelPanel(widget=widgets.VBox([rows, text, figs]), controls=controls)
+    panel = CostModelPanel(widget=widgets.VBox([rows, figs, text]), controls=controls)
 
     def refresh(_change: Any = None) -> None:
         panel.state = costmodel_view(model, controls["ranks"].value, controls["dtype"].value,
                                      controls["bandwidth"].value, controls["tokens"].value, dev.name,
                                      controls["map_own_chunk"].value)
         panel.renders += 1
-        text.value = pre_html(panel_text(panel.state[0]))
+        text.value = pre_html(panel_text(panel.state[0]), 11)
         figs.clear_output(wait=True)
         with figs:
-            display(panel.state[1])
-            display(panel.state[2])
+            for fig in panel.state[1:]:
+                display(go.Figure(fig).update_layout(height=PANEL_FIGURE_HEIGHT))
 
     for c in controls.values():
         c.observe(refresh, names="value")

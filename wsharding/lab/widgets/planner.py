@@ -15,6 +15,7 @@ ranks is :func:`wsharding.lab.tasks.planner.traced_run`.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,10 @@ from IPython.display import HTML, display
 from wsharding.cluster import RankCluster
 from wsharding.core.emulation import title_note
 from wsharding.core.errors import InvalidArgument
+from wsharding.lab.bench.paired import PairedDifference, paired_difference
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
-from wsharding.lab.viz.planner import median_exposed_us, slot_figure, timeline_figure
+from wsharding.lab.viz.planner import lookahead_pair_figure, median_exposed_us, slot_figure, timeline_figure
 from wsharding.lab.widgets import pre_html
 from wsharding.models import PRESETS
 
@@ -111,6 +113,86 @@ def planner_view(cluster: RankCluster, preset: str = "tiny", *, layers: int | No
         timeline=timeline_figure(records, title=f"{preset}, {mode}: compute and gathers, last step{note}", note=line),
         slots=slot_figure(records, title=f"{preset}, {mode}: slot A/B occupancy and gate waits{note}"),
     )
+
+
+@dataclass
+class LookaheadPair:
+    """Lookahead on and off, run in paired rounds on the same ranks: per mode every step's wall time
+    (the slowest rank's), the median exposed wait per rank, and the figure of each mode's median step
+    on one time axis (:func:`wsharding.lab.viz.planner.lookahead_pair_figure`)."""
+
+    step_ms: dict[bool, list[float]]
+    exposed_ms: dict[bool, dict[int, float]]
+    median_steps: dict[bool, list[dict[str, Any]]]
+    #: on minus off, step by step of the paired rounds, and whether the run can name a side
+    difference: PairedDifference
+    #: per mode, the gathers and the waits the planner counted, one (gathers, waits) per rank and step
+    counts: dict[bool, set[tuple[int, int]]]
+    sharded_layers: list[int]
+    figure: go.Figure
+    note: str
+
+    def median_step_ms(self, lookahead: bool) -> float:
+        return statistics.median(self.step_ms[lookahead])
+
+    def text(self) -> str:
+        lines = [self.note.replace("<br>", "; ")]
+        for la in (True, False):
+            lines.append(f"lookahead {'on ' if la else 'off'}: step {self.median_step_ms(la):.1f} ms (median of "
+                         f"{len(self.step_ms[la])}), exposed wait (median) "
+                         + ", ".join(f"rank {k} {v:.2f} ms" for k, v in sorted(self.exposed_ms[la].items())))
+        lines.append(f"step time, {self.difference.line()}")
+        return "\n".join(lines)
+
+
+def step_verdict(d: PairedDifference) -> str:
+    """The line beside a paired figure on what the step times say: a side only where the run names
+    one, else that noise decides the step's end (the exposed waits are what lookahead changes)."""
+    if d.verdict.startswith("cannot tell"):
+        return (f"step ends: lookahead minus off {d.median_ms:+.1f} ms, inside this run's noise ({d.verdict}); "
+                "the red waits are what lookahead changes")
+    return f"step ends: lookahead minus off {d.median_ms:+.1f} ms over {d.rounds} paired steps: {d.verdict}"
+
+
+def lookahead_view(cluster: RankCluster, preset: str = "tiny", tokens: int | list[int] = 8, *, rounds: int = 3,
+                   steps: int = 3, compute_ms: float = DEFAULT_COMPUTE_MS, layers: int | None = None,
+                   ranks: tuple[int, ...] | None = None, title: str = "") -> LookaheadPair:
+    """Lookahead on against off, as the planner panel compares them ([Note: noise on CPU ranks]): a
+    fixed ``compute_ms`` added to every layer, ``rounds`` paired rounds -- each round runs ``steps``
+    traced steps of both modes, in alternating order, so that a slow moment of the machine falls on
+    both -- and the medians. The figure draws, per mode, the step whose wall time is the median of
+    that mode's, on one time axis (notebooks 03 section 4 and 06 section 4)."""
+    if rounds < 1 or steps < 1:
+        raise InvalidArgument(f"rounds and steps must be >= 1, got {rounds}, {steps}")
+    step_ms: dict[bool, list[float]] = {True: [], False: []}
+    by_step: dict[bool, list[list[dict[str, Any]]]] = {True: [], False: []}
+    records: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    counts: dict[bool, set[tuple[int, int]]] = {True: set(), False: set()}
+    for r in range(rounds):
+        for la in ((True, False) if r % 2 == 0 else (False, True)):
+            results = cluster.run(traced_run, preset, tokens, la, steps, layers=layers, compute_ms=compute_ms)
+            for k in range(steps):
+                step_ms[la].append(max(res["step_ms"][k] for res in results))
+                one = []
+                for res in results:
+                    ids = sorted({rec["step"] for rec in res["records"]})
+                    one += [rec for rec in res["records"] if rec["step"] == ids[k]]
+                by_step[la].append(one)
+            records[la] += [rec for res in results for rec in res["records"]]
+            counts[la] |= {gw for res in results for gw in zip(res["gathers"], res["waits"], strict=True)}
+    median_steps = {}
+    for la in (True, False):
+        mid = statistics.median_low(step_ms[la])
+        median_steps[la] = by_step[la][step_ms[la].index(mid)]
+    exposed = {la: {k: v / 1e3 for k, v in median_exposed_us(records[la]).items()} for la in (True, False)}
+    emulation = cluster.emulation
+    difference = paired_difference(step_ms[True], step_ms[False], ("lookahead", "no lookahead"))
+    note = (run_note(compute_ms, rounds * steps) + f"; {rounds} paired rounds, each mode's median step drawn"
+            + f"<br>{step_verdict(difference)}" + (f"<br>{emulation}" if emulation else ""))
+    figure = lookahead_pair_figure(median_steps[True], median_steps[False], ranks=ranks, note=note,
+                                   title=title or f"{preset}: one step with lookahead and one without{title_note(emulation)}")
+    return LookaheadPair(step_ms=step_ms, exposed_ms=exposed, median_steps=median_steps, difference=difference,
+                         counts=counts, sharded_layers=results[0]["sharded_layers"], figure=figure, note=note)
 
 
 @dataclass

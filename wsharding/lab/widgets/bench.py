@@ -1,0 +1,88 @@
+"""The benchmark panel of notebook 08: run ``wsharding bench step`` on the notebook's ranks for the
+tokens per rank you choose, and show the table and the step-time figure.
+
+A thin wrapper over :func:`bench_view`, which tests call directly; the work on the ranks is
+:func:`wsharding.lab.bench.step.step_bench_rank`, the figure
+:func:`wsharding.lab.viz.bench.results_figure`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from IPython.display import HTML, display
+
+from wsharding.cluster import RankCluster
+from wsharding.core.errors import InvalidArgument
+from wsharding.lab.bench.step import short_table, step_bench_rank, summarize
+from wsharding.lab.viz.bench import machine_caption, results_figure
+from wsharding.lab.widgets import pre_html
+
+#: The variants the panel times and draws.
+PANEL_VARIANTS = ("replicated", "sharded", "fsdp2")
+
+
+@dataclass
+class BenchView:
+    """One run of the step benchmark on every rank: its summary and figure."""
+
+    report: dict[str, Any]
+    figure: go.Figure
+
+    def text(self) -> str:
+        return f"mode: {machine_caption(self.report)}\n{short_table(self.report, PANEL_VARIANTS)}"
+
+
+def bench_view(cluster: RankCluster, model: str, tokens: list[int], *, steps: int = 3, repeats: int = 1) -> BenchView:
+    """``steps`` timed steps of every variant at each of ``tokens`` per rank, on every rank."""
+    if not tokens or min(tokens) < 1:
+        raise InvalidArgument(f"tokens: give at least one count >= 1, got {tokens}")
+    results = cluster.run(step_bench_rank, model, sorted(set(tokens)), steps=steps, warmup=1, repeats=repeats)
+    report = summarize(results, model, "auto")
+    return BenchView(report, results_figure(report, variants=PANEL_VARIANTS))
+
+
+@dataclass
+class BenchPanel:
+    widget: widgets.Widget
+    tokens: widgets.SelectMultiple
+    steps: widgets.IntSlider
+    run_button: widgets.Button
+    view: BenchView | None = None
+    error: str = ""
+    runs: int = field(default=0)
+
+
+def build_bench_panel(cluster: RankCluster, model: str, *, tokens: tuple[int, ...] = (1, 16, 256),
+                      repeats: int = 1) -> BenchPanel:
+    """Tokens per rank (pick several), steps, and a **run benchmark** button."""
+    size = {"style": {"description_width": "110px"}}
+    pick = widgets.SelectMultiple(options=tokens, value=tokens[:2], description="tokens/rank", rows=len(tokens),
+                                  layout=widgets.Layout(width="260px"), **size)
+    steps = widgets.IntSlider(value=3, min=1, max=10, description="timed steps", layout=widgets.Layout(width="340px"),
+                              **size)
+    button = widgets.Button(description="run benchmark", button_style="primary")
+    out = widgets.Output()
+    panel = BenchPanel(widgets.VBox([widgets.HBox([pick, steps, button], layout=widgets.Layout(flex_flow="row wrap")),
+                                     out]), pick, steps, button)
+
+    def run(_b: Any = None) -> None:
+        panel.error = ""
+        try:
+            panel.view = bench_view(cluster, model, list(pick.value), steps=steps.value, repeats=repeats)
+        except Exception as e:  # noqa: BLE001 -- shown in the panel, kept in panel.error for callers
+            panel.view, panel.error = None, f"{type(e).__name__}: {e}"
+        panel.runs += 1
+        out.clear_output(wait=True)
+        with out:
+            if panel.view is None:
+                display(HTML(pre_html(panel.error)))
+            else:
+                display(HTML(pre_html(panel.view.text(), 11)))
+                display(panel.view.figure)
+
+    button.on_click(run)
+    return panel
