@@ -223,12 +223,14 @@ BANK: dict[str, dict[str, Spec]] = {
                    why="n/2 layers given back must exceed the two slots: n > 4."),
     },
     "07": {
-        "q1": Spec("requests at once, sharded over replicated, at the roomiest GPU budget",
-                   lambda gpu_served: gpu_served["rows_by_budget"][-1]["ratio"]["sharded"]["max_concurrency"],
-                   rel=0.01,
-                   hint="at that budget every request fits in both pools; what limits how many run at once then?",
-                   why="once every request fits in both pools, the stream itself sets the concurrency: the same "
-                       "for both, a ratio of 1 -- and sharding only pays for its gathers."),
+        "q1": Spec("share of the budget the sharded KV pool holds, where the replicated pool holds 30 %",
+                   lambda rated: rated["rows_by_budget"][0]["sharded"]["kv_share"], rel=0.02,
+                   hint="same budget, same reserve: the sharded pool also gets the bytes sharding gives back "
+                        "(R minus the chunks and the slots); compare them with the budget.",
+                   why=lambda rated: ("the pool is what the budget leaves after the resident weights and the "
+                                      "reserve; sharding leaves R - R/N - slots more, here "
+                                      f"{(rated['rows_by_budget'][0]['sharded']['kv_share'] - 0.3):.0%} of the "
+                                      "budget on top of the replicated 30 %.")),
         "q2": Spec("extra KV tokens of the sharded pool at the tightest budget",
                    lambda served: (served["rows_by_budget"][0]["sharded"]["pool_tokens"]
                                    - served["rows_by_budget"][0]["replicated"]["pool_tokens"]),

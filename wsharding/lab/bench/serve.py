@@ -89,7 +89,7 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
     budget), ``utilization`` of ``memory_bytes`` (default the GPU's total memory); none given: the
     replicated pool is 30 % of the budget. ``rates``: requests per second per rank (None: all at once;
     default the workload's). ``token_budget``: tokens per step (``rows``: its old name, kept for
-    notebook 06). ``cluster``: an open :class:`RankCluster` of ``ranks`` ranks to reuse.
+    notebook 07). ``cluster``: an open :class:`RankCluster` of ``ranks`` ranks to reuse.
     """
     token_budget = token_budget or rows or (512 if gpu_count() else 64)
     specs: list[dict[str, Any]] = [{"bytes": int(b)} for b in budgets or []]

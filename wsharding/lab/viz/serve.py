@@ -72,7 +72,9 @@ def goodput_figure(report: dict[str, Any], title: str | None = None) -> go.Figur
     slo = report.get("slo_text") or "no SLO given"
     fig.update_layout(title={"text": (title or f"Goodput within the SLO: {slo}") + f"<br><sub>{_setup(report)}</sub>",
                              "y": 0.97, "yanchor": "top"},
-                      height=560, margin={"t": 170, "b": 110}, legend={"orientation": "h", "y": -0.2}, font={"size": 13})
+                      height=580, margin={"t": 170, "b": 150}, font={"size": 13},
+                      # below the x-axis title, not over it (its title sits about 0.15 of the plot below the axis)
+                      legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
     return fig
 
 
@@ -99,5 +101,6 @@ def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
     fig.update_yaxes(rangemode="tozero")
     fig.update_layout(title={"text": (title or "What the saving buys: the same requests under the same budget")
                              + f"<br><sub>{_setup(report)}</sub>", "y": 0.97, "yanchor": "top"},
-                      height=540, margin={"t": 150, "b": 120}, legend={"orientation": "h", "y": -0.25}, font={"size": 13})
+                      height=560, margin={"t": 150, "b": 160}, font={"size": 13},
+                      legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
     return fig

@@ -1,4 +1,4 @@
-"""The serving panel of notebook 06: pick a memory budget per rank and the number of ranks, serve the
+"""The serving panel of notebook 07: pick a memory budget per rank and the number of ranks, serve the
 workload replicated and sharded, and watch concurrency and tokens per second grow into a sweep.
 
 A thin wrapper over :func:`wsharding.lab.bench.serve.run_serve_bench` (which tests call directly);
@@ -100,7 +100,7 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
                 display(HTML(pre_html(format_table(report), 11)))
                 sweep = merge_reports(panel.reports[report["world_size"]])
                 display(serve_figure(sweep, title=f"What the saving buys, N = {report['world_size']}: "
-                                                  f"{len(sweep['rows_by_budget'])} budgets so far"))
+                                                  f"{_count(len(sweep['rows_by_budget']), 'budget')} so far"))
 
     def run(_button: Any = None) -> None:
         panel.error = ""
@@ -119,3 +119,8 @@ def build_serve_panel(clusters: dict[int, RankCluster], preset: str, workload: W
     if initial is not None:
         show(initial)
     return panel
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 budget``, ``3 budgets``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
