@@ -8,7 +8,10 @@ less than 2x, never a fixed row count. Attention needs a fixed width too: every 
 its sequence's block table up to the step's **context bucket** (16, 32, 64, ... tokens, at least the
 longest context in the step), masked beyond its own position -- so a step of short sequences attends
 over a short window. (A paged-attention kernel would read each sequence's own length; one width per
-step is the closest plain ``scaled_dot_product_attention`` gets.)
+step is the closest plain ``scaled_dot_product_attention`` gets.) Each row also gathers its own copy of
+its sequence's K/V (``ServeStep.gathered``): a prefill chunk of c rows reads its context c times, where
+a paged-attention kernel reads it once. So prefill steps cost more here than in a server, and a gather
+hides behind them more easily than it would there; decode steps (one row per sequence) are not affected.
 
 [Note: bits across buckets] A row's logits can differ in the last bits between two buckets (another
 shape may pick another kernel and summation order). The replicated and the sharded model serve the
