@@ -106,9 +106,10 @@ LLAMA8B_BLOCK_BYTES = 436_207_616
 
 
 def _comm(name: str) -> Any:
-    from wsharding.lab.viz import comm
+    """A function of the communication lesson's figures module (02), imported when a question asks."""
+    from wsharding.lab.viz import comm as comm_figures
 
-    return getattr(comm, name)
+    return getattr(comm_figures, name)
 
 
 BANK: dict[str, dict[str, Spec]] = {

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wsharding.core.errors import InvalidArgument
 from wsharding.models.token_pool import ServeStep
 from wsharding.serve.blocks import BLOCK_TOKENS, BlockPool, blocks_for
 from wsharding.serve.scheduler import Scheduled
@@ -56,7 +57,8 @@ def bucket(n: int, sizes: list[int]) -> int:
     for s in sizes:
         if s >= n:
             return s
-    raise ValueError(f"{n} is larger than the largest bucket {sizes[-1]}")
+    raise InvalidArgument(f"{n} is larger than the largest bucket {sizes[-1]}: raise the token budget or the "
+                          "largest context it is bucketed for")
 
 
 @dataclass(frozen=True)
