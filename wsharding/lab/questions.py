@@ -95,6 +95,15 @@ def _bill_at_2(layer: Any, n: int) -> Any:
     return bill_for_layouts([FlatLayout([(e.name, e.shape, e.dtype) for e in layer.entries], 2)], n)
 
 
+def _resident_at(layouts: list[Any], n: int) -> int:
+    """What a rank keeps (chunks and two slots) with the same layers cut over ``n`` ranks."""
+    from wsharding.core.layout import FlatLayout
+    from wsharding.costmodel import bill_for_layouts
+
+    return bill_for_layouts([FlatLayout([(e.name, e.shape, e.dtype) for e in lay.entries], n)
+                             for lay in layouts]).sharded_resident_bytes
+
+
 def _link_floor_ms(blocks: dict, n: int) -> float:
     from wsharding.costmodel.plan import gather_seconds
 
@@ -211,9 +220,12 @@ BANK: dict[str, dict[str, Spec]] = {
         "q1": Spec("gathers per step of tiny-deep (12 layers)", lambda: _sharded_layers("tiny-deep"),
                    hint="count the layers whose weights are sharded; layer 0 is dense.",
                    why="one gather per sharded layer; the dense layer 0 has none: 11."),
-        "q2": Spec("resident bytes per rank", lambda report: report["sharded_resident_bytes_per_rank"], unit=" B",
-                   hint="each rank keeps 1/N of every sharded layer, plus two slots of the largest layer.",
-                   why="the chunks (|T|/N per layer) plus two slots of the largest layer, measured on the ranks."),
+        "q2": Spec("resident bytes per rank if this decoder were sharded over 8 ranks instead of 4",
+                   lambda layouts: _resident_at(layouts, 8), unit=" B",
+                   hint="each rank keeps 1/8 of every sharded layer (padded to a multiple of 16 x 8 B), plus two "
+                        "slots of the largest layer.",
+                   why="the chunks shrink to |T|/8 per layer, but the two slots stay whole layers: doubling N "
+                       "does not halve what a rank keeps."),
         "q3": Spec("net saving per rank of tiny (3 sharded layers) at N = 2",
                    lambda layer: _bill_at_2(layer, 3).net_saving_bytes, unit=" B",
                    hint="what do three half-layers give back, and what do two full slots cost?",
