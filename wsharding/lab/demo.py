@@ -57,6 +57,7 @@ from wsharding.lab.cliargs import (
 )
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.outdir import default_help, default_out_dir, default_output
+from wsharding.lab.progress import Stages, rank_stage
 from wsharding.lab.tasks.loading import build_pair_measured
 from wsharding.models import PRESETS, decoder_config
 from wsharding.models.equality import tokens_for
@@ -150,7 +151,7 @@ def decode_graph_times(replicated: torch.nn.Module, sharded: torch.nn.Module, co
 def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_steps: int = 5,
               group_size: int | None = None, comm: str = "torch", kv_context: int | None = None,
               graph: bool = False, rounds: int = 3, map_own_chunk: bool | str = "auto",
-              issue_thread: bool = False) -> dict[str, Any]:
+              issue_thread: bool = False, progress: str | None = None) -> dict[str, Any]:
     """On one rank: build both models, check equality over ``counts`` steps, time the three
     variants side by side (:func:`side_by_side`, ``rounds`` times), trace one lookahead step and one step without lookahead. Also what the
     saving buys: KV-cache tokens and sequences of ``kv_context`` tokens (default 4096 on GPUs, 256 on
@@ -158,11 +159,13 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
     decode eager vs replayed from a CUDA graph (:func:`decode_graph_times`), where it can run.
     ``map_own_chunk``: the layers gather into views mapped over their chunks (NCCL >= 2.30; "auto": where it
     can run and holds no more, [Note: map_own_chunk="auto"]).
-    ``issue_thread``: our NCCL communicator's native thread issues the gathers ([Note: the issue thread])."""
+    ``issue_thread``: our NCCL communicator's native thread issues the gathers ([Note: the issue thread]).
+    ``progress``: the command's name; rank 0 then tells each stage on standard error."""
     cfg = decoder_config(preset)
     comm = shard_comm_for(ctx, comm, group_size)
     if issue_thread:
         comm.set_issue_thread(True)
+    rank_stage(ctx.rank, progress, f"building {preset} replicated and sharded ({cfg.layers} layers), finalize")
     replicated, sharded, load = build_pair_measured(cfg, comm, map_own_chunk=map_own_chunk)
     ws = sharded.weight_sharding
     planner = ws.planner
@@ -177,6 +180,7 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         return tokens_for(ctx.rank, step, counts, cfg.vocab, dev)
 
     equal, max_diff, gathers = [], 0.0, []
+    rank_stage(ctx.rank, progress, f"comparing outputs bit for bit over {len(counts)} steps")
     with torch.no_grad():
         for s in range(len(counts)):
             x = tok(s)
@@ -194,6 +198,8 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
             aligned_forward(replicated, tok(s), replicated.dummy_tokens)
 
         # the three variants measured side by side in the same run
+        rank_stage(ctx.rank, progress, f"timing replicated, sharded and sharded without lookahead: {rounds} rounds "
+                                       f"of {timed_steps} steps")
         samples = side_by_side({"replicated": step_replicated, "sharded": step_sharded,
                                 "sharded_no_lookahead": step_sharded}, planner, comm, timed_steps, rounds)
 
@@ -613,11 +619,16 @@ def main(args: argparse.Namespace) -> int:
               "torch.distributed here ('wsharding info' shows the libnccl found); leave --map-own-chunk out",
               file=sys.stderr)
         return 2
+    stages = Stages("wsharding demo")
+    stages.start(f"starting {n} rank processes ({backend})")
     with RankCluster(n, backend=backend, ranks_per_gpu=ranks_per_gpu, task_timeout=1800) as cluster:
+        stages.start("the ranks build, shard, compare and time the models")
         reports = cluster.run(demo_rank, preset, counts, timed_steps=args.timed_steps or (20 if on_gpus else 5),
                               comm=comm, graph=args.graph, rounds=args.rounds or (7 if on_gpus else 3),
                               map_own_chunk="auto" if args.map_own_chunk is None else args.map_own_chunk,
-                              issue_thread=args.issue_thread)
+                              issue_thread=args.issue_thread, progress="wsharding demo")
+        stages.start("stopping the rank processes")
+    stages.done()
     report = summarize(reports, preset, n)
     if args.json != "-":
         print(format_table(report))

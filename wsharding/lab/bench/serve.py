@@ -26,6 +26,7 @@ from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.serve_report import format_table, summarize
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
 from wsharding.lab.outdir import default_help, default_output
+from wsharding.lab.progress import Stages
 from wsharding.lab.tasks.serve import serve_rank
 from wsharding.models import PRESETS
 from wsharding.runtime import gpu_count
@@ -82,14 +83,16 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
                     token_budget: int | None = None, rows: int | None = None, slo: SLO | None = None,
                     warmup: int | None = None, max_seqs: int | None = None, max_concurrency: int | None = None,
                     reserve_bytes: int | None = None, comm: str = "auto", layers: int | None = None, seed: int = 0,
-                    plain: bool = False, check: bool = True, cluster: RankCluster | None = None) -> dict[str, Any]:
+                    plain: bool = False, check: bool = True, cluster: RankCluster | None = None,
+                    progress: str | None = None) -> dict[str, Any]:
     """Run the serving benchmark on ``ranks`` ranks and return its report (:func:`summarize`).
 
     Budgets per rank, one of: ``budgets`` (bytes), ``kv_shares`` (the replicated pool's share of the
     budget), ``utilization`` of ``memory_bytes`` (default the GPU's total memory); none given: the
     replicated pool is 30 % of the budget. ``rates``: requests per second per rank (None: all at once;
     default the workload's). ``token_budget``: tokens per step (``rows``: its old name, kept for
-    notebook 07). ``cluster``: an open :class:`RankCluster` of ``ranks`` ranks to reuse.
+    notebook 07). ``cluster``: an open :class:`RankCluster` of ``ranks`` ranks to reuse. ``progress``:
+    the command's name, for rank 0 to tell its stages on standard error.
     """
     token_budget = token_budget or rows or (512 if gpu_count() else 64)
     specs: list[dict[str, Any]] = [{"bytes": int(b)} for b in budgets or []]
@@ -107,7 +110,7 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
     kwargs = {"workload": workload.as_dict(), "budgets": specs, "rates": rates, "trials": trials,
               "token_budget": token_budget, "max_seqs": max_seqs, "max_concurrency": max_concurrency,
               "reserve_bytes": reserve_bytes, "comm": auto_comm(comm), "layers": layers, "seed": seed, "plain": plain,
-              "check": check}
+              "check": check, "progress": progress}
     if cluster is not None:
         if cluster.world_size != ranks:
             raise InvalidArgument(f"run_serve_bench: ranks={ranks}, but the cluster given has {cluster.world_size}")
@@ -237,13 +240,16 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     budgets = [int(b * 2**30) for b in args.budget_gib or []] + [int(b * 2**20) for b in args.budget_mib or []]
     slo = args.slo or (SLO(ttft_ms=2000, tpot_ms=200) if gpus else SLO(ttft_ms=3000, tpot_ms=300))
+    stages = Stages("wsharding bench serve")
+    stages.start(f"serving on {n} rank processes (rank 0 tells each run)")
     report = run_serve_bench(
         n, args.preset or ("k3-like" if gpus else "tiny-deep"), wl, budgets=budgets or None, kv_shares=args.kv_share,
         utilization=args.utilization, memory_bytes=None if args.memory_gib is None else int(args.memory_gib * 2**30),
         rates=[None if math.isinf(r) else r for r in rates], trials=args.trials, token_budget=args.token_budget,
         slo=slo, warmup=args.warmup, max_seqs=args.max_seqs, max_concurrency=args.max_concurrency,
         reserve_bytes=None if args.reserve_mib is None else int(args.reserve_mib * 2**20), comm=args.comm,
-        layers=args.layers, seed=args.seed, plain=args.plain, check=not args.no_check)
+        layers=args.layers, seed=args.seed, plain=args.plain, check=not args.no_check, progress="wsharding bench serve")
+    stages.done()
     print(format_table(report))
     if args.json:
         save_report(report, args.json, _figure)

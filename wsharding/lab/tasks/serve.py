@@ -24,6 +24,7 @@ from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.sharding import WeightSharding
 from wsharding.costmodel.bill import bill_for_layouts
+from wsharding.lab.progress import rank_stage
 from wsharding.lab.tasks.loading import outside_allocator_bytes
 from wsharding.lab.tasks.planner import align_ranks
 from wsharding.linear import process_weights
@@ -191,7 +192,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
                rates: list[float | None], trials: int = 3, token_budget: int = 64, max_seqs: int | None = None,
                max_concurrency: int | None = None, comm: str = "torch", layers: int | None = None, seed: int = 0,
                reserve_bytes: int | None = None, plain: bool = False, probe_steps: int = 3,
-               check: bool = True) -> dict[str, Any]:
+               check: bool = True, progress: str | None = None) -> dict[str, Any]:
     """Serve this rank's requests with each variant under each budget, at each rate (None: all at
     once), ``trials`` times with other seeds.
 
@@ -200,6 +201,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     used most and at its largest; and, per (budget, rate), the requests whose tokens differ between
     the replicated run and the sharded model's replay of it (``differ``, which must be empty) and
     between the replicated run and the sharded model's own run (``own_differ``, informative).
+    ``progress``: the command's name; rank 0 then tells each build and each run on standard error.
     """
     cfg = decoder_config(preset, layers)
     comm_ = shard_comm_for(ctx, comm)
@@ -221,6 +223,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     probes: list[dict[str, Any]] = []
     variants = list(VARIANTS)
     for variant in variants:  # grows by PLAIN when asked and the sharded variant maps its own chunk
+        rank_stage(ctx.rank, progress, f"building {preset} {variant}")
         model, ws, load = _build(variant, cfg, comm_, seed)
         if variant == "sharded" and plain and ws.map_own_chunk:
             variants.append(PLAIN)
@@ -238,6 +241,9 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
         runs[variant] = {}
         outputs[variant] = {}
         for b, ri, t in points:
+            rate = "all at once" if rates[ri] is None else f"{rates[ri]:g}/s"
+            rank_stage(ctx.rank, progress, f"{variant}: budget {b + 1} of {len(budgets)}, rate {rate}, trial "
+                                           f"{t + 1} of {trials}")
             problem, pool = None, None
             wl = workload_at(ri, t)
             requests = wl.for_rank(ctx.rank, cfg.vocab)
@@ -267,6 +273,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             if variant != "replicated" and t == 0 and check:
                 # [Note: bits across buckets]: the replicated run's steps, on this model, token for token
                 rep = replays[(b, ri)]
+                rank_stage(ctx.rank, progress, f"{variant}: replaying the replicated run's steps (token check)")
                 replay_pool = BlockPool.for_model(model, rep["blocks"])
                 align_ranks(ctx)
                 again = serve(model, replay_pool, requests, token_budget=token_budget, max_context=max_context,
