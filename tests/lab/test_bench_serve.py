@@ -70,6 +70,14 @@ def test_report_answer_and_table(served):
     assert len(report["layer_times"]) == 11 * len(sizes)
     text = format_table(report)
     assert "CPU ranks" in text and "ANSWER" in text and "every token equal" in text and "KV share 6%" in text
+    # beside the measurement, the cost model's figure for the full-size design, labelled as a prediction
+    from wsharding.costmodel import Deployment, estimate, get_device
+    from wsharding.presets import load_preset
+
+    cap = estimate(load_preset("kimi-k3-b200-fp8"), Deployment(ranks=8, device=get_device("b200"), tokens=256)).kv_capacity()
+    rep, sh = cap["tokens_replicated"], cap["tokens_sharded"]
+    assert (f"PREDICTED, not measured (cost model, kimi-k3-b200-fp8 on 8 x B200, a 40 GiB replicated KV pool "
+            f"assumed): KV tokens per GPU replicated {rep:,} -> sharded {sh:,} ({sh / rep:.2f}x)") in text
 
 
 def test_goodput_figure_states_the_slo(served):

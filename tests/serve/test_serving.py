@@ -166,9 +166,14 @@ def test_a_step_is_its_tokens_rounded_up_and_reads_its_blocks():
     assert built.sample_rows == [19, 22]
     # request 0 owns blocks 0, 1: its token at position 17 is row 16 + 1; request 1's at 2 is block 2's row 2
     assert step.write[17].item() == 17 and step.write[22].item() == 2 * 16 + 2
-    assert step.mask[22].tolist() == [True] * 3 + [False] * 29
-    assert step.read[22, 16].item() == pool.scratch_block * 16  # beyond its one block: the scratch block
+    # both are prefill chunks (chunk length 20 -> 32); request 1's last row is its chunk's slot 2
+    assert step.chunk_rows.shape == (2, 32) and step.chunk_rows[1, :3].tolist() == [20, 21, 22]
+    assert step.chunk_mask[1, 2].tolist() == [True] * 3 + [False] * 29
+    assert step.chunk_read[1, 16].item() == pool.scratch_block * 16  # beyond its one block: the scratch block
     assert step.write[23:].tolist() == [pool.scratch_block * 16] * 9  # padding writes the scratch block
+    # the 9 padding rows share one decode entry on the scratch block; 22 is slot 2 of chunk 1 (after it)
+    assert step.read.tolist() == [[pool.scratch_block * 16 + i for i in range(16)] * 2]
+    assert step.out_index[22].item() == 1 + 32 + 2 and step.out_index[23:].tolist() == [0] * 9
     idle = build_step(pool, [], token_buckets(32), context_buckets(64))
     assert (idle.tokens, idle.step.rows, idle.sample_rows) == (0, 1, [])
 
@@ -185,6 +190,35 @@ def test_serving_path_computes_the_uncached_forward():
         served = m.forward_serve(build_step(pool, s.schedule(0.0), [16], [16]).step)[:10]
         full = m(torch.tensor(r.prompt))
     assert (served - full).abs().max() < 1e-4
+
+
+def test_a_prefill_chunk_reads_its_context_once_and_a_mixed_step_computes_its_parts():
+    """B and C (5 and 7 prompt tokens) decode in the step where A (12) arrives: 2 decode rows and a
+    chunk of 12. A's context is gathered once (a row per row of A gathered it 12 times), and the mixed
+    step's logits are those of A's chunk and of the two decodes run as separate steps (float32: within
+    the last bits, as the serving path is of the uncached forward)."""
+    m = ToyDecoder(decoder_config("tiny").with_(dtype="float32")).eval()
+    process_weights(m)
+    a = _req(0, 12, 1, arrival=1.0)
+    pool = BlockPool.for_model(m, 4)
+    s = Scheduler(pool, [a, _req(1, 5, 4), _req(2, 7, 4)], token_budget=16)
+    with torch.no_grad():
+        first = s.schedule(0.0)
+        built = build_step(pool, first, [16], [16])
+        s.step_done(first, m.forward_serve(built.step)[built.sample_rows].argmax(-1).tolist(), 0.0)
+        mixed = s.schedule(1.0)
+        assert [(x.seq.request.rid, x.start, x.count) for x in mixed] == [(1, 5, 1), (2, 7, 1), (0, 0, 12)]
+        built = build_step(pool, mixed, token_buckets(16), [16])
+        step = built.step
+        # decode entries: B, C and the padding rows' shared one -> 4; one chunk of 12 slots -> 16
+        assert (step.read.shape, step.chunk_read.shape, step.chunk_rows.shape) == ((4, 16), (1, 16), (1, 16))
+        assert step.gathered_rows == (4 + 1) * 16 and step.rows * step.max_len == 256  # was: every row's own
+        together = m.forward_serve(step)
+        chunk = m.forward_serve(build_step(pool, mixed[2:], token_buckets(16), [16]).step)
+        decodes = m.forward_serve(build_step(pool, mixed[:2], token_buckets(16), [16]).step)
+        full = m(torch.tensor(a.prompt))
+    assert (together[2:14] - chunk[:12]).abs().max() < 1e-4 and (together[:2] - decodes[:2]).abs().max() < 1e-4
+    assert (together[2:14] - full).abs().max() < 1e-4
 
 
 def test_serve_and_its_replay(model):

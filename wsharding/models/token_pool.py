@@ -12,7 +12,8 @@ depend on which other requests share its step, or replicated and sharded -- whos
 whose steps hold different requests -- could not be compared bit for bit. Matrix products of a fixed
 shape compute each row the same way wherever it sits; of a different shape they may pick another
 kernel (and another summation order). So every step has ``rows`` rows (unused ones are padding) and
-every row attends over ``max_len`` gathered pool rows (masked beyond its own position).
+its attention has fixed shapes too: a count of decode entries and of prefill chunks, a chunk length,
+and ``max_len`` gathered pool rows per sequence (masked beyond each row's own position).
 """
 
 from __future__ import annotations
@@ -88,16 +89,29 @@ class TokenKVPool:
 class ServeStep:
     """One forward of ``rows`` token rows (see the module's note on why the shape is fixed).
 
-    ``tokens[i]`` is row i's token id; its K/V go to pool row ``write[i]``; it attends to pool rows
-    ``read[i, :]`` where ``mask[i, :]`` is True (its sequence's tokens up to its own position).
-    Padding rows write the scratch row and attend to it alone.
+    ``tokens[i]`` is row i's token id; its K/V go to pool row ``write[i]``. Attention runs in two
+    groups, each reading a sequence's context once:
+
+    * **decode** entries (a sequence with one row in the step; padding): entry d is step row
+      ``decode_rows[d]`` and attends to pool rows ``read[d, :]`` where ``mask[d, :]`` is True;
+    * **chunks** (a sequence with several rows: a prefill chunk): chunk p gathers pool rows
+      ``chunk_read[p, :]`` once, and its query slot j is step row ``chunk_rows[p, j]``, attending where
+      ``chunk_mask[p, j, :]`` is True (its sequence's tokens up to its own position).
+
+    The results, decode entries then chunk slots flattened, go back to the step's rows by
+    ``out_index`` (``[rows]``). Padding rows write the scratch row and attend to it alone.
     """
 
     pool: TokenKVPool
     tokens: torch.Tensor  # [rows] int64
     write: torch.Tensor  # [rows] int64
-    read: torch.Tensor  # [rows, max_len] int64
-    mask: torch.Tensor  # [rows, max_len] bool
+    read: torch.Tensor  # [decodes, max_len] int64
+    mask: torch.Tensor  # [decodes, max_len] bool
+    decode_rows: torch.Tensor  # [decodes] int64
+    chunk_read: torch.Tensor  # [chunks, max_len] int64
+    chunk_rows: torch.Tensor  # [chunks, chunk_len] int64
+    chunk_mask: torch.Tensor  # [chunks, chunk_len, max_len] bool
+    out_index: torch.Tensor  # [rows] int64, into decodes + chunks * chunk_len
 
     @property
     def rows(self) -> int:
@@ -107,11 +121,21 @@ class ServeStep:
     def max_len(self) -> int:
         return self.read.shape[1]
 
+    @property
+    def gathered_rows(self) -> int:
+        """Pool rows one layer's K (and as many of V) gathers: one context per decode entry and per chunk."""
+        return (self.read.shape[0] + self.chunk_read.shape[0]) * self.max_len
+
     def gathered(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` for every row: ``[rows, kv_heads, max_len, head_dim]`` each."""
-        k = self.pool.k[layer][self.read].transpose(1, 2)
-        v = self.pool.v[layer][self.read].transpose(1, 2)
-        return k, v
+        """K and V of ``layer`` for every decode entry: ``[decodes, kv_heads, max_len, head_dim]`` each."""
+        return self._gather(layer, self.read)
+
+    def gathered_chunks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` for every chunk, once per chunk: ``[chunks, kv_heads, max_len, head_dim]`` each."""
+        return self._gather(layer, self.chunk_read)
+
+    def _gather(self, layer: int, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.k[layer][read].transpose(1, 2), self.pool.v[layer][read].transpose(1, 2)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the rows' new K and V (``[rows, kv_heads, head_dim]``) into the pool."""

@@ -21,6 +21,8 @@ from wsharding.serve.metrics import SLO, max_sustained_rate, over_trials, reques
 
 #: The datasheet the per-layer prediction uses (a deployment's GPUs, not the machine that ran).
 PREDICT_ON = "h200"
+#: The deployment this benchmark scales down: Kimi K3 in FP8 on 8 B200s (notebook 07, section 1).
+DESIGN_PRESET, DESIGN_RANKS, DESIGN_DEVICE = "kimi-k3-b200-fp8", 8, "b200"
 
 #: Said in every output of a run on CPU ranks.
 CPU_NOTE = ("CPU ranks: the budgets are emulated (a number per rank, not the machine's memory), times are CPU times "
@@ -225,7 +227,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"  workload: {report['workload_text']}; {report['trials']} trial(s) per point, the first "
                  f"{report['warmup_requests']} requests per rank left out (warm-up)")
     lines.append(f"  steps: at most {report['token_budget']} tokens (chunked prefill), padded to the next power of two; "
-                 f"attention over the step's longest context, padded likewise (<= {report['max_context']}); KV in blocks "
+                 f"attention over the step's longest context, padded likewise (<= {report['max_context']}), "
+                 f"each sequence's read once (a prefill chunk's too); KV in blocks "
                  f"of {BLOCK_TOKENS}, {report['kv_bytes_per_token']:,} B per token"
                  + (f"; at most {report['max_concurrency']} requests in flight" if report.get("max_concurrency") else ""))
     lines.append("  resident: " + ", ".join(f"{v} {_mib(s[v]['resident_bytes'])}" for v in variants)
@@ -263,6 +266,7 @@ def format_table(report: dict[str, Any]) -> str:
                                                                for p, g in zip(row["points"], a["goodput_ratio"][v], strict=True))
                                for v in variants[1:])
             lines.append(f"   ANSWER: highest rate sustained within the SLO per rank: {best}; goodput {ratios}")
+    lines.append(design_line(design_kv_capacity()))
     lines += _layer_lines(report)
     own = report["own_schedule_differ"]
     if report["equal"]:
@@ -277,6 +281,24 @@ def format_table(report: dict[str, Any]) -> str:
             f"rank {d['rank']} requests {d['requests']} at budget {_mib(d['budget_bytes'])}, rate {rate_label(d['rate'])}"
             for d in report["differ"]))
     return "\n".join(lines)
+
+
+def design_kv_capacity() -> dict[str, int | None]:
+    """The cost model's KV capacity per GPU, replicated vs sharded, for :data:`DESIGN_PRESET` on
+    :data:`DESIGN_RANKS` :data:`DESIGN_DEVICE` GPUs: what the measured pools stand for at full size."""
+    from wsharding.costmodel import Deployment, estimate
+    from wsharding.presets import load_preset
+
+    dep = Deployment(ranks=DESIGN_RANKS, device=get_device(DESIGN_DEVICE), tokens=256)
+    return estimate(load_preset(DESIGN_PRESET), dep).kv_capacity()
+
+
+def design_line(cap: dict[str, int | None]) -> str:
+    """One line: the prediction for the design's scale, labelled as one (nothing here measured it)."""
+    rep, sh = cap["tokens_replicated"], cap["tokens_sharded"]
+    return (f"  PREDICTED, not measured (cost model, {DESIGN_PRESET} on {DESIGN_RANKS} x {DESIGN_DEVICE.upper()}, "
+            f"a {cap['pool_bytes_replicated'] / 2**30:.0f} GiB replicated KV pool assumed): KV tokens per GPU "
+            f"replicated {rep:,} -> sharded {sh:,} ({sh / rep:.2f}x)")
 
 
 def _layer_lines(report: dict[str, Any]) -> list[str]:
