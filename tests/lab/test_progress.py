@@ -58,5 +58,4 @@ def test_bench_serve_asks_its_ranks_for_progress(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(bench_serve, "run_serve_bench", fake)
     assert cli.main(["bench", "serve", "--json", str(tmp_path / "r")]) == 0
-    assert seen["progress"] == "wsharding bench serve"
-    assert capsys.readouterr().err.startswith("wsharding bench serve: serving on 2 rank processes")
+    assert seen["progress"] == "wsharding bench serve"  # its stage line comes once the ranks are up

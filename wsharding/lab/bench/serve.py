@@ -117,7 +117,13 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
         results = cluster.run(serve_rank, preset, **kwargs)
     else:
         with bench_cluster(ranks, task_timeout=3600) as c:
+            # told once the ranks are up: a refused rank count stays a one-line error
+            stages = Stages(progress) if progress else None
+            if stages:
+                stages.start(f"serving on {ranks} rank processes (rank 0 tells each run)")
             results = c.run(serve_rank, preset, **kwargs)
+            if stages:
+                stages.done()
     return summarize(results, slo, warmup)
 
 
@@ -240,8 +246,6 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     budgets = [int(b * 2**30) for b in args.budget_gib or []] + [int(b * 2**20) for b in args.budget_mib or []]
     slo = args.slo or (SLO(ttft_ms=2000, tpot_ms=200) if gpus else SLO(ttft_ms=3000, tpot_ms=300))
-    stages = Stages("wsharding bench serve")
-    stages.start(f"serving on {n} rank processes (rank 0 tells each run)")
     report = run_serve_bench(
         n, args.preset or ("k3-like" if gpus else "tiny-deep"), wl, budgets=budgets or None, kv_shares=args.kv_share,
         utilization=args.utilization, memory_bytes=None if args.memory_gib is None else int(args.memory_gib * 2**30),
@@ -249,7 +253,6 @@ def main(args: argparse.Namespace) -> int:
         slo=slo, warmup=args.warmup, max_seqs=args.max_seqs, max_concurrency=args.max_concurrency,
         reserve_bytes=None if args.reserve_mib is None else int(args.reserve_mib * 2**20), comm=args.comm,
         layers=args.layers, seed=args.seed, plain=args.plain, check=not args.no_check, progress="wsharding bench serve")
-    stages.done()
     print(format_table(report))
     if args.json:
         save_report(report, args.json, _figure)
