@@ -19,7 +19,7 @@ from wsharding.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument
 from wsharding.lab.bench.step import short_table, step_bench_rank, summarize
 from wsharding.lab.viz.bench import machine_caption, results_figure
-from wsharding.lab.widgets import pre_html
+from wsharding.lab.widgets import pre_html, run_into
 
 #: The variants the panel times and draws.
 PANEL_VARIANTS = ("replicated", "sharded", "fsdp2")
@@ -69,20 +69,13 @@ def build_bench_panel(cluster: RankCluster, model: str, *, tokens: tuple[int, ..
     panel = BenchPanel(widgets.VBox([widgets.HBox([pick, steps, button], layout=widgets.Layout(flex_flow="row wrap")),
                                      out]), pick, steps, button)
 
+    def show(view: BenchView) -> None:
+        display(HTML(pre_html(view.text(), 11)))
+        display(view.figure)
+
     def run(_b: Any = None) -> None:
-        panel.error = ""
-        try:
-            panel.view = bench_view(cluster, model, list(pick.value), steps=steps.value, repeats=repeats)
-        except Exception as e:  # noqa: BLE001 -- shown in the panel, kept in panel.error for callers
-            panel.view, panel.error = None, f"{type(e).__name__}: {e}"
-        panel.runs += 1
-        out.clear_output(wait=True)
-        with out:
-            if panel.view is None:
-                display(HTML(pre_html(panel.error)))
-            else:
-                display(HTML(pre_html(panel.view.text(), 11)))
-                display(panel.view.figure)
+        run_into(panel, out, lambda: bench_view(cluster, model, list(pick.value), steps=steps.value,
+                                                repeats=repeats), show)
 
     button.on_click(run)
     return panel

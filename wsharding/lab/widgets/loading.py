@@ -20,7 +20,7 @@ from wsharding.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument
 from wsharding.lab.tasks.loading import held_peak_bytes, load_variant
 from wsharding.lab.viz.loading import finalize_figure
-from wsharding.lab.widgets import pre_html
+from wsharding.lab.widgets import pre_html, run_into
 
 #: The checkpoint formats a rank can load (notebook 04 section 3).
 VARIANTS = ("bf16", "int8", "fp8", "fp8_block")
@@ -80,20 +80,13 @@ def build_loading_panel(cluster: RankCluster, preset: str, folder: str | Path, c
     panel = LoadingPanel(widgets.VBox([widgets.HBox([variant, rank, button], layout=widgets.Layout(flex_flow="row wrap")),
                                        out]), variant, rank, button)
 
+    def show(view: LoadingView) -> None:
+        display(HTML(pre_html(view.text())))
+        display(view.figure)
+
     def run(_b: Any = None) -> None:
-        panel.error = ""
-        try:
-            panel.view = loading_view(cluster, preset, variant.value, folder, counts, layers=layers, rank=rank.value)
-        except Exception as e:  # noqa: BLE001 -- shown in the panel, kept in panel.error for callers
-            panel.view, panel.error = None, f"{type(e).__name__}: {e}"
-        panel.runs += 1
-        out.clear_output(wait=True)
-        with out:
-            if panel.view is None:
-                display(HTML(pre_html(panel.error)))
-            else:
-                display(HTML(pre_html(panel.view.text())))
-                display(panel.view.figure)
+        run_into(panel, out, lambda: loading_view(cluster, preset, variant.value, folder, counts, layers=layers,
+                                                  rank=rank.value), show)
 
     button.on_click(run)
     return panel

@@ -30,7 +30,7 @@ from wsharding.lab.bench.paired import PairedDifference, paired_difference
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
 from wsharding.lab.viz.planner import lookahead_pair_figure, median_exposed_us, slot_figure, timeline_figure
-from wsharding.lab.widgets import pre_html
+from wsharding.lab.widgets import pre_html, run_into
 from wsharding.models import PRESETS
 
 #: Presets a CPU-emulated rank can run in a few seconds (k3-like is for GPUs: 370 MB per layer).
@@ -247,24 +247,15 @@ def build_planner_panel(cluster: RankCluster) -> PlannerPanel:
         sharded.max = top
         sharded.value = (min(lo, top), min(max(hi, lo), top))
 
+    def show(view: PlannerView) -> None:
+        display(HTML(pre_html(view.text())))
+        display(view.timeline)
+        display(view.slots)
+
     def run(_button: Any = None) -> None:
-        panel.error = ""
-        try:
-            panel.view = planner_view(cluster, preset.value, layers=layers.value, sharded=sharded.value,
-                                      tokens=tokens.value, lookahead=lookahead.value, steps=steps.value,
-                                      compute_ms=compute_ms.value)
-        except Exception as e:  # noqa: BLE001 -- shown in the panel, kept in panel.error for callers
-            panel.view = None
-            panel.error = f"{type(e).__name__}: {e}"
-        panel.runs += 1
-        out.clear_output(wait=True)
-        with out:
-            if panel.view is None:
-                display(HTML(pre_html(panel.error)))
-            else:
-                display(HTML(pre_html(panel.view.text())))
-                display(panel.view.timeline)
-                display(panel.view.slots)
+        run_into(panel, out, lambda: planner_view(cluster, preset.value, layers=layers.value, sharded=sharded.value,
+                                                  tokens=tokens.value, lookahead=lookahead.value, steps=steps.value,
+                                                  compute_ms=compute_ms.value), show)
 
     layers.observe(on_layers, names="value")
     button.on_click(run)
