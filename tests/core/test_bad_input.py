@@ -3,8 +3,8 @@ error (or, for a weight left replicated, a warning) of one exact class whose mes
 culprit -- the weight, the rank, the file, the option -- and says what to do. Never a hang, never a
 silent conversion.
 
-The README's "Errors you may see" section is rendered from this table and the command's rows
-(tests/lab/test_readme_errors.py, which also checks that the README matches).
+The "Errors you may see" page (docs/errors.md) is rendered from this table and the command's rows
+(tests/lab/test_readme_errors.py, which also checks that the page matches).
 """
 
 from __future__ import annotations
