@@ -33,6 +33,8 @@ def test_a_trial_counts_the_measured_requests_from_the_first_send_to_the_last_to
     assert t["total_throughput"] == pytest.approx(23 / 0.8)  # and their 10-token prompts
     assert t["ttft_ms"]["mean"] == pytest.approx(200) and t["ttft_ms"]["p50"] == pytest.approx(200)
     assert t["attainment"] == 0.5 and t["goodput"] == pytest.approx(1.25)  # request 2's TTFT is 300 ms
+    # the drain: request 2's send (1.0 s) to its last token (1.3 s), of the 0.8 s measured
+    assert t["drain_s"] == pytest.approx(0.3) and t["drain_share"] == pytest.approx(0.375)
     halved = trial_metrics(RECORDS, ranks=2, warmup=1, slo=None)
     assert halved["request_throughput"] == pytest.approx(1.25) and "goodput" not in halved  # per rank
 
@@ -52,6 +54,15 @@ def test_percentiles_intervals_and_the_highest_rate():
     # 8/s met again, but 4/s did not: the answer is 2/s
     assert max_sustained_rate([8.0, 1.0, 2.0, 4.0], [0.95, 1.0, 0.95, 0.5], 0.9) == 2.0
     assert max_sustained_rate([1.0], [0.5], 0.9) is None
+
+
+def test_a_rate_met_only_in_a_drain_proves_nothing():
+    """Without the steady flags, a sweep of short runs claims its highest rate: every request arrived
+    in a burst and was served by a server emptying, at no rate at all."""
+    met = [1.0, 1.0, 1.0]
+    assert max_sustained_rate([2.0, 16.0, 32.0], met, 0.9) == 32.0
+    assert max_sustained_rate([2.0, 16.0, 32.0], met, 0.9, steady=[True, False, True]) == 2.0
+    assert max_sustained_rate([16.0, 32.0], [1.0, 1.0], 0.9, steady=[False, False]) is None
 
 
 def test_slo_met_and_described():

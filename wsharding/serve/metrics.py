@@ -8,8 +8,10 @@ last token). Over a trial: their mean, p50, p90 and p99 (linear interpolation, a
 **goodput**, the requests per second per rank that met every SLO.
 
 Steady state (:func:`trial_metrics`): the first ``warmup`` requests of each rank (by arrival) met an
-empty server and are left out. Trials repeat a point with other
-seeds; a metric over trials is its mean and the half-width of a 95 % Student-t interval.
+empty server and are left out. The **drain** is the time from the last measured request's send to the
+last token: a run of too few requests for its rate is mostly drain -- a burst, not a steady state --
+and a rate that met the SLOs only so proves nothing (:data:`STEADY_DRAIN`). Trials repeat a point with
+other seeds; a metric over trials is its mean and the half-width of a 95 % Student-t interval.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+#: The largest share of a trial's measured time that may be its drain for the point to count as a
+#: steady state: above it, requests kept arriving for less than half the time measured, so most of
+#: them were served by a server emptying, not by one at its rate (a deployment never drains).
+STEADY_DRAIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -110,19 +117,23 @@ def trial_metrics(records: list[dict[str, Any]], ranks: int, warmup: int, slo: S
     Only the **measured** requests count: each rank's, but its first ``warmup`` (they met an empty
     server). The duration runs from the first measured request's send to the last measured request's
     last token -- vLLM's benchmark duration, over the measured requests; it includes the drain after
-    the last arrival, as vLLM's does, which a run of many requests makes small. Goodput: the measured
-    requests that met every SLO, per second."""
+    the last arrival, as vLLM's does, which a run of many requests makes small: ``drain_share`` says
+    how small (the drain's share of the duration). Goodput: the measured requests that met every SLO,
+    per second."""
     measured = [r for r in records if r["rid"] >= warmup]
     if not measured:
         raise InvalidArgument(f"no request left to measure: {warmup} warm-up requests per rank of "
                               f"{len(records) // max(ranks, 1)}")
     per = [request_metrics(r) for r in measured]
-    duration = max(r["token_s"][-1] for r in measured) - min(r["sent_s"] for r in measured)
+    end = max(r["token_s"][-1] for r in measured)
+    duration = end - min(r["sent_s"] for r in measured)
+    drain = end - max(r["sent_s"] for r in measured)
     rate = 1.0 / (duration * ranks) if duration > 0 else 0.0
     out_tokens = sum(r["output_tokens"] for r in measured)
     in_tokens = sum(r["prompt_tokens"] for r in measured)
     result: dict[str, Any] = {
-        "measured": len(measured), "duration_s": duration, "request_throughput": len(measured) * rate,
+        "measured": len(measured), "duration_s": duration, "drain_s": drain,
+        "drain_share": drain / duration if duration > 0 else 1.0, "request_throughput": len(measured) * rate,
         "output_throughput": out_tokens * rate, "total_throughput": (in_tokens + out_tokens) * rate,
         "preempted": sum(r["preempted"] for r in measured),
         "ttft_ms": stats([m["ttft_ms"] for m in per]), "e2e_ms": stats([m["e2e_ms"] for m in per]),
@@ -158,13 +169,23 @@ def over_trials(trials: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def max_sustained_rate(rates: list[float], attainments: list[float | None], target: float) -> float | None:
+def is_steady(rate: float | None, drain_share: float | None) -> bool:
+    """Whether a point of a sweep was a steady state: all at once is a declared burst (it counts as
+    itself); at a rate, the drain was at most :data:`STEADY_DRAIN` of the time measured."""
+    return rate is None or (drain_share is not None and drain_share <= STEADY_DRAIN)
+
+
+def max_sustained_rate(rates: list[float], attainments: list[float | None], target: float,
+                       steady: list[bool] | None = None) -> float | None:
     """The highest rate up to which every rate of the sweep (ascending) met the SLOs for ``target`` of
     its requests (mean over trials); None when the lowest did not. Requiring every lower rate too keeps
-    one lucky point above a failing one from counting."""
+    one lucky point above a failing one from counting. ``steady``: per rate, whether it was a steady
+    state (:data:`STEADY_DRAIN`); the sweep stops at the first that was not and met the SLOs (it
+    proves nothing), as at one that missed them (a drain only flatters: more requests would miss too)."""
     best = None
-    for rate, a in sorted(zip(rates, attainments, strict=True), key=lambda x: x[0]):
-        if a is None or a < target:
+    steady = [True] * len(rates) if steady is None else steady
+    for rate, a, ok in sorted(zip(rates, attainments, steady, strict=True), key=lambda x: x[0]):
+        if a is None or a < target or not ok:
             break
         best = rate
     return best

@@ -23,7 +23,7 @@ from wsharding.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
-from wsharding.lab.bench.serve_report import format_table, summarize
+from wsharding.lab.bench.serve_report import format_table, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.progress import Stages
@@ -34,8 +34,8 @@ from wsharding.serve import Workload, activation_reserve_bytes
 from wsharding.serve.metrics import SLO
 from wsharding.serve.step import context_buckets
 
-__all__ = ["ServeMismatch", "default_cpu_budgets", "format_table", "kv_room", "replicated_footprint",
-           "run_serve_bench", "summarize"]
+__all__ = ["ServeMismatch", "default_cpu_budgets", "format_table", "kv_room", "read_serve_report",
+           "replicated_footprint", "run_serve_bench", "summarize"]
 
 #: Share of the workload's whole KV demand per rank that :func:`default_cpu_budgets` leaves for the
 #: replicated model's pool: a quarter and a half (the pool limits it) and one and a half (room to spare).
@@ -207,6 +207,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true", help="also serve the sharded model with plain slots where it maps its own chunk")
     p.add_argument("--no-check", action="store_true", help="skip the replay that checks the tokens (not for a saved result)")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="serve nothing: print a saved report (its .json) under today's rules (steady states), "
+                        "and write it again with its figure under --json")
     out = default_output("bench_serve")
     p.add_argument("--json", default=out, metavar="PREFIX",
                    help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
@@ -219,6 +222,13 @@ def _figure(report: dict[str, Any]) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.report is not None:
+        report = read_serve_report(args.report)
+        print(format_table(report))
+        if args.json:
+            check_output_path(args.json + ".json", "--json")
+            save_report(report, args.json, _figure)
+        return 0
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
     if args.utilization is not None and args.memory_gib is None and not gpus:

@@ -1,23 +1,38 @@
 """The report of ``wsharding bench serve`` from every rank's result, and its text.
 
 The headline (:func:`answer`) is the highest request rate each variant sustains within the SLOs and
-the goodput ratio at every rate of the sweep, under a budget whose KV share is printed. Beside it:
-per sharded layer, gather against compute at the shapes the run used, with the cost model's
-prediction for the same layer on the GPUs of its datasheet.
+the goodput ratio at every rate of the sweep, under a budget whose KV share is printed. A rate counts
+only where the run was a steady state (:data:`~wsharding.serve.metrics.STEADY_DRAIN`): a point that
+was mostly the drain after the last arrival is flagged, and the answer says where it stopped and why
+("at least" when every rate tried passed). Beside it: per sharded layer, gather against compute at
+the shapes the run used, with the cost model's prediction for the same layer on the GPUs of its
+datasheet. :func:`read_serve_report` reads a saved report back and applies today's rules to it.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 import time
+from collections import defaultdict
 from typing import Any
 
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.costmodel.devices import get_device
 from wsharding.costmodel.plan import breakeven, gather_seconds
+from wsharding.io_checks import read_saved_report
 from wsharding.serve import BLOCK_TOKENS, pool_blocks
-from wsharding.serve.metrics import SLO, max_sustained_rate, over_trials, request_metrics, trial_metrics
+from wsharding.serve.metrics import (
+    SLO,
+    interval,
+    is_steady,
+    max_sustained_rate,
+    over_trials,
+    request_metrics,
+    trial_metrics,
+)
 
 #: The datasheet the per-layer prediction uses (a deployment's GPUs, not the machine that ran).
 PREDICT_ON = "h200"
@@ -71,14 +86,30 @@ def _mean(point: dict[str, Any], key: str) -> float | None:
     return point[key]["mean"] if key in point else None
 
 
+def steady(point: dict[str, Any], variant: str) -> bool:
+    """Whether ``variant`` ran a steady state at this point of a report (:func:`~wsharding.serve.metrics.is_steady`)."""
+    return is_steady(point["rate"], point[variant]["drain_share"]["mean"])
+
+
 def answer(row: dict[str, Any], rates: list[float | None], variants: list[str], slo: SLO | None) -> dict[str, Any]:
-    """The highest rate each variant sustains (:func:`~wsharding.serve.metrics.max_sustained_rate`;
-    all at once counts as infinite) and the goodput ratio of each sharded variant at each rate."""
+    """The highest rate each variant sustains (:func:`~wsharding.serve.metrics.max_sustained_rate`
+    over the steady points; all at once counts as infinite), where and why its sweep stopped
+    (``stopped``: None when every rate tried passed, so the rate is a lower bound), and the goodput
+    ratio of each sharded variant at each rate."""
     if slo is None:
         return {"max_rate": None, "goodput_ratio": None}
     xs = [math.inf if r is None else r for r in rates]
-    best = {v: max_sustained_rate(xs, [_mean(p[v], "attainment") for p in row["points"]], slo.attainment)
-            for v in variants}
+    best, stopped = {}, {}
+    for v in variants:
+        met = [_mean(p[v], "attainment") for p in row["points"]]
+        ok = [steady(p, v) for p in row["points"]]
+        best[v] = max_sustained_rate(xs, met, slo.attainment, ok)
+        after = sorted((x, m, k) for x, m, k in zip(xs, met, ok, strict=True) if best[v] is None or x > best[v])
+        stopped[v] = None
+        if after:
+            x, m, _ = after[0]
+            stopped[v] = {"rate": None if math.isinf(x) else x,
+                          "why": "missed the SLO" if m is None or m < slo.attainment else "not a steady state"}
     ratio = {}
     for v in variants[1:]:
         ratio[v] = []
@@ -87,7 +118,30 @@ def answer(row: dict[str, Any], rates: list[float | None], variants: list[str], 
             ratio[v].append(got / rep if rep else None)
     return {"max_rate": {v: (None if b is None else (None if math.isinf(b) else b)) for v, b in best.items()},
             "all_at_once_sustained": {v: b is not None and math.isinf(b) for v, b in best.items()},
-            "goodput_ratio": ratio}
+            "stopped": stopped, "goodput_ratio": ratio}
+
+
+def answer_text(row: dict[str, Any], variants: list[str]) -> str:
+    """The answer as one sentence: per variant the highest rate sustained and where its sweep stopped
+    and why, then the goodput ratio at each rate (the ANSWER line of :func:`format_table`)."""
+    a = row["answer"]
+    best = []
+    for v in variants:
+        stop = a["stopped"][v]
+        if a["all_at_once_sustained"][v]:
+            best.append(f"{v} all at once (a burst)")
+            continue
+        rate = f"{a['max_rate'][v]:g}/s" if a["max_rate"][v] is not None else (
+            "not established" if stop and stop["why"] == "not a steady state" else "none of the rates")
+        if stop is None:
+            rate = f"at least {rate} (every rate tried)"
+        else:
+            rate += f" ({rate_label(stop['rate'])} {stop['why']})"
+        best.append(f"{v} {rate}")
+    ratios = "; ".join(f"{v}/replicated " + ", ".join(f"{rate_label(p['rate'])} {_v(g, '.2f')}x"
+                                                       for p, g in zip(row["points"], a["goodput_ratio"][v], strict=True))
+                       for v in variants[1:])
+    return f"highest rate sustained within the SLO per rank: {'; '.join(best)}; goodput {ratios}"
 
 
 def predicted_layers(measured: list[dict[str, Any]], ranks: int, itemsize: int) -> list[dict[str, Any]]:
@@ -245,7 +299,11 @@ def format_table(report: dict[str, Any]) -> str:
                                  for v in variants)
                      + "; cost model: " + ", ".join(f"{v} {row['predicted'][v]['pool_tokens']:,}" for v in variants[1:]))
         for p in row["points"]:
-            lines.append(f"   rate {rate_label(p['rate'])} per rank:")
+            drains = [v for v in variants if not steady(p, v)]
+            lines.append(f"   rate {rate_label(p['rate'])} per rank:" + ("" if not drains else
+                         " NOT A STEADY STATE for " + ", ".join(f"{v} (drain {p[v]['drain_share']['mean']:.0%} of the "
+                                                                "time measured)" for v in drains)
+                         + ": requests stopped arriving early, more --requests"))
             lines.append(head)
             for v in variants:
                 x = p[v]
@@ -257,15 +315,8 @@ def format_table(report: dict[str, Any]) -> str:
                              f"{_v(x['itl_ms']['p99']['mean']):>10}"
                              f"{_v(x['e2e_ms']['p50']['mean']) + '/' + _v(x['e2e_ms']['p99']['mean']):>22}"
                              f"{good:>13}{met:>6}{x['max_concurrency']:>5}{x['preemptions']:>8}")
-        a = row["answer"]
-        if a["max_rate"] is not None:
-            best = ", ".join(f"{v} " + ("all at once" if a["all_at_once_sustained"][v] else
-                                        "none of the rates" if a["max_rate"][v] is None else f"{a['max_rate'][v]:g}/s")
-                             for v in variants)
-            ratios = "; ".join(f"{v}/replicated " + ", ".join(f"{rate_label(p['rate'])} {_v(g, '.2f')}x"
-                                                               for p, g in zip(row["points"], a["goodput_ratio"][v], strict=True))
-                               for v in variants[1:])
-            lines.append(f"   ANSWER: highest rate sustained within the SLO per rank: {best}; goodput {ratios}")
+        if row["answer"]["max_rate"] is not None:
+            lines.append(f"   ANSWER: {answer_text(row, variants)}")
     lines.append(design_line(design_kv_capacity()))
     lines += _layer_lines(report)
     own = report["own_schedule_differ"]
@@ -316,3 +367,38 @@ def _layer_lines(report: dict[str, Any]) -> list[str]:
                      f"{med['predicted_compute_us']:,.1f} us; the gather hides from {med['predicted_hide_tokens']:,.0f} "
                      "tokens per step)")
     return lines
+
+
+def with_todays_rules(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with each point's drain share (from its per-request records, as
+    :func:`~wsharding.serve.metrics.trial_metrics` computes it, where a report saved before the rule
+    lacks it) and each answer computed again under today's rules."""
+    ends: dict[tuple, list[float]] = defaultdict(lambda: [math.inf, -math.inf, -math.inf])
+    for q in report["requests"]:
+        if q["measured"]:
+            e = ends[(q["budget"], q["rate"], q["variant"], q["trial"])]
+            e[0], e[1], e[2] = min(e[0], q["sent_s"]), max(e[1], q["sent_s"]), max(e[2], q["last_token_s"])
+    slo = None if report.get("slo") is None else SLO(**report["slo"])
+    for b, row in enumerate(report["rows_by_budget"]):
+        for p in row["points"]:
+            for v in report["variants"]:
+                if "drain_share" not in p[v]:
+                    shares = [(e[2] - e[1]) / (e[2] - e[0]) for (bb, r, vv, _), e in ends.items()
+                              if bb == b and r == p["rate"] and vv == v and e[2] > e[0]]
+                    p[v]["drain_share"] = interval(shares)
+        row["answer"] = answer(row, report["rates"], report["variants"], slo)
+    return report
+
+
+def read_serve_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A report ``wsharding bench serve --json`` saved, read back (a regular file of at most the
+    report limit, JSON, a serve report of this schema) with :func:`with_todays_rules` applied."""
+    try:
+        report = read_saved_report(path)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"{path}: not JSON ({e}); pass the .json that wsharding bench serve --json wrote") from None
+    if not isinstance(report, dict) or report.get("bench") != "serve":
+        raise InvalidArgument(f"{path}: not a report of wsharding bench serve (its 'bench' field is not 'serve')")
+    if report.get("schema") != 2:
+        format_table(report)  # names the old benchmark
+    return with_todays_rules(report)

@@ -12,6 +12,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from wsharding.serve.metrics import is_steady
+
 COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c", "sharded_plain": "#98df8a"}
 
 #: Said beside a run on CPU ranks (the first words are the test's handle).
@@ -39,8 +41,9 @@ def _budget_title(report: dict[str, Any], row: dict[str, Any]) -> str:
 def goodput_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
     """Goodput (requests per second per rank that met every SLO) against the request rate, both
     variants, one panel per budget, with 95 % intervals over trials; a dotted line marks the highest
-    rate each variant sustains (SLO attainment at least the target at it and every lower rate). The
-    SLO is stated in the title. A rate of "all at once" is drawn right of the others."""
+    rate each variant sustains (SLO attainment at least the target at it and every lower rate, each
+    a steady state); an open marker is a point that was mostly its drain. The SLO is stated in the
+    title. A rate of "all at once" is drawn right of the others."""
     rows = report["rows_by_budget"]
     rates = report["rates"]
     finite = [r for r in rates if r is not None]
@@ -55,11 +58,15 @@ def goodput_figure(report: dict[str, Any], title: str | None = None) -> go.Figur
             y = [p[v]["goodput"]["mean"] if "goodput" in p[v] else None for p in pts]
             err = [(p[v]["goodput"]["half"] or 0.0) if "goodput" in p[v] else 0.0 for p in pts]
             met = [p[v]["attainment"]["mean"] if "attainment" in p[v] else None for p in pts]
+            ok = [is_steady(p["rate"], p[v]["drain_share"]["mean"]) for p in pts]
             fig.add_trace(go.Scatter(x=xs, y=y, mode="lines+markers", name=v, legendgroup=v, showlegend=col == 1,
                                      line={"color": c, "width": 3}, error_y={"type": "data", "array": err, "visible": True},
-                                     customdata=[[rate_label(r), m if m is not None else math.nan] for r, m in zip(rates, met, strict=True)],
+                                     marker={"size": 10, "symbol": ["circle" if k else "circle-open" for k in ok]},
+                                     customdata=[[rate_label(r), m if m is not None else math.nan,
+                                                  "" if k else "<br>NOT a steady state (mostly the drain): proves no rate"]
+                                                 for r, m, k in zip(rates, met, ok, strict=True)],
                                      hovertemplate=v + " at %{customdata[0]}: goodput %{y:.2f}/s<br>"
-                                                   "SLO met by %{customdata[1]:.0%}<extra></extra>"),
+                                                   "SLO met by %{customdata[1]:.0%}%{customdata[2]}<extra></extra>"),
                           row=1, col=col)
             best = (row["answer"]["max_rate"] or {}).get(v)
             if best is not None:
