@@ -198,3 +198,20 @@ def test_slo_parsing():
         SLO.parse("ttft:500")
     with pytest.raises(Exception, match="name at least one"):
         SLO.parse("attainment=0.5")
+
+
+def test_from_json_prints_a_saved_report_and_refuses_what_is_not_one(tmp_path, capsys):
+    from pathlib import Path
+
+    from wsharding.lab import cli
+    from wsharding.lab.bench.step import MEASUREMENTS, saved_path
+
+    saved = saved_path("bench_serve_k3-like_2ranks_1gpu_steady_share05.json",
+                       Path(__file__).resolve().parents[2] / MEASUREMENTS)
+    assert cli.main(["bench", "serve", "--from-json", str(saved), "--json", ""]) == 0
+    out = capsys.readouterr().out
+    assert "replicated at least 5/s (every rate tried); sharded at least 5/s (every rate tried)" in out
+    assert "NOTE: time-sliced" in out and list(tmp_path.iterdir()) == []
+    (tmp_path / "x.json").write_text("[]")
+    assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "x.json")]) != 0
+    assert "not a report of wsharding bench serve" in capsys.readouterr().err

@@ -5,7 +5,6 @@ top of the checkout when a command runs anywhere inside it, and in ``./wsharding
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 from pathlib import Path
 
@@ -89,7 +88,7 @@ def test_running_the_defaults_leaves_git_status_unchanged(monkeypatch, capsys):
     before = _git_status()
     monkeypatch.chdir(ROOT / "tests")
     assert cli.main(["demo", "--figures-from", str(ROOT / "figures" / "demo_cpu_report.json")]) == 0
-    saved = json.loads(SAVED_SERVE.read_text())
+    saved = bench_serve.read_serve_report(SAVED_SERVE)
     monkeypatch.setattr(bench_serve, "run_serve_bench", lambda *a, **k: saved)
     assert cli.main(["bench", "serve"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,6 @@ from a hang: before, `wsharding demo` printed nothing for 13-20 s and `bench ser
 from __future__ import annotations
 
 import io
-import json
 import time
 from pathlib import Path
 
@@ -54,7 +53,7 @@ def test_bench_serve_asks_its_ranks_for_progress(monkeypatch, capsys, tmp_path):
 
     def fake(*args, **kwargs):
         seen.update(kwargs)
-        return json.loads(SAVED.read_text())
+        return bench_serve.read_serve_report(SAVED)
 
     monkeypatch.setattr(bench_serve, "run_serve_bench", fake)
     assert cli.main(["bench", "serve", "--json", str(tmp_path / "r")]) == 0

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from wsharding.lab.bench.serve import read_serve_report
 from wsharding.lab.viz.serve import goodput_figure, serve_figure
 from wsharding.lab.widgets.serve import _count
 
@@ -13,7 +13,7 @@ SAVED = Path(__file__).parents[2] / "docs" / "measurements" / "cpu-2026-12-04" /
 
 
 def test_legends_sit_below_the_x_axis_title():
-    report = json.loads(SAVED.read_text())
+    report = read_serve_report(SAVED)
     for fig in (goodput_figure(report), serve_figure(report, title="t")):
         legend = fig.layout.legend
         assert legend.y <= -0.3 and legend.yanchor == "top" and fig.layout.margin.b >= 150

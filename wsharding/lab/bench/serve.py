@@ -207,7 +207,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true", help="also serve the sharded model with plain slots where it maps its own chunk")
     p.add_argument("--no-check", action="store_true", help="skip the replay that checks the tokens (not for a saved result)")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
-    p.add_argument("--report", default=None, metavar="JSON",
+    p.add_argument("--from-json", default=None, metavar="SAVED",
                    help="serve nothing: print a saved report (its .json) under today's rules (steady states), "
                         "and write it again with its figure under --json")
     out = default_output("bench_serve")
@@ -222,8 +222,8 @@ def _figure(report: dict[str, Any]) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.report is not None:
-        report = read_serve_report(args.report)
+    if args.from_json is not None:
+        report = read_serve_report(args.from_json)
         print(format_table(report))
         if args.json:
             check_output_path(args.json + ".json", "--json")
