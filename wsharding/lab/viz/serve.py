@@ -7,6 +7,7 @@ measures anything. Every figure states the SLO and, for CPU ranks or a time-slic
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 import plotly.graph_objects as go
@@ -24,12 +25,16 @@ def rate_label(rate: float | None) -> str:
     return "all at once" if rate is None else f"{rate:g}/s"
 
 
+#: Characters per subtitle line: a GPU run's set-up is one long sentence, cut at the figure's edge in
+#: a notebook's output area if it is not broken (``tests/lab/test_browser.py`` checks every label).
+SUBTITLE_WIDTH = 95
+
+
 def _setup(report: dict[str, Any]) -> str:
     text = (f"{report['mode']}, {report['world_size']} ranks, {report['preset']}, {report['workload_text']}, "
             f"{report['trials']} trial(s) per point (95 % intervals)")
-    if report["device"] == "cpu":
-        return text + "<br>" + NOISE_NOTE
-    return "<br>".join([text, *report["notes"]])
+    lines = [text, NOISE_NOTE] if report["device"] == "cpu" else [text, *report["notes"]]
+    return "<br>".join(part for line in lines for part in textwrap.wrap(line, SUBTITLE_WIDTH))
 
 
 def _budget_title(report: dict[str, Any], row: dict[str, Any]) -> str:
