@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from wsharding.serve.metrics import SLO, interval, max_sustained_rate, percentile, request_metrics, trial_metrics
+from wsharding.serve.metrics import SLO, interval, percentile, request_metrics, sweep_answer, trial_metrics
 
 
 def _rec(rid: int, sent: float, tokens: list[float], prompt: int = 10) -> dict:
@@ -52,17 +52,21 @@ def test_percentiles_intervals_and_the_highest_rate():
     assert iv["mean"] == 2.0 and iv["half"] == pytest.approx(4.303 / math.sqrt(3)) and iv["n"] == 3
     assert interval([5.0])["half"] is None
     # 8/s met again, but 4/s did not: the answer is 2/s
-    assert max_sustained_rate([8.0, 1.0, 2.0, 4.0], [0.95, 1.0, 0.95, 0.5], 0.9) == 2.0
-    assert max_sustained_rate([1.0], [0.5], 0.9) is None
+    assert sweep_answer([8.0, 1.0, 2.0, 4.0], [0.95, 1.0, 0.95, 0.5], 0.9) == (2.0, {"rate": 4.0, "why": "missed the SLO"})
+    assert sweep_answer([1.0], [0.5], 0.9) == (None, {"rate": 1.0, "why": "missed the SLO"})
+    assert sweep_answer([1.0, 2.0], [1.0, 0.95], 0.9) == (2.0, None)  # every rate passed: 2/s is a lower bound
 
 
 def test_a_rate_met_only_in_a_drain_proves_nothing():
     """Without the steady flags, a sweep of short runs claims its highest rate: every request arrived
     in a burst and was served by a server emptying, at no rate at all."""
     met = [1.0, 1.0, 1.0]
-    assert max_sustained_rate([2.0, 16.0, 32.0], met, 0.9) == 32.0
-    assert max_sustained_rate([2.0, 16.0, 32.0], met, 0.9, steady=[True, False, True]) == 2.0
-    assert max_sustained_rate([16.0, 32.0], [1.0, 1.0], 0.9, steady=[False, False]) is None
+    assert sweep_answer([2.0, 16.0, 32.0], met, 0.9) == (32.0, None)
+    assert sweep_answer([2.0, 16.0, 32.0], met, 0.9, steady=[True, False, True]) == (
+        2.0, {"rate": 16.0, "why": "not a steady state"})
+    assert sweep_answer([16.0, 32.0], [1.0, 1.0], 0.9, steady=[False, False])[0] is None
+    # a miss stands even where the run was not steady: a short run only flatters a rate
+    assert sweep_answer([2.0, 16.0], [1.0, 0.5], 0.9, steady=[True, False])[1] == {"rate": 16.0, "why": "missed the SLO"}
 
 
 def test_slo_met_and_described():

@@ -125,15 +125,13 @@ def trial_metrics(records: list[dict[str, Any]], ranks: int, warmup: int, slo: S
         raise InvalidArgument(f"no request left to measure: {warmup} warm-up requests per rank of "
                               f"{len(records) // max(ranks, 1)}")
     per = [request_metrics(r) for r in measured]
-    end = max(r["token_s"][-1] for r in measured)
-    duration = end - min(r["sent_s"] for r in measured)
-    drain = end - max(r["sent_s"] for r in measured)
+    duration, drain, drain_share = measured_window([r["sent_s"] for r in measured], [r["token_s"][-1] for r in measured])
     rate = 1.0 / (duration * ranks) if duration > 0 else 0.0
     out_tokens = sum(r["output_tokens"] for r in measured)
     in_tokens = sum(r["prompt_tokens"] for r in measured)
     result: dict[str, Any] = {
         "measured": len(measured), "duration_s": duration, "drain_s": drain,
-        "drain_share": drain / duration if duration > 0 else 1.0, "request_throughput": len(measured) * rate,
+        "drain_share": drain_share, "request_throughput": len(measured) * rate,
         "output_throughput": out_tokens * rate, "total_throughput": (in_tokens + out_tokens) * rate,
         "preempted": sum(r["preempted"] for r in measured),
         "ttft_ms": stats([m["ttft_ms"] for m in per]), "e2e_ms": stats([m["e2e_ms"] for m in per]),
@@ -175,17 +173,30 @@ def is_steady(rate: float | None, drain_share: float | None) -> bool:
     return rate is None or (drain_share is not None and drain_share <= STEADY_DRAIN)
 
 
-def max_sustained_rate(rates: list[float], attainments: list[float | None], target: float,
-                       steady: list[bool] | None = None) -> float | None:
+def measured_window(sends: list[float], ends: list[float]) -> tuple[float, float, float]:
+    """(duration, drain, drain share) of a trial's measured requests from their send times and last
+    tokens: the duration from the first send to the last token, the drain from the last send to it."""
+    end = max(ends)
+    duration, drain = end - min(sends), end - max(sends)
+    return duration, drain, drain / duration if duration > 0 else 1.0
+
+
+def sweep_answer(rates: list[float], attainments: list[float | None], target: float,
+                 steady: list[bool] | None = None) -> tuple[float | None, dict[str, Any] | None]:
     """The highest rate up to which every rate of the sweep (ascending) met the SLOs for ``target`` of
-    its requests (mean over trials); None when the lowest did not. Requiring every lower rate too keeps
-    one lucky point above a failing one from counting. ``steady``: per rate, whether it was a steady
-    state (:data:`STEADY_DRAIN`); the sweep stops at the first that was not and met the SLOs (it
-    proves nothing), as at one that missed them (a drain only flatters: more requests would miss too)."""
+    its requests (mean over trials), None when the lowest did not; and where the sweep stopped --
+    ``{"rate": r, "why": ...}``, None when every rate passed (the rate is then a lower bound).
+    Requiring every lower rate too keeps one lucky point above a failing one from counting.
+    ``steady``: per rate, whether it was a steady state (:data:`STEADY_DRAIN`); the sweep stops at
+    the first that was not and met the SLOs (it proves nothing), as at one that missed them (a short
+    run flatters a rate, so a miss in one stands)."""
     best = None
     steady = [True] * len(rates) if steady is None else steady
     for rate, a, ok in sorted(zip(rates, attainments, steady, strict=True), key=lambda x: x[0]):
-        if a is None or a < target or not ok:
-            break
+        if a is None or a < target:
+            return best, {"rate": rate, "why": "missed the SLO"}
+        if not ok:
+            return best, {"rate": rate, "why": "not a steady state"}
         best = rate
-    return best
+    return best, None
+

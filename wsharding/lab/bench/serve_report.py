@@ -28,9 +28,10 @@ from wsharding.serve.metrics import (
     SLO,
     interval,
     is_steady,
-    max_sustained_rate,
+    measured_window,
     over_trials,
     request_metrics,
+    sweep_answer,
     trial_metrics,
 )
 
@@ -92,7 +93,7 @@ def steady(point: dict[str, Any], variant: str) -> bool:
 
 
 def answer(row: dict[str, Any], rates: list[float | None], variants: list[str], slo: SLO | None) -> dict[str, Any]:
-    """The highest rate each variant sustains (:func:`~wsharding.serve.metrics.max_sustained_rate`
+    """The highest rate each variant sustains (:func:`~wsharding.serve.metrics.sweep_answer`
     over the steady points; all at once counts as infinite), where and why its sweep stopped
     (``stopped``: None when every rate tried passed, so the rate is a lower bound), and the goodput
     ratio of each sharded variant at each rate."""
@@ -102,14 +103,9 @@ def answer(row: dict[str, Any], rates: list[float | None], variants: list[str], 
     best, stopped = {}, {}
     for v in variants:
         met = [_mean(p[v], "attainment") for p in row["points"]]
-        ok = [steady(p, v) for p in row["points"]]
-        best[v] = max_sustained_rate(xs, met, slo.attainment, ok)
-        after = sorted((x, m, k) for x, m, k in zip(xs, met, ok, strict=True) if best[v] is None or x > best[v])
-        stopped[v] = None
-        if after:
-            x, m, _ = after[0]
-            stopped[v] = {"rate": None if math.isinf(x) else x,
-                          "why": "missed the SLO" if m is None or m < slo.attainment else "not a steady state"}
+        best[v], stopped[v] = sweep_answer(xs, met, slo.attainment, [steady(p, v) for p in row["points"]])
+        if stopped[v] is not None and math.isinf(stopped[v]["rate"]):
+            stopped[v]["rate"] = None
     ratio = {}
     for v in variants[1:]:
         ratio[v] = []
@@ -265,12 +261,17 @@ def notes(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The report as text: the set-up, per budget the pools and their share of it, per rate both
-    variants (means ±95 % intervals over trials), the answer, the layers' gather against compute."""
+def check_schema(report: dict[str, Any]) -> None:
+    """Refuse a report of the fixed-row benchmark that came before this one, by name."""
     if report.get("schema") != 2:
         raise InvalidArgument("this serve report was written by the fixed-row benchmark before issue 39 (steps of a "
                               "fixed row count, a drain): re-run wsharding bench serve")
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as text: the set-up, per budget the pools and their share of it, per rate both
+    variants (means ±95 % intervals over trials), the answer, the layers' gather against compute."""
+    check_schema(report)
     s = report["sizing"]
     variants = report["variants"]
     lines = [f"wsharding bench serve -- {report['mode']}, {report['world_size']} ranks"
@@ -373,19 +374,19 @@ def with_todays_rules(report: dict[str, Any]) -> dict[str, Any]:
     """``report`` with each point's drain share (from its per-request records, as
     :func:`~wsharding.serve.metrics.trial_metrics` computes it, where a report saved before the rule
     lacks it) and each answer computed again under today's rules."""
-    ends: dict[tuple, list[float]] = defaultdict(lambda: [math.inf, -math.inf, -math.inf])
+    windows: dict[tuple, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for q in report["requests"]:
         if q["measured"]:
-            e = ends[(q["budget"], q["rate"], q["variant"], q["trial"])]
-            e[0], e[1], e[2] = min(e[0], q["sent_s"]), max(e[1], q["sent_s"]), max(e[2], q["last_token_s"])
+            sends, ends = windows[(q["budget"], q["rate"], q["variant"], q["trial"])]
+            sends.append(q["sent_s"])
+            ends.append(q["last_token_s"])
     slo = None if report.get("slo") is None else SLO(**report["slo"])
     for b, row in enumerate(report["rows_by_budget"]):
         for p in row["points"]:
             for v in report["variants"]:
                 if "drain_share" not in p[v]:
-                    shares = [(e[2] - e[1]) / (e[2] - e[0]) for (bb, r, vv, _), e in ends.items()
-                              if bb == b and r == p["rate"] and vv == v and e[2] > e[0]]
-                    p[v]["drain_share"] = interval(shares)
+                    p[v]["drain_share"] = interval(measured_window(*w)[2] for (bb, r, vv, _), w in windows.items()
+                                                   if bb == b and r == p["rate"] and vv == v)
         row["answer"] = answer(row, report["rates"], report["variants"], slo)
     return report
 
@@ -399,6 +400,5 @@ def read_serve_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise InvalidArgument(f"{path}: not JSON ({e}); pass the .json that wsharding bench serve --json wrote") from None
     if not isinstance(report, dict) or report.get("bench") != "serve":
         raise InvalidArgument(f"{path}: not a report of wsharding bench serve (its 'bench' field is not 'serve')")
-    if report.get("schema") != 2:
-        format_table(report)  # names the old benchmark
+    check_schema(report)
     return with_todays_rules(report)
