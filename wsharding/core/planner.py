@@ -45,6 +45,24 @@ peers issue in this step (they are the right layers' bytes for them) and joins t
 fails marks its slot empty and fails the forward that joins it, naming the layer, the step and the
 group. A second thread entering a step while one runs is refused.
 
+[Note: one collective sequence per step]
+The steps' gathers of all ranks pair by their order on the channel: the k-th gather a rank issues
+meets the k-th of every peer. So every rank issues every gather of its step's schedule, whatever its
+blocks did: one that missed (its schedule given up for the rest of the step) or refused
+(``on_miss="raise"``) still issues the rest at :meth:`end_step`, once its blocks are done. Left
+unissued, a peer's pending gathers would pair with this rank's next step -- layer 2 of one rank
+beside layer 0 of the other: wrong outputs on every rank, no error, for steps, until a timeout. Only
+a gather of the step that failed (its channel broken) stops the rest.
+
+[Note: the stamp of a gather outside the steps]
+The channel for gathers outside the steps pairs whatever its ranks send: rank 0 calling block 0 on
+its own while rank 1 calls block 1 would give each a layer made of both layers' chunks. So each rank
+sends its chunk with a 16-byte stamp after it (a magic number, the layer, the step) and every rank
+compares all stamps it received before a byte is used: different ones raise
+:class:`MismatchedGatherError` on every rank of the gather, the slot marked empty. The stamp travels
+in a host buffer the gather is staged in anyway (both backends take this rare, warned path through
+host memory), so no layout, resident byte or formula changes, and the steps' own gathers pay nothing.
+
 [Note: the hot path]: a block's start and end cost a thread-id compare, a slot lookup and, where the
 schedule says so, a gather's start; everything else is decided when the schedule is made.
 """
@@ -102,6 +120,33 @@ class PlannerClosedError(CommError):
 
 class ConcurrentStepError(ShardingError):
     """A second thread entered a sharded forward while a step of this model runs in another."""
+
+
+class MismatchedGatherError(ShardingError):
+    """A gather combined chunks of different layers or steps ([Note: the stamp of a gather outside the
+    steps]): refused on every rank of the gather, its slot marked empty."""
+
+
+#: The stamp's bytes: a magic number, the layer (int32) and the step (int64), in the host's byte order.
+STAMP_BYTES = 16
+_STAMP_MAGIC = 0x5753_4844  # "WSHD"
+
+
+def stamp_of(layer: int, step: int) -> torch.Tensor:
+    """The 16-byte stamp of ``layer``'s gather in ``step`` (a uint8 tensor on the host)."""
+    t = torch.empty(STAMP_BYTES, dtype=torch.uint8)
+    t[:8].view(torch.int32).copy_(torch.tensor([_STAMP_MAGIC, layer], dtype=torch.int32))
+    t[8:].view(torch.int64).fill_(step)
+    return t
+
+
+def read_stamp(raw: torch.Tensor) -> tuple[int, int] | None:
+    """``(layer, step)`` of a stamp's 16 bytes; None when they are not a stamp (no magic number)."""
+    raw = raw.contiguous()
+    magic, layer = raw[:8].view(torch.int32).tolist()
+    if magic != _STAMP_MAGIC:
+        return None
+    return layer, int(raw[8:].view(torch.int64).item())
 
 
 class ScheduleMissWarning(UserWarning):
@@ -476,7 +521,7 @@ class WeightShardPlanner:
             self._close_step()
             return
         try:
-            if not (self._missed or self._failed):
+            if not self._failed:  # [Note: one collective sequence per step]: missed or refused, still issued
                 self._drain()
             if not self._failed:
                 for s, layer in enumerate(self._inflight):
@@ -683,15 +728,43 @@ class WeightShardPlanner:
                 del self._ahead[ahead]
                 for p in self.plugins:
                     p.ahead_cancelled(ahead)
-        self._holds[slot] = None
+        self._holds[slot] = None  # stays empty if the gather fails or pairs other layers: never read
         try:
-            self.comm.gather_outside_steps(self.slots.full_buffer(layer), self.layers_chunk(layer),
-                                           what=f"layer {layer}: gather outside the schedule")
+            self._gather_outside(layer, f"layer {layer}: gather outside the schedule")
         except CommError as e:
-            self._fail(layer, slot, e)
+            # Only the channel outside the steps failed: the step's own gathers are still issued by
+            # end_step ([Note: one collective sequence per step]), so _failed stays off.
+            raise CommError(self.stuck_message(layer, e)) from e
         self._holds[slot] = layer
         self.misses += 1
         self.gathers_total += 1
+
+    def _gather_outside(self, layer: int, what: str) -> None:
+        """Gather ``layer`` on the channel outside the steps, each rank's chunk sent with its stamp, and
+        refuse it on every rank when the stamps differ ([Note: the stamp of a gather outside the steps])."""
+        full, chunk = self.slots.full_buffer(layer), self.layers_chunk(layer)
+        n = self.comm.world_size
+        if n == 1:  # no peer to pair with
+            self.comm.gather_outside_steps(full, chunk, what=what)
+            return
+        c = chunk.numel()
+        # Staged in host memory: both backends' channel for these gathers goes through it anyway.
+        send = torch.empty(c + STAMP_BYTES, dtype=torch.uint8)
+        send[:c].copy_(chunk)
+        send[c:].copy_(stamp_of(layer, self.step))
+        recv = torch.empty(n * (c + STAMP_BYTES), dtype=torch.uint8)
+        self.comm.gather_outside_steps(recv, send, what=what)
+        rows = recv.view(n, c + STAMP_BYTES)
+        sent = [read_stamp(rows[r, c:]) for r in range(n)]
+        if any(got != (layer, self.step) for got in sent):
+            told = ", ".join(f"rank {r} sent " + ("no stamp" if got is None else f"layer {got[0]} of step {got[1]}")
+                             for r, got in enumerate(sent))
+            raise MismatchedGatherError(
+                f"layer {layer} on rank {self.comm.rank}: its gather outside the steps was paired with other gathers: "
+                f"{told}. Its slot is marked empty and is never read. A block (or linear) called outside the "
+                "model's forward gathers its layer on its own: every rank of the shard group must make the same "
+                "call, the same layer after the same steps")
+        full.view(n, c).copy_(rows[:, :c])
 
     def layers_chunk(self, layer: int) -> torch.Tensor:
         """What the layer's gather sends: its resident chunk (in place over its view when mapped)."""

@@ -1,0 +1,126 @@
+"""No gather pairs different layers or steps, on CPU ranks (gloo): a rank that refuses or misses leaves
+the group in step, and a gather outside the steps that would combine different layers is refused on
+every rank ([Note: one collective sequence per step] and [Note: the stamp of a gather outside the
+steps] in wsharding/core/planner.py). Each case also shows what the same calls produced without the
+guard: wrong outputs, no error."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from tests.core.test_checked_at_use import Model, _x
+from wsharding.cluster import RankCluster
+from wsharding.core.comm import CommError
+from wsharding.core.errors import ShardingError
+from wsharding.core.planner import MismatchedGatherError, ScheduleMissWarning, read_stamp, stamp_of
+from wsharding.core.runner import shard_blocks
+
+
+def _outcome(model, ref, x) -> object:
+    """True (bitwise equal to the replica), False (wrong bytes, no error) or the error's text."""
+    try:
+        return bool(torch.equal(model(x), ref(x)))
+    except (ShardingError, CommError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+# ---- a rank that refuses (on_miss="raise") ----------------------------------------------------------
+def one_rank_refuses(ctx, drain: bool) -> list:
+    """Rank 1 runs step 1's blocks in reverse with on_miss='raise'; every step's outcome on every rank.
+    ``drain=False`` gives the refused step up the way the planner did before: the rest of its schedule
+    left unissued."""
+    model, ref = Model(5), Model(5)
+    ws = shard_blocks(model, "layers", ["fc*"], ctx.comm, on_miss="raise")
+    if not drain:
+        p = ws.planner
+
+        def abort_as_before() -> None:  # a step that left its schedule: joined, the rest never issued
+            if not p._missed:
+                type(p).abort_step(p)
+                return
+            for s, layer in enumerate(p._inflight):
+                if layer is not None:
+                    p._join_slot(s)
+            p._close_step()
+
+        p.abort_step = abort_as_before
+    out = []
+    with torch.no_grad():
+        for s in range(4):
+            model.reverse = ref.reverse = ctx.rank == 1 and s == 1
+            out.append(_outcome(model, ref, _x(s, ctx.rank)))
+    model.reverse = ref.reverse = False
+    ws.close()
+    return out
+
+
+def test_a_rank_that_refuses_still_issues_its_steps_gathers(cluster_of):
+    r0, r1 = cluster_of(2).run(one_rank_refuses, True)
+    assert r0 == [True, True, True, True]  # the refusing rank issued the rest of step 1: the peer is exact
+    assert r1[0] is True and r1[2:] == [True, True]
+    assert r1[1].startswith("ShardingError: layer 4 on rank 1: block 4 ran where the schedule expected block 0")
+
+
+def test_without_the_drain_a_refusing_rank_leaves_its_peers_wrong():
+    # What the planner did before: the refusing rank's step-1 gathers stop at its refusal, the peer's
+    # pending ones pair with the refusing rank's step 2: wrong outputs on both ranks, no error, until a
+    # gather times out. Its own cluster: the timeout closes the gloo pairs of the group.
+    with RankCluster(2, backend="gloo", collective_timeout=3, task_timeout=60) as c:
+        r0, r1 = c.run(one_rank_refuses, False)
+    assert r0[:3] == [True, False, False], r0  # step 1 computed layers 2-4 with rank 1's step-2 chunks
+    assert r1[1].startswith("ShardingError: layer 4 on rank 1") and r1[2:] == [False, False], r1
+
+
+# ---- different blocks called alone on different ranks -------------------------------------------------
+def different_blocks_alone(ctx, guard: bool) -> dict:
+    """After a step (slots A, B hold layers 4, 3), rank r calls block r on its own: both miss and gather
+    outside the steps at once, rank 0 layer 0 and rank 1 layer 1. ``guard=False`` sends the bare chunk
+    on that channel, as the planner did before (no stamp)."""
+    model, ref = Model(5), Model(5)
+    ws = shard_blocks(model, "layers", ["fc*"], ctx.comm)
+    p = ws.planner
+    if not guard:
+        p._gather_outside = lambda layer, what: ctx.comm.gather_outside_steps(
+            p.slots.full_buffer(layer), p.layers_chunk(layer), what=what)
+    out: dict = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScheduleMissWarning)
+        out["step"] = _outcome(model, ref, _x(0, ctx.rank))
+        x = _x(1, ctx.rank)
+        block = model.layers[ctx.rank]
+        try:
+            out["alone"] = bool(torch.equal(block(x), ref.layers[ctx.rank](x)))
+        except ShardingError as e:
+            out["alone"] = f"{type(e).__name__}: {e}"
+        out["occupancy"] = p.occupancy()
+        out["next"] = _outcome(model, ref, _x(2, ctx.rank))
+    ws.close()
+    return out
+
+
+def test_different_blocks_alone_on_different_ranks_raise_on_every_rank(cluster_of):
+    r0, r1 = cluster_of(2).run(different_blocks_alone, True)
+    for rank, r in enumerate((r0, r1)):
+        assert r["step"] is True and r["next"] is True  # the group is still in step afterwards
+        assert r["alone"].startswith(f"MismatchedGatherError: layer {rank} on rank {rank}: its gather outside the "
+                                     "steps was paired with other gathers: rank 0 sent layer 0 of step 0, rank 1 sent "
+                                     "layer 1 of step 0"), r["alone"]
+        assert "every rank of the shard group must make the same call" in r["alone"]
+        # the slot that received the mixed bytes is marked empty: nothing computes from it
+        assert r["occupancy"][["A", "B"][rank]] is None
+
+
+def test_without_the_stamp_different_blocks_alone_compute_with_mixed_layers(cluster_of):
+    r0, r1 = cluster_of(2).run(different_blocks_alone, False)
+    assert r0["alone"] is False and r1["alone"] is False  # layer 0's chunk beside layer 1's: wrong, no error
+
+
+# ---- the stamp ---------------------------------------------------------------------------------------------
+def test_a_stamp_reads_back_as_its_layer_and_step():
+    s = stamp_of(7, 123456789012)
+    assert s.dtype == torch.uint8 and s.numel() == 16
+    assert read_stamp(s) == (7, 123456789012)
+    assert read_stamp(torch.zeros(16, dtype=torch.uint8)) is None  # no magic: not a stamp
+    assert MismatchedGatherError.__mro__[1].__name__ == "ShardingError"
