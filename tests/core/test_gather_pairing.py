@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 from tests.core.test_checked_at_use import Model, _x
@@ -16,6 +17,14 @@ from wsharding.core.comm import CommError
 from wsharding.core.errors import ShardingError
 from wsharding.core.planner import MismatchedGatherError, ScheduleMissWarning, read_stamp, stamp_of
 from wsharding.core.runner import shard_blocks
+
+
+@pytest.fixture(scope="module")
+def short_timeouts():
+    """Two ranks whose collectives time out after 6 s, for the cases where a rank waits for a peer that
+    never comes. The test without the drain comes last: its timeout closes the group's gloo pairs."""
+    with RankCluster(2, backend="gloo", collective_timeout=6, task_timeout=90) as c:
+        yield c
 
 
 def _outcome(model, ref, x) -> object:
@@ -27,12 +36,11 @@ def _outcome(model, ref, x) -> object:
 
 
 # ---- a rank that refuses (on_miss="raise") ----------------------------------------------------------
-def one_rank_refuses(ctx, drain: bool) -> list:
-    """Rank 1 runs step 1's blocks in reverse with on_miss='raise'; every step's outcome on every rank.
-    ``drain=False`` gives the refused step up the way the planner did before: the rest of its schedule
-    left unissued."""
+def one_rank_reverses(ctx, on_miss: str, drain: bool = True, steps: int = 4) -> list:
+    """Rank 1 runs step 1's blocks in reverse; every step's outcome on every rank. ``drain=False`` gives
+    a refused step up the way the planner did before: the rest of its schedule left unissued."""
     model, ref = Model(5), Model(5)
-    ws = shard_blocks(model, "layers", ["fc*"], ctx.comm, on_miss="raise")
+    ws = shard_blocks(model, "layers", ["fc*"], ctx.comm, on_miss=on_miss)
     if not drain:
         p = ws.planner
 
@@ -47,8 +55,9 @@ def one_rank_refuses(ctx, drain: bool) -> list:
 
         p.abort_step = abort_as_before
     out = []
-    with torch.no_grad():
-        for s in range(4):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScheduleMissWarning)
+        for s in range(steps):
             model.reverse = ref.reverse = ctx.rank == 1 and s == 1
             out.append(_outcome(model, ref, _x(s, ctx.rank)))
     model.reverse = ref.reverse = False
@@ -57,18 +66,30 @@ def one_rank_refuses(ctx, drain: bool) -> list:
 
 
 def test_a_rank_that_refuses_still_issues_its_steps_gathers(cluster_of):
-    r0, r1 = cluster_of(2).run(one_rank_refuses, True)
+    r0, r1 = cluster_of(2).run(one_rank_reverses, "raise")
     assert r0 == [True, True, True, True]  # the refusing rank issued the rest of step 1: the peer is exact
     assert r1[0] is True and r1[2:] == [True, True]
     assert r1[1].startswith("ShardingError: layer 4 on rank 1: block 4 ran where the schedule expected block 0")
 
 
-def test_without_the_drain_a_refusing_rank_leaves_its_peers_wrong():
+def test_a_rank_that_misses_alone_issues_the_rest_first_and_errs_alone(short_timeouts):
+    # on_miss="gather": rank 1 alone gathers layer 4 outside the steps, which no peer joins; it issued the
+    # rest of step 1's gathers first, so rank 0 computes step 1 exact while rank 1 waits and times out.
+    # (A step 2 in the same task would race rank 1's timeout: rank 0 would wait there as long.)
+    r0, r1 = short_timeouts.run(one_rank_reverses, "gather", True, 2)
+    after = short_timeouts.run(one_rank_reverses, "gather", True, 1)  # the steps' channel is still in step
+    assert r0 == [True, True] and r1[0] is True
+    assert r1[1].startswith("CommError: layer 4 on rank 1 (step 1): layer 4: gather outside the schedule did not "
+                            "complete on rank 1 (every rank of the shard group must make this call)"), r1[1]
+    assert r1[1].endswith("Its slot was not written")
+    assert after == [[True], [True]]
+
+
+def test_without_the_drain_a_refusing_rank_leaves_its_peers_wrong(short_timeouts):
     # What the planner did before: the refusing rank's step-1 gathers stop at its refusal, the peer's
     # pending ones pair with the refusing rank's step 2: wrong outputs on both ranks, no error, until a
-    # gather times out. Its own cluster: the timeout closes the gloo pairs of the group.
-    with RankCluster(2, backend="gloo", collective_timeout=3, task_timeout=60) as c:
-        r0, r1 = c.run(one_rank_refuses, False)
+    # gather times out (which closes the group's gloo pairs: the last test of its cluster).
+    r0, r1 = short_timeouts.run(one_rank_reverses, "raise", False)
     assert r0[:3] == [True, False, False], r0  # step 1 computed layers 2-4 with rank 1's step-2 chunks
     assert r1[1].startswith("ShardingError: layer 4 on rank 1") and r1[2:] == [False, False], r1
 
@@ -108,8 +129,8 @@ def test_different_blocks_alone_on_different_ranks_raise_on_every_rank(cluster_o
                                      "steps was paired with other gathers: rank 0 sent layer 0 of step 0, rank 1 sent "
                                      "layer 1 of step 0"), r["alone"]
         assert "every rank of the shard group must make the same call" in r["alone"]
-        # the slot that received the mixed bytes is marked empty: nothing computes from it
-        assert r["occupancy"][["A", "B"][rank]] is None
+        assert "Nothing was written into its slot" in r["alone"]
+        assert r["occupancy"] == {"A": 4, "B": 3}  # what the step left: the mixed bytes never reached a slot
 
 
 def test_without_the_stamp_different_blocks_alone_compute_with_mixed_layers(cluster_of):

@@ -48,20 +48,22 @@ group. A second thread entering a step while one runs is refused.
 [Note: one collective sequence per step]
 The steps' gathers of all ranks pair by their order on the channel: the k-th gather a rank issues
 meets the k-th of every peer. So every rank issues every gather of its step's schedule, whatever its
-blocks did: one that missed (its schedule given up for the rest of the step) or refused
-(``on_miss="raise"``) still issues the rest at :meth:`end_step`, once its blocks are done. Left
-unissued, a peer's pending gathers would pair with this rank's next step -- layer 2 of one rank
-beside layer 0 of the other: wrong outputs on every rank, no error, for steps, until a timeout. Only
-a gather of the step that failed (its channel broken) stops the rest.
+blocks did: one that misses gives the schedule up by issuing all the rest at once, before its gather
+outside the steps (a peer that did not miss completes its step exact while the lone miss waits on the
+other channel and times out); one that refuses (``on_miss="raise"``) issues the rest as it gives the
+step up. Left unissued, a peer's pending gathers would pair with this rank's next step -- layer 2 of
+one rank beside layer 0 of the other: wrong outputs on every rank, no error, for steps, until a
+timeout. Only a gather of the step that failed (its channel broken) stops the rest.
 
 [Note: the stamp of a gather outside the steps]
 The channel for gathers outside the steps pairs whatever its ranks send: rank 0 calling block 0 on
 its own while rank 1 calls block 1 would give each a layer made of both layers' chunks. So each rank
 sends its chunk with a 16-byte stamp after it (a magic number, the layer, the step) and every rank
-compares all stamps it received before a byte is used: different ones raise
-:class:`MismatchedGatherError` on every rank of the gather, the slot marked empty. The stamp travels
-in a host buffer the gather is staged in anyway (both backends take this rare, warned path through
-host memory), so no layout, resident byte or formula changes, and the steps' own gathers pay nothing.
+compares all stamps it received before a byte is written into the slot: different ones raise
+:class:`MismatchedGatherError` on every rank of the gather, the slot left as it was. The stamp
+travels in a host buffer the gather is staged in (both backends take this rare, warned path through
+host memory anyway; the buffer lives only for the call), so no layout, resident byte or formula
+changes, and the steps' own gathers pay nothing.
 
 [Note: the hot path]: a block's start and end cost a thread-id compare, a slot lookup and, where the
 schedule says so, a gather's start; everything else is decided when the schedule is made.
@@ -718,23 +720,33 @@ class WeightShardPlanner:
                                 "shard with on_miss='gather' to have such a layer gathered on its own")
         if self._owner is not None and not self._outside:
             self._missed = True
+            if not self._failed:
+                # [Note: one collective sequence per step]: the rest of the step's gathers now, so that the
+                # peers' complete whether or not they miss too (a lone miss then times out alone).
+                self._drain()
         self._warn(f"{where}: {why}; gathered it now, synchronously, outside the schedule (every rank must make "
                    "the same call)", kind)
         for s in range(len(self._inflight)):
             if self._inflight[s] is not None:
                 self._join_slot(s)  # nothing may land in a slot after this
+        before = self._holds[slot]
+        self._holds[slot] = None  # receiving
+        try:
+            self._gather_outside(layer, f"layer {layer}: gather outside the schedule")
+        except (CommError, MismatchedGatherError) as e:
+            # Nothing was written into the slot (the gather is staged): it still holds what it held, a
+            # gather for the next step landed there included; the step's own channel is untouched, so
+            # _failed stays off and its gathers are still issued.
+            self._holds[slot] = before
+            if isinstance(e, MismatchedGatherError):
+                raise
+            raise CommError(f"layer {layer} on rank {self.comm.rank} (step {self.step}): {e}. Its slot was "
+                            "not written") from e
         for ahead, s in list(self._ahead.items()):
-            if s == slot:  # a gather for the next step lands here: given up, the next step gathers it anew
+            if s == slot:  # a gather for the next step landed here: given up, the next step gathers it anew
                 del self._ahead[ahead]
                 for p in self.plugins:
                     p.ahead_cancelled(ahead)
-        self._holds[slot] = None  # stays empty if the gather fails or pairs other layers: never read
-        try:
-            self._gather_outside(layer, f"layer {layer}: gather outside the schedule")
-        except CommError as e:
-            # Only the channel outside the steps failed: the step's own gathers are still issued by
-            # end_step ([Note: one collective sequence per step]), so _failed stays off.
-            raise CommError(self.stuck_message(layer, e)) from e
         self._holds[slot] = layer
         self.misses += 1
         self.gathers_total += 1
@@ -761,7 +773,7 @@ class WeightShardPlanner:
                              for r, got in enumerate(sent))
             raise MismatchedGatherError(
                 f"layer {layer} on rank {self.comm.rank}: its gather outside the steps was paired with other gathers: "
-                f"{told}. Its slot is marked empty and is never read. A block (or linear) called outside the "
+                f"{told}. Nothing was written into its slot. A block (or linear) called outside the "
                 "model's forward gathers its layer on its own: every rank of the shard group must make the same "
                 "call, the same layer after the same steps")
         full.view(n, c).copy_(rows[:, :c])
