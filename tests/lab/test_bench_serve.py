@@ -187,7 +187,7 @@ def test_a_report_of_the_fixed_row_bench_is_refused_by_name():
 
     root = Path(__file__).resolve().parents[2]
     old = pick_report(saved_reports(root / MEASUREMENTS, "bench_serve_*.json"), preset="k3-like", rows=1024)
-    with pytest.raises(InvalidArgument, match="fixed-row benchmark before issue 39"):
+    with pytest.raises(InvalidArgument, match="was written by the earlier fixed-row benchmark"):
         format_table(old)
 
 

@@ -64,7 +64,7 @@ class BoundWeightGuards:
     """The guards of one finalized sharding's weights: installed by ``finalize``, the forward wrappers
     removed by ``close`` (the state-dict refusal stays: a closed sharding's weights hold nothing)."""
 
-    def __init__(self, ws: Any) -> None:  # the WeightSharding that installs it (shard.py imports this module)
+    def __init__(self, ws: Any) -> None:  # the WeightSharding that installs it (sharding.py imports this module)
         # Weakly: the guarded modules hold this object, and a model kept after close() must not keep
         # the sharding's planner (its chunks and slots) alive through it.
         self._ws = weakref.ref(ws)

@@ -12,7 +12,7 @@ idle ranks.
   rank with no tokens runs a one-token dummy step instead of skipping.
 
 What a :class:`~wsharding.core.sharding.WeightSharding` *is* (declare, validate, shrink, finalize, close)
-lives in ``shard.py``; this module only runs it.
+lives in ``sharding.py``; this module only runs it.
 """
 
 from __future__ import annotations

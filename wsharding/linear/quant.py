@@ -6,8 +6,10 @@ per-rank sizes that shape the parameters and the global sizes the loaders need) 
 where a method may change layout or dtype, after every checkpoint tensor arrived.
 
 ``apply`` reads ``layer.weight`` (and scales) *at call time* and never caches them: weight sharding
-rebinds ``layer.weight`` to a view of a freshly gathered buffer right before the layer runs, possibly as
-a view of a gathered slot (see :func:`wsharding.linear.base.rebind_tensor`).
+binds ``layer.weight`` once, at finalize, to a view of the layer's slot
+(:func:`wsharding.core.contract.rebind_tensor`), and every step's gather refills that slot before the
+layer runs; between two runs of the layer the slot holds other layers' bytes, so anything derived from
+the weight and kept would be another layer's.
 
 Besides the unquantised method, three small weight-only formats exercise every v2 parameter class with
 real arithmetic (dequantise, then GEMM): int8 per-channel, int8 with block scales, int4 packed eight to

@@ -264,8 +264,8 @@ def notes(report: dict[str, Any]) -> list[str]:
 def check_schema(report: dict[str, Any]) -> None:
     """Refuse a report of the fixed-row benchmark that came before this one, by name."""
     if report.get("schema") != 2:
-        raise InvalidArgument("this serve report was written by the fixed-row benchmark before issue 39 (steps of a "
-                              "fixed row count, a drain): re-run wsharding bench serve")
+        raise InvalidArgument("this serve report was written by the earlier fixed-row benchmark (steps of a fixed "
+                              "row count, a drain): re-run wsharding bench serve")
 
 
 def format_table(report: dict[str, Any]) -> str:
