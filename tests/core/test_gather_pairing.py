@@ -85,6 +85,51 @@ def test_a_rank_that_misses_alone_issues_the_rest_first_and_errs_alone(short_tim
     assert after == [[True], [True]]
 
 
+#: A rank process's sharded model kept from one task to the next (the ranks outlive a task).
+_KEPT: dict = {}
+
+
+def lone_call_over_a_prefetch(ctx) -> dict:
+    """With the next step's first gather issued ahead (layer 0 into slot A), rank 1 alone calls block 2,
+    whose slot is A, between steps: its gather outside the steps times out."""
+    from wsharding.accel.next_step import NextStepPrefetch
+
+    model, ref = Model(5), Model(5)
+    ws = shard_blocks(model, "layers", ["fc*"], ctx.comm, plugins=[NextStepPrefetch()])
+    _KEPT.update(model=model, ref=ref, ws=ws)
+    out: dict = {"step": _outcome(model, ref, _x(0, ctx.rank)), "ahead": ws.planner.ahead_layers}
+    if ctx.rank == 1:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ScheduleMissWarning)
+            try:
+                model.layers[2](_x(5, ctx.rank))
+                out["alone"] = "ran"
+            except CommError as e:
+                out["alone"] = str(e)
+    out["ahead_after"] = ws.planner.ahead_layers
+    return out
+
+
+def next_step_of_the_kept_model(ctx) -> object:
+    model, ref, ws = _KEPT.pop("model"), _KEPT.pop("ref"), _KEPT.pop("ws")
+    with torch.no_grad():
+        out = _outcome(model, ref, _x(1, ctx.rank))
+    ws.close()
+    return out
+
+
+def test_a_lone_call_that_fails_keeps_the_next_steps_prefetch(short_timeouts):
+    # The failed call wrote nothing into slot A, so rank 1 keeps the prefetched layer 0 as every peer does;
+    # given up there (as a call that succeeds gives it up), rank 1 alone would gather layer 0 again in the
+    # next step: one gather more than its peer, every later gather paired with the peer's next one.
+    r0, r1 = short_timeouts.run(lone_call_over_a_prefetch)
+    after = short_timeouts.run(next_step_of_the_kept_model)  # a second task: see test_checked_at_use
+    assert after == [True, True]
+    assert r0 == {"step": True, "ahead": [0], "ahead_after": [0]}
+    assert r1["step"] is True and r1["ahead"] == r1["ahead_after"] == [0]
+    assert "gather outside the schedule did not complete on rank 1" in r1["alone"]
+
+
 def test_without_the_drain_a_refusing_rank_leaves_its_peers_wrong(short_timeouts):
     # What the planner did before: the refusing rank's step-1 gathers stop at its refusal, the peer's
     # pending ones pair with the refusing rank's step 2: wrong outputs on both ranks, no error, until a
