@@ -220,8 +220,9 @@ def test_one_rank_calling_a_block_alone_errs_and_never_mixes_a_peer():
         after = c.run(next_step_of_the_kept_model)
     assert r0 == {"step": True} and r1["step"] is True
     # the lone call waits on the channel of gathers outside the steps, not in a peer's next step
-    assert r1["alone"].startswith("layer 0 on rank 1 (step 0): layer 0: gather outside the schedule did not complete "
-                                  "on rank 1 (every rank of the shard group must make this call)"), r1["alone"]
+    assert r1["alone"].startswith("weight gather of layer 0 failed on rank 1 (step 0), outside the steps: layer 0: "
+                                  "gather outside the schedule did not complete on rank 1 (every rank of the shard "
+                                  "group must make this call)"), r1["alone"]
     assert after == [True, True]
 
 

@@ -79,9 +79,10 @@ def test_a_rank_that_misses_alone_issues_the_rest_first_and_errs_alone(short_tim
     r0, r1 = short_timeouts.run(one_rank_reverses, "gather", True, 2)
     after = short_timeouts.run(one_rank_reverses, "gather", True, 1)  # the steps' channel is still in step
     assert r0 == [True, True] and r1[0] is True
-    assert r1[1].startswith("CommError: layer 4 on rank 1 (step 1): layer 4: gather outside the schedule did not "
-                            "complete on rank 1 (every rank of the shard group must make this call)"), r1[1]
-    assert r1[1].endswith("Its slot was not written")
+    assert r1[1].startswith("CommError: weight gather of layer 4 failed on rank 1 (step 1), outside the steps: layer "
+                            "4: gather outside the schedule did not complete on rank 1 (every rank of the shard group "
+                            "must make this call)"), r1[1]
+    assert "Its slot was not written" in r1[1]
     assert after == [[True], [True]]
 
 

@@ -740,8 +740,9 @@ class WeightShardPlanner:
             self._holds[slot] = before
             if isinstance(e, MismatchedGatherError):
                 raise
-            raise CommError(f"layer {layer} on rank {self.comm.rank} (step {self.step}): {e}. Its slot was "
-                            "not written") from e
+            raise CommError(f"weight gather of layer {layer} failed on rank {self.comm.rank} (step {self.step}), "
+                            f"outside the steps: {e}. Its slot was not written. A layer gathered outside the steps "
+                            "needs the same call on every rank of the shard group") from e
         for ahead, s in list(self._ahead.items()):
             if s == slot:  # a gather for the next step landed here: given up, the next step gathers it anew
                 del self._ahead[ahead]
