@@ -126,7 +126,7 @@ class ConcurrentStepError(ShardingError):
 
 class MismatchedGatherError(ShardingError):
     """A gather combined chunks of different layers or steps ([Note: the stamp of a gather outside the
-    steps]): refused on every rank of the gather, its slot marked empty."""
+    steps]): refused on every rank of the gather, nothing written into its slot."""
 
 
 #: The stamp's bytes: a magic number, the layer (int32) and the step (int64), in the host's byte order.
