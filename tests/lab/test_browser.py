@@ -178,6 +178,15 @@ LABEL_PROBLEMS = """() => {
       if (!r || !r.width) out.push(`${title}: annotation "${a.text}" is not drawn (outside its axis range?)`);
       else if (!inside(r)) out.push(`${title}: annotation "${a.text}" is cut (outside the figure)`);
     });
+    // the title and an annotation (a subplot's title) drawn over each other: a title of several lines
+    // centred in a margin too small for it grows down over the first subplot's title
+    const gt = plot.querySelector('.gtitle');
+    const tr = gt && gt.getBoundingClientRect();
+    if (tr && tr.width) for (const a of plot.querySelectorAll('.annotation-text')) {
+      const r = a.getBoundingClientRect();
+      if (r.width && r.left < tr.right && tr.left < r.right && r.top < tr.bottom - 1 && tr.top < r.bottom - 1)
+        out.push(`${title}: the title is drawn over "${a.textContent.slice(0, 60)}"`);
+    }
     for (const t of plot.querySelectorAll('.gtitle, .bartext, .textpoint text, .g-xtitle text, .g-ytitle text')) {
       const r = t.getBoundingClientRect();
       if (r.width && !inside(r)) out.push(`${title}: text "${t.textContent.slice(0, 60)}" is cut at the figure's edge`);
