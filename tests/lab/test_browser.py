@@ -178,6 +178,9 @@ LABEL_PROBLEMS = """() => {
       if (!r || !r.width) out.push(`${title}: annotation "${a.text}" is not drawn (outside its axis range?)`);
       else if (!inside(r)) out.push(`${title}: annotation "${a.text}" is cut (outside the figure)`);
     });
+    // a legend taller than its room: plotly scrolls it (a scroll bar appears) and cuts its rows
+    const bar = plot.querySelector('.legend .scrollbar');
+    if (bar && bar.getBoundingClientRect().height > 0) out.push(`${title}: its legend scrolls (rows cut)`);
     // the title and an annotation (a subplot's title) drawn over each other: a title of several lines
     // centred in a margin too small for it grows down over the first subplot's title
     const gt = plot.querySelector('.gtitle');
