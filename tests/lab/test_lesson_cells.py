@@ -115,3 +115,15 @@ def test_the_course_closes_with_a_checklist_of_commands_that_exist():
     for command, sub in named:
         assert command in COMMANDS, command
         assert command != "bench" or sub in BENCHES, sub
+
+
+@pytest.mark.parametrize("nb", LESSONS, ids=[p.stem for p in LESSONS])
+def test_clean_up_comes_last(nb):
+    """05 stopped its ranks before its questions: "Clean up" read as the end, and "Check yourself" after."""
+    heads = [i for i, c in enumerate(cells(nb)) if c["cell_type"] == "markdown"
+             for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
+    titles = {i: "".join(cells(nb)[i]["source"]) for i in heads}
+    clean = [i for i, t in titles.items() if "## Clean up" in t]
+    check = [i for i, t in titles.items() if "## Check yourself" in t]
+    assert check, f"{nb.name}: no Check yourself"
+    assert not clean or max(check) < min(clean), f"{nb.name}: Clean up before Check yourself"
