@@ -216,7 +216,7 @@ def timeline_figure(records: Iterable[Record], title: str = "Gathers and compute
 
 #: px above a hanging title, per line of it (17 px text at plotly's line height), and for a subplot's
 #: one-line title below it with a gap.
-TITLE_PAD, TITLE_LINE, SUBPLOT_TITLE = 12, 24, 40
+TITLE_PAD, TITLE_LINE, SUBPLOT_TITLE = 12, 24, 32
 
 
 def lookahead_pair_figure(on: Iterable[Record], off: Iterable[Record], *, title: str = "Lookahead on and off",
