@@ -141,7 +141,16 @@ def browser(lab):
 PAGE_FACTS = """() => {
   const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
   const cells = [...nb.querySelectorAll('.jp-CodeCell')];
-  const prompts = cells.map(c => (c.querySelector('.jp-InputArea-prompt') || {}).textContent || '');
+  // a cell whose input is folded (the check cell: metadata jupyter.source_hidden) shows no prompt:
+  // its execution count is read from its model
+  const shell = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const models = shell && shell.content ? shell.content.widgets.filter(w => w.model.type === 'code') : [];
+  const prompts = cells.map((c, i) => {
+    const shown = (c.querySelector('.jp-InputArea-prompt') || {}).textContent || '';
+    if (shown.trim() || !c.querySelector('.jp-InputPlaceholder') || !models[i]) return shown;
+    const n = models[i].model.executionCount;
+    return n ? `[${n}]:` : shown;
+  });
   const stderr = [...nb.querySelectorAll('[data-mime-type="application/vnd.jupyter.stderr"]')]
       .map(e => e.innerText.slice(0, 600));
   const text = nb.innerText;

@@ -155,13 +155,13 @@ def test_the_lookahead_pair_title_hangs_above_its_subplot_titles():
     over the first subplot's title: it hangs from the top, in a margin that holds every line of it and
     the subplot title below."""
     from wsharding.lab.tasks.planner import model_schedule
-    from wsharding.lab.viz.planner import SUBPLOT_TITLE, TITLE_LINE, TITLE_PAD, lookahead_pair_figure
+    from wsharding.lab.viz.planner import SUBPLOT_TITLE, TITLE_ASCENT, TITLE_LINE, TITLE_PAD, lookahead_pair_figure
 
     on, off = model_schedule(6), model_schedule(6, lookahead=False)
     note = "<br>".join(["a line of the note that says what the run was " * 3] * 3)
     fig = lookahead_pair_figure(on, off, title="Lookahead on and off", note=note)
     lines = fig.layout.title.text.count("<br>") + 1
     assert lines >= 6
-    assert (fig.layout.title.yref, fig.layout.title.y, fig.layout.title.yanchor) == ("container", 1, "top")
-    assert fig.layout.margin.t >= fig.layout.title.pad.t + TITLE_LINE * lines + SUBPLOT_TITLE
-    assert TITLE_PAD == fig.layout.title.pad.t and SUBPLOT_TITLE >= 30
+    assert (fig.layout.title.yref, fig.layout.title.yanchor) == ("container", "top")
+    assert round((1 - fig.layout.title.y) * fig.layout.height) == TITLE_PAD + TITLE_ASCENT  # below the top edge
+    assert fig.layout.margin.t >= TITLE_PAD + TITLE_LINE * lines + SUBPLOT_TITLE and SUBPLOT_TITLE >= 30

@@ -214,9 +214,9 @@ def timeline_figure(records: Iterable[Record], title: str = "Gathers and compute
     return _layout(fig, title, lanes, len(_ranks(recs)), note)
 
 
-#: px above a hanging title, per line of it (17 px text at plotly's line height), and for a subplot's
-#: one-line title below it with a gap.
-TITLE_PAD, TITLE_LINE, SUBPLOT_TITLE = 12, 24, 32
+#: px above a hanging title, per line of it (17 px text at plotly's line height), for a subplot's one-line
+#: title below it with a gap, and the title's first-line ascent above its anchor (plotly anchors there).
+TITLE_PAD, TITLE_LINE, SUBPLOT_TITLE, TITLE_ASCENT = 12, 24, 32, 16
 
 
 def lookahead_pair_figure(on: Iterable[Record], off: Iterable[Record], *, title: str = "Lookahead on and off",
@@ -254,9 +254,13 @@ def lookahead_pair_figure(on: Iterable[Record], off: Iterable[Record], *, title:
     # several lines then grows down over the subplot title.
     top, bottom = TITLE_PAD + TITLE_LINE * lines + SUBPLOT_TITLE, 110
     plot = 2 * 55 * lanes_per + 60  # px of the two subplots and the gap between them
-    fig.update_layout(title={"text": title, "yref": "container", "y": 1, "yanchor": "top", "pad": {"t": TITLE_PAD}},
+    height = top + plot + bottom
+    # plotly anchors a top-anchored title at its first line's baseline region: the line's ascent sits
+    # above the anchor (about 15 px at the title's 17 px), so the anchor goes that much lower
+    fig.update_layout(title={"text": title, "yref": "container", "y": 1 - (TITLE_PAD + TITLE_ASCENT) / height,
+                             "yanchor": "top"},
                       barmode="overlay", uniformtext=LABELS_THAT_FIT, font={"size": 12},
-                      height=top + plot + bottom, margin={"t": top, "b": bottom},
+                      height=height, margin={"t": top, "b": bottom},
                       # the legend under the x-axis title (about 45 px below the plot), never on it
                       legend={"orientation": "h", "x": 0, "y": -55 / plot, "yanchor": "top"})
     for a in fig.layout.annotations:  # the subplot titles: left-aligned, small
