@@ -141,7 +141,16 @@ def browser(lab):
 PAGE_FACTS = """() => {
   const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
   const cells = [...nb.querySelectorAll('.jp-CodeCell')];
-  const prompts = cells.map(c => (c.querySelector('.jp-InputArea-prompt') || {}).textContent || '');
+  // a cell whose input is folded (the check cell: metadata jupyter.source_hidden) shows no prompt:
+  // its execution count is read from its model
+  const shell = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const models = shell && shell.content ? shell.content.widgets.filter(w => w.model.type === 'code') : [];
+  const prompts = cells.map((c, i) => {
+    const shown = (c.querySelector('.jp-InputArea-prompt') || {}).textContent || '';
+    if (shown.trim() || !c.querySelector('.jp-InputPlaceholder') || !models[i]) return shown;
+    const n = models[i].model.executionCount;
+    return n ? `[${n}]:` : shown;
+  });
   const stderr = [...nb.querySelectorAll('[data-mime-type="application/vnd.jupyter.stderr"]')]
       .map(e => e.innerText.slice(0, 600));
   const text = nb.innerText;
@@ -178,6 +187,18 @@ LABEL_PROBLEMS = """() => {
       if (!r || !r.width) out.push(`${title}: annotation "${a.text}" is not drawn (outside its axis range?)`);
       else if (!inside(r)) out.push(`${title}: annotation "${a.text}" is cut (outside the figure)`);
     });
+    // a legend taller than its room: plotly scrolls it (a scroll bar appears) and cuts its rows
+    const bar = plot.querySelector('.legend .scrollbar');
+    if (bar && bar.getBoundingClientRect().height > 0) out.push(`${title}: its legend scrolls (rows cut)`);
+    // the title and an annotation (a subplot's title) drawn over each other: a title of several lines
+    // centred in a margin too small for it grows down over the first subplot's title
+    const gt = plot.querySelector('.gtitle');
+    const tr = gt && gt.getBoundingClientRect();
+    if (tr && tr.width) for (const a of plot.querySelectorAll('.annotation-text')) {
+      const r = a.getBoundingClientRect();
+      if (r.width && r.left < tr.right && tr.left < r.right && r.top < tr.bottom - 1 && tr.top < r.bottom - 1)
+        out.push(`${title}: the title is drawn over "${a.textContent.slice(0, 60)}"`);
+    }
     for (const t of plot.querySelectorAll('.gtitle, .bartext, .textpoint text, .g-xtitle text, .g-ytitle text')) {
       const r = t.getBoundingClientRect();
       if (r.width && !inside(r)) out.push(`${title}: text "${t.textContent.slice(0, 60)}" is cut at the figure's edge`);

@@ -71,7 +71,7 @@ BAD = [
     (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "0"], "ranks: must be >= 1, got 0"),
     # every whole-number option: 0 and -1 where they cannot work, a fraction never rounded
     (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "-1"], "ranks: must be >= 1, got -1"),
-    (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "2.5"], "argument --ranks: invalid int value: '2.5'"),
+    (["plan", "--preset", "kimi-k3-b200-fp8", "--ranks", "2.5"], "argument --ranks: '2.5' is not a whole number"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--tokens", "-1"], "tokens: must be >= 0, got -1"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--context", "0"], "context: must be >= 1, got 0"),
     (["plan", "--preset", "kimi-k3-b200-fp8", "--kv-bytes-per-token", "0"], "kv_bytes_per_token: must be >= 1, got 0"),

@@ -120,3 +120,18 @@ def test_costmodel_panel_is_short_and_its_text_has_no_orphaned_fragments():
     rows, figs, html = panel.widget.children
     assert rows.layout.flex_flow == "row wrap" and isinstance(figs, w.Output) and html.value.startswith("<pre")
     assert 3 * 40 + 2 * PANEL_FIGURE_HEIGHT + 16 * len(lines) < 1100  # controls, figures, text: not 1,670 px
+
+
+def test_the_panel_names_the_dtype_it_prices_and_its_legend_fits():
+    """Choosing bf16 in notebook 00's panel kept the title "kimi-k3-b200-fp8"; its memory legend (seven
+    rows) scrolled inside a 140 px plot area and was cut."""
+    from wsharding.lab.widgets.costmodel import PANEL_FIGURE_HEIGHT, costmodel_view, panel_figure
+
+    k3 = load_preset("kimi-k3-b200-fp8")
+    _, mem, over = costmodel_view(k3, 8, "bf16")
+    assert mem.layout.title.text.startswith("kimi-k3-b200-fp8 as bf16, N = 8"), mem.layout.title.text
+    assert costmodel_view(k3, 8)[1].layout.title.text.startswith("kimi-k3-b200-fp8, N = 8")
+    fig = panel_figure(mem)
+    rows = 1 + sum(1 for t in fig.data if t.showlegend is not False)  # the legend's title and its entries
+    plot_area = PANEL_FIGURE_HEIGHT - fig.layout.margin.t - fig.layout.margin.b
+    assert fig.layout.height == PANEL_FIGURE_HEIGHT and plot_area >= 22 * rows, (plot_area, rows)

@@ -72,7 +72,7 @@ def test_chunk_map_traces_and_extents(lay):
     assert (tuple(by_name["tail padding"].base), tuple(by_name["tail padding"].x)) == ((87,), (9,))
     ranks = by_name["rank chunks"]
     assert (tuple(ranks.base), tuple(ranks.x), set(ranks.y)) == ((0, 48), (48, 48), {vl.ROW_RANKS})
-    assert ranks.text[1] == "rank 1 (2 weights)"
+    assert ranks.text[1] == "rank 1<br>2 weights"
     # the chunk border is a line at byte 48, and it is labelled as cutting b
     assert [(s.type, s.x0, s.x1) for s in fig.layout.shapes] == [("line", 48, 48)]
     assert [(a.text, a.hovertext) for a in fig.layout.annotations] == [("cuts b", "b: head on rank 0, tail on rank 1")]
@@ -208,3 +208,22 @@ def test_bar_labels_are_readable(lay):
     for fig in figs:
         assert fig.layout.uniformtext.minsize >= 11 and fig.layout.uniformtext.mode == "hide"
         assert all((a.font.size or 12) >= 11 for a in fig.layout.annotations)
+
+
+def test_chunk_borders_pass_behind_the_labels_and_band_labels_fit():
+    """Notebook 01's chunk map drew its dashed borders over the weights' labels, and hid a rank's label
+    ("rank 1 (3 weights)") that was wider than its chunk."""
+    import torch
+
+    from wsharding import FlatLayout
+    from wsharding.lab.layout_presets import preset_specs
+    from wsharding.lab.viz.layout import chunk_map_figure
+
+    fig = chunk_map_figure(FlatLayout(preset_specs("k3_moe_fp8"), 8))
+    borders = [s for s in fig.layout.shapes if s.type == "line"]
+    assert len(borders) == 7 and all(s.layer == "below" for s in borders)
+    assert all(t.marker.opacity < 1 for t in fig.data)  # the borders show through the bars
+    bands = fig.data[-1]
+    assert bands.name == "rank chunks" and max(len(line) for t in bands.text for line in t.split("<br>")) <= 9
+    small = chunk_map_figure(FlatLayout([("a", (50,), torch.bfloat16), ("b", (30,), torch.uint8)], 4))
+    assert all(s.layer == "below" for s in small.layout.shapes if s.type == "line")

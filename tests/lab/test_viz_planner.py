@@ -148,3 +148,20 @@ def test_small_figures():
     assert list(fig.data[0].y) == [1.0, 2.5] and "emulated" in fig.layout.title.text
     fig = tokens_figure([[3, 0], [1, 2]], equal=[[True, True], [None, False]])
     assert [list(r) for r in fig.data[0].text] == [["3 equal", "0 idle (dummy step)"], ["1 equal", "2 DIFFERENT"]]
+
+
+def test_the_lookahead_pair_title_hangs_above_its_subplot_titles():
+    """A title of six lines (notebooks 03 and 06 section 4) was centred in the top margin and grew down
+    over the first subplot's title: it hangs from the top, in a margin that holds every line of it and
+    the subplot title below."""
+    from wsharding.lab.tasks.planner import model_schedule
+    from wsharding.lab.viz.planner import SUBPLOT_TITLE, TITLE_ASCENT, TITLE_LINE, TITLE_PAD, lookahead_pair_figure
+
+    on, off = model_schedule(6), model_schedule(6, lookahead=False)
+    note = "<br>".join(["a line of the note that says what the run was " * 3] * 3)
+    fig = lookahead_pair_figure(on, off, title="Lookahead on and off", note=note)
+    lines = fig.layout.title.text.count("<br>") + 1
+    assert lines >= 6
+    assert (fig.layout.title.yref, fig.layout.title.yanchor) == ("container", "top")
+    assert round((1 - fig.layout.title.y) * fig.layout.height) == TITLE_PAD + TITLE_ASCENT  # below the top edge
+    assert fig.layout.margin.t >= TITLE_PAD + TITLE_LINE * lines + SUBPLOT_TITLE and SUBPLOT_TITLE >= 30

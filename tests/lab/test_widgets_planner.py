@@ -57,6 +57,9 @@ def test_gate_experiment_exact_with_gate_corrupted_without(cluster_of):
     raw = cluster_of(2).run(gate_experiment, False)
     assert [(r["equal"], r["held_layers"]) for r in raw] == [(False, [])] * 2
     assert (0, "A", 0, 2) in slot_overlaps([x for r in raw for x in r["records"]])
+    # the planner's warnings come back as text (notebook 03 prints one line), none with the gate
+    assert [r["warnings"] for r in gated] == [[], []]
+    assert all(r["warnings"] and all("gathered it now" in w for w in r["warnings"]) for r in raw), raw[0]["warnings"]
 
 
 def test_planner_view_and_errors(cluster_of):

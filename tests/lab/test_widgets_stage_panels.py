@@ -34,6 +34,8 @@ def test_bench_view_times_the_variants_and_the_panel_wraps_it(cluster_of):
     assert [row["tokens_per_rank"] for row in view.report["rows"]] == [1]
     assert all(row["equal"] for row in view.report["rows"])
     assert view.text().startswith("mode: ") and view.figure.data
+    assert "1 tokens/rank: " in view.text()  # on CPU ranks the panel says whether its rounds name a side
+
     with pytest.raises(InvalidArgument, match="tokens"):
         bench_view(cluster_of(2), "tiny-blocks", [])
     panel = build_bench_panel(cluster_of(2), "tiny-blocks", tokens=(1, 4))
@@ -41,3 +43,14 @@ def test_bench_view_times_the_variants_and_the_panel_wraps_it(cluster_of):
     panel.steps.value = 1
     panel.run_button.click()
     assert panel.error == "" and panel.runs == 1
+
+
+def test_the_bench_panel_names_a_side_only_where_no_round_overlaps():
+    from wsharding.lab.widgets.bench import side_lines
+
+    rows = [{"tokens_per_rank": 1, "sharded_min": 5.0, "sharded_max": 6.0, "replicated_min": 2.0, "replicated_max": 3.0},
+            {"tokens_per_rank": 16, "sharded_min": 2.0, "sharded_max": 6.0, "replicated_min": 3.0, "replicated_max": 4.0}]
+    assert side_lines({"rows": rows}) == [
+        "1 tokens/rank: every round of replicated beat every round of sharded",
+        "16 tokens/rank: the rounds of sharded and replicated overlap: noise decides which is faster "
+        "(more timed steps may tell)"]

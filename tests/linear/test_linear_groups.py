@@ -140,3 +140,11 @@ def test_tp1_linears_for_weight_sharding_and_plain_tensor_weight():
         assert torch.equal(lin(x), want)
         slot.zero_()
         assert torch.equal(lin(x), lin.bias.expand_as(want))  # read at call time, not cached
+
+
+def test_a_refused_qkv_names_its_linear_once():
+    """The panel of notebook 05 shows this message as it is: "qkv_proj: qkv_proj: ..." read as a stutter."""
+    for heads, kv in ((30, 8), (32, 3)):
+        with pytest.raises(GroupError) as e:
+            QKVParallelLinear(512, 128, heads, kv, prefix="qkv_proj", parallel_state=ParallelState.logical(8, 0))
+        assert str(e.value).startswith("qkv_proj: ") and str(e.value).count("qkv_proj") == 1, str(e.value)

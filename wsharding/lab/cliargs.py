@@ -57,8 +57,27 @@ class OneLineParser(argparse.ArgumentParser):
     ``--help`` is plain text (:func:`plain_text`: descriptions taken from docstrings lose their markup).
     Subcommands' parsers are of the same class (argparse makes them with the parent's class)."""
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {self.reworded(message)} (see {self.prog} --help)\n")
+
+    def reworded(self, message: str) -> str:
+        """argparse's own messages in the words our types use. Its required-argument check runs before
+        its unknown-option check, so ``wsharding --frobnicate`` would say only that a COMMAND is
+        missing: the unknown option is named first. A bare ``type=int`` says "invalid int value"
+        where :func:`checked_number` says "is not a whole number": one wording for one mistake."""
+        unknown = [a for a in getattr(self, "_argv", []) if a.startswith("-") and a != "-"
+                   and not self._negative_number_matcher.match(a)
+                   and a.split("=", 1)[0] not in self._option_string_actions]
+        if message.startswith("the following arguments are required") and unknown:
+            return f"unrecognized arguments: {' '.join(unknown)}"
+        m = re.fullmatch(r"(argument [^:]+: )invalid (int|float) value: ('.*')", message)
+        if m:
+            return f"{m.group(1)}{m.group(3)} is not a {'whole number' if m.group(2) == 'int' else 'number'}"
+        return message
 
     def format_help(self) -> str:
         return plain_text(super().format_help())

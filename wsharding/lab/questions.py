@@ -33,7 +33,7 @@ class Spec:
 
     text: Text
     answer: Callable[..., Any]
-    hint: str
+    hint: Text
     why: Text
     unit: str = ""
     rel: float = 0.0
@@ -185,23 +185,25 @@ BANK: dict[str, dict[str, Spec]] = {
                        "15 - 10 = 5 ms."),
     },
     "04": {
-        "q1": Spec("share of R a rank keeps, N = 2, small preset (5 sharded layers)",
+        "q1": Spec(lambda: (f"share of R a rank keeps, N = 2, the small preset at its own depth: "
+                            f"{_sharded_layers('small')} sharded layers (not the 11 of this notebook's runs)"),
                    lambda: round(100 * _resident_share("small", 2)), rel=0.03, unit=" %",
                    hint="add up what stays: 1/N of every sharded layer, plus two slots that each hold one whole "
                         "layer.",
-                   why="50 % in chunks plus 2 x 20 % in the two slots: with only 5 sharded layers one slot is a "
-                       "fifth of R, so two slots eat most of what N = 2 saves. 1/N + 2/L must be well below 1."),
+                   why=lambda: (f"50 % in chunks plus 2 x {100 / _sharded_layers('small'):.0f} % in the two slots: "
+                                f"with only {_sharded_layers('small')} sharded layers one slot is "
+                                f"1/{_sharded_layers('small')} of R, so two slots eat most of what N = 2 saves. "
+                                "1/N + 2/L must be well below 1.")),
         "q2": Spec("fewest sharded layers at N = 4 for which a rank keeps at most half of R",
                    lambda: min(n for n in range(1, 100) if _resident_share("small", 4, layers=n + 1) <= 0.5),
                    hint="the chunks already take 1/4 of R; what is left for the two slots?",
                    why="1/4 + 2/L <= 1/2 once L >= 8: the two slots together may then cost at most a quarter of R."),
         "q3": Spec("the variant whose load peak is above R (bf16, int8, fp8 or fp8_block)",
-                   lambda variants: ", ".join(v for v, res in variants.items()
-                                              if _held_peak(res[0]) > res[0]["replicated_bytes"]),
+                   lambda: ", ".join(_requant_then_shard()),
                    hint="which format must change a weight as a whole before it can be cut into chunks?",
                    why="block FP8 is requant-then-shard: the UE8M0 requant runs on the whole weight, so every "
                        "rank holds the full weights (R) and the slots during finalize; only afterwards do they "
-                       "shrink."),
+                       "shrink. Section 4 measures it."),
     },
     "05": {
         "q1": Spec("rows of rank 3's fused qkv weight", lambda: _qkv_rank3().weight.shape[0],
@@ -248,7 +250,9 @@ BANK: dict[str, dict[str, Spec]] = {
                    lambda served: (served["rows_by_budget"][0]["sharded"]["pool_tokens"]
                                    - served["rows_by_budget"][0]["replicated"]["pool_tokens"]),
                    rel=0.01, unit=" tokens",
-                   hint="the bytes sharding gives back per rank, divided by the KV bytes of one token.",
+                   hint=lambda: ("the bytes sharding gives back per rank, divided by the KV bytes of one token -- "
+                                 f"then down to whole {_block_tokens()}-token blocks: each pool is a number of "
+                                 "blocks, not of tokens."),
                    why=lambda served: ("same budget, same reserve: the pools differ by R minus the chunks and the "
                                        f"two slots, divided by {served['kv_bytes_per_token']:,} B per token.")),
     },
@@ -272,10 +276,18 @@ def _resident_share(preset: str, group: int, **kw: Any) -> float:
     return resident_share(preset, group, **kw)
 
 
-def _held_peak(result: dict) -> int:
-    from wsharding.lab.tasks.loading import held_peak_bytes
+def _block_tokens() -> int:
+    from wsharding.serve import BLOCK_TOKENS
 
-    return held_peak_bytes(result)
+    return BLOCK_TOKENS
+
+
+def _requant_then_shard() -> list[str]:
+    """The loading variants whose quant method requantizes the whole weight before it is cut."""
+    from wsharding.linear.methods import METHODS
+    from wsharding.models.decoder import VARIANTS
+
+    return [v for v, q in VARIANTS.items() if getattr(METHODS[q], "weight_shard_mode", "rows") == "requant_then_shard"]
 
 
 def _call(f: Text, qid: str, given: dict[str, Any]) -> Any:
@@ -296,7 +308,7 @@ def ask(qid: str, **given: Any) -> Question:
     if spec is None:
         raise NotFound(f"no question {qid!r}; notebook {nb!r} has {sorted(BANK.get(nb, {}))}")
     return Question(_call(spec.text, qid, given), _call(spec.answer, qid, given), rel=spec.rel, unit=spec.unit,
-                    hint=spec.hint, why=_call(spec.why, qid, given))
+                    hint=_call(spec.hint, qid, given), why=_call(spec.why, qid, given))
 
 
 def questions(notebook: str, *keys: str, **given: Any) -> tuple[Question, ...]:

@@ -59,7 +59,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _, tp = group_rank_size(tp_group)
         _, kv_tp = group_rank_size(self.kv_tp_group)
         try:
-            self.num_heads = divide(total_num_heads, tp, f"{name}: total_num_heads")
+            self.num_heads = divide(total_num_heads, tp, "total_num_heads")  # the name is added once, below
             self.num_kv_heads, self.num_kv_head_replicas = kv_head_split(self.total_num_kv_heads, kv_tp)
         except GroupError as e:
             raise GroupError(f"{name}: {e}") from None

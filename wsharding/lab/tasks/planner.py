@@ -9,6 +9,7 @@ the tests all call them through ``cluster.run``.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 from wsharding.core.bound import raw_access
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument
+from wsharding.core.planner import ScheduleMissWarning
 from wsharding.core.runner import aligned_forward, run_layers
 from wsharding.core.schedule import lookahead_schedule, slot_name
 from wsharding.core.sharding import WeightSharding
@@ -299,12 +301,17 @@ def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layer
     planner.gate = gate
     # deeper than the two slots allow: each gather is issued while its slot's last reader still computes
     planner.set_schedule(lambda sharded, slot_of, start, end: lookahead_schedule(sharded, slot_of, ahead, start, end))
-    with torch.no_grad():
+    # The planner's ScheduleMissWarning (a slot found without its layer at use) is part of what this
+    # experiment shows: kept and returned, not written to the rank's stderr (a notebook would print it
+    # in red, with the planner's file path, on every run).
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ScheduleMissWarning)
         h = run_layers(blocks, x, planner)
         trace = planner.finish_step()
     return {
         "rank": ctx.rank,
         "gate": gate,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, ScheduleMissWarning)],
         "equal": bool(torch.equal(h, expected)),
         "max_abs_diff": float((h - expected).abs().max()),
         "gathers": planner.gathers_this_step,

@@ -193,6 +193,10 @@ def _entry_label(layout: FlatLayout, name: str) -> str:
     return f"{name}<br>{SUPPORTED_DTYPES[e.dtype]} {list(e.shape)}"
 
 
+#: The chunk map's bars let the chunk borders behind them show through.
+BAR_OPACITY = 0.8
+
+
 def chunk_map_figure(layout: FlatLayout, *, title: str | None = None, height: int = 380) -> go.Figure:
     """The byte map of T: entries and padding on top, rank chunks below, chunk borders as lines.
 
@@ -252,7 +256,8 @@ def chunk_map_figure(layout: FlatLayout, *, title: str | None = None, height: in
     for r, lo, hi in bands:
         pieces = layout.pieces(r)
         names = [p.name for p in pieces]
-        band_text.append(f"rank {r}" + (f" ({len(names)} weights)" if len(names) > 1 else ""))
+        # two short lines, not one long one: a label wider than its chunk is hidden (uniformtext)
+        band_text.append(f"rank {r}" + (f"<br>{len(names)} weights" if len(names) > 1 else ""))
         shown = "<br>".join(f"{p.name}[{p.entry_start}:{p.entry_stop}]" for p in pieces[:8])
         more = f"<br>... and {len(pieces) - 8} more" if len(pieces) > 8 else ""
         band_hover.append(
@@ -276,7 +281,10 @@ def chunk_map_figure(layout: FlatLayout, *, title: str | None = None, height: in
         )
     )
     for i in range(1, layout.group_size):
-        fig.add_vline(x=i * layout.chunk_bytes, line_width=2, line_dash="dash", line_color="black")
+        # behind the bars (drawn a little transparent, so the border shows through): a line drawn over
+        # them crossed the weights' labels
+        fig.add_vline(x=i * layout.chunk_bytes, line_width=2, line_dash="dash", line_color="black", layer="below")
+    fig.update_traces(marker_opacity=BAR_OPACITY)
     cuts = border_cuts(layout)
     for c, level in border_label_levels(cuts, layout.total_bytes):
         fig.add_annotation(

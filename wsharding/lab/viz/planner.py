@@ -214,6 +214,11 @@ def timeline_figure(records: Iterable[Record], title: str = "Gathers and compute
     return _layout(fig, title, lanes, len(_ranks(recs)), note)
 
 
+#: px above a hanging title, per line of it (17 px text at plotly's line height), for a subplot's one-line
+#: title below it with a gap, and the title's first-line ascent above its anchor (plotly anchors there).
+TITLE_PAD, TITLE_LINE, SUBPLOT_TITLE, TITLE_ASCENT = 12, 24, 32, 16
+
+
 def lookahead_pair_figure(on: Iterable[Record], off: Iterable[Record], *, title: str = "Lookahead on and off",
                           note: str = "", ranks: Sequence[int] | None = None) -> go.Figure:
     """One step with lookahead (top) and one without (bottom), on **one** time axis: the two can be
@@ -244,10 +249,18 @@ def lookahead_pair_figure(on: Iterable[Record], off: Iterable[Record], *, title:
         lines_of_note = [ln for part in note.split("<br>") for ln in textwrap.wrap(part, 100)]
         title += "".join(f"<br><sup>{ln}</sup>" for ln in lines_of_note)
     lines = title.count("<br>") + 1
-    top, bottom = 70 + 22 * lines, 110
+    # The title hangs from the figure's top edge and the margin holds all its lines and, below them,
+    # the first subplot's title: plotly centres a title in the margin by default, and a title of
+    # several lines then grows down over the subplot title.
+    top, bottom = TITLE_PAD + TITLE_LINE * lines + SUBPLOT_TITLE, 110
     plot = 2 * 55 * lanes_per + 60  # px of the two subplots and the gap between them
-    fig.update_layout(title=title, barmode="overlay", uniformtext=LABELS_THAT_FIT, font={"size": 12},
-                      height=top + plot + bottom, margin={"t": top, "b": bottom},
+    height = top + plot + bottom
+    # plotly anchors a top-anchored title at its first line's baseline region: the line's ascent sits
+    # above the anchor (about 15 px at the title's 17 px), so the anchor goes that much lower
+    fig.update_layout(title={"text": title, "yref": "container", "y": 1 - (TITLE_PAD + TITLE_ASCENT) / height,
+                             "yanchor": "top"},
+                      barmode="overlay", uniformtext=LABELS_THAT_FIT, font={"size": 12},
+                      height=height, margin={"t": top, "b": bottom},
                       # the legend under the x-axis title (about 45 px below the plot), never on it
                       legend={"orientation": "h", "x": 0, "y": -55 / plot, "yanchor": "top"})
     for a in fig.layout.annotations:  # the subplot titles: left-aligned, small

@@ -33,7 +33,28 @@ class BenchView:
     figure: go.Figure
 
     def text(self) -> str:
-        return f"mode: {machine_caption(self.report)}\n{short_table(self.report, PANEL_VARIANTS)}"
+        lines = [f"mode: {machine_caption(self.report)}", short_table(self.report, PANEL_VARIANTS)]
+        if str(self.report.get("mode", "")).startswith("cpu"):
+            lines += side_lines(self.report)
+        return "\n".join(lines)
+
+
+def side_lines(report: dict[str, Any], a: str = "sharded", b: str = "replicated") -> list[str]:
+    """Per token count, whether the rounds name a faster side: only where every round of one variant
+    beat every round of the other (no overlap of their fastest-to-slowest spans); else noise decides.
+    On CPU ranks the table's medians alone read as a result that the next click may turn around."""
+    out = []
+    for row in report["rows"]:
+        if f"{a}_min" not in row or f"{b}_min" not in row:
+            continue
+        if row[f"{a}_max"] < row[f"{b}_min"]:
+            say = f"every round of {a} beat every round of {b}"
+        elif row[f"{b}_max"] < row[f"{a}_min"]:
+            say = f"every round of {b} beat every round of {a}"
+        else:
+            say = f"the rounds of {a} and {b} overlap: noise decides which is faster (more timed steps may tell)"
+        out.append(f"{row['tokens_per_rank']} tokens/rank: {say}")
+    return out
 
 
 def bench_view(cluster: RankCluster, model: str, tokens: list[int], *, steps: int = 3, repeats: int = 1) -> BenchView:

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ipywidgets as widgets
@@ -61,11 +61,24 @@ def costmodel_view(
     map_own_chunk: bool = False,
 ) -> tuple[Plan, go.Figure, go.Figure]:
     """The pure function behind the panel: the plan and its two figures for one set of inputs."""
-    m = model if dtype == "as given" else model.with_dtype(dtype)
+    # a model stored in another dtype is named so: the figures' titles say which weights they price
+    m = model if dtype == "as given" else replace(model.with_dtype(dtype), name=f"{model.name} as {dtype}")
     dep = Deployment(ranks=ranks, device=get_device(device), tokens=tokens,
                      link_bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * GB, map_own_chunk=map_own_chunk)
     plan = estimate(m, dep)
     return plan, memory_figure(plan), overlap_figure(plan)
+
+
+#: The panel's figure margins (px): plotly's defaults (100 above, 80 below) leave a 320 px figure a
+#: plot area of 140 px, and the memory figure's legend of seven rows (three groups, three parts, its
+#: title) then scrolls inside it and is cut.
+PANEL_MARGIN = {"t": 70, "b": 40}
+
+
+def panel_figure(fig: go.Figure) -> go.Figure:
+    """A copy of ``fig`` at the panel's height, with margins that leave its legend room to show whole."""
+    return go.Figure(fig).update_layout(height=PANEL_FIGURE_HEIGHT, margin=PANEL_MARGIN,
+                                        legend={"font": {"size": 11}, "tracegroupgap": 0})
 
 
 @dataclass
@@ -124,7 +137,7 @@ def build_costmodel_panel(model: ModelSpec, *, ranks: int | None = None, tokens:
         figs.clear_output(wait=True)
         with figs:
             for fig in panel.state[1:]:
-                display(go.Figure(fig).update_layout(height=PANEL_FIGURE_HEIGHT))
+                display(panel_figure(fig))
 
     for c in controls.values():
         c.observe(refresh, names="value")
