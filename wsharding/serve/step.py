@@ -160,3 +160,24 @@ def build_step(pool: BlockPool, scheduled: list[Scheduled], token_sizes: list[in
     step = ServeStep(pool.storage, torch.tensor(ids, dtype=torch.long).to(device), write.to(device), tuple(groups),
                      torch.tensor(out_index, dtype=torch.long).to(device))
     return BuiltStep(step, real, sample_rows)
+
+
+def padding_step(pool: BlockPool, shape: tuple[int, tuple[tuple[int, int, int], ...]]) -> ServeStep:
+    """A step of ``shape`` (:attr:`ServeStep.shape`) that writes and reads the scratch block alone:
+    the static inputs a CUDA graph is captured on (its warm-up runs touch no sequence's K/V)."""
+    rows, groups = shape
+    if rows < 1 or not groups:
+        raise InvalidArgument(f"padding_step: a step shape has rows >= 1 and at least one group, got {shape}")
+    device = pool.device
+    first = pool.scratch_block * BLOCK_TOKENS
+    built = []
+    for entries, length, width in groups:
+        if entries < 1 or length < 1 or width < 1:
+            raise InvalidArgument(f"padding_step: a group has entries, length and width >= 1, got {shape}")
+        read = (first + torch.arange(width) % BLOCK_TOKENS).expand(entries, width).contiguous()
+        mask = (torch.arange(width) == 0).expand(entries, length, width).contiguous()
+        built.append(AttnGroup(read.to(device), torch.zeros(entries, length, dtype=torch.long, device=device),
+                               mask.to(device)))
+    return ServeStep(pool.storage, torch.zeros(rows, dtype=torch.long, device=device),
+                     torch.full((rows,), first, dtype=torch.long, device=device), tuple(built),
+                     torch.zeros(rows, dtype=torch.long, device=device))
