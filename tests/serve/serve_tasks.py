@@ -65,4 +65,5 @@ def serve_with_graphs(ctx, preset: str, *, comm: str = "torch", requests: int = 
         result[f"{name}_captured"] = runner.capture(shapes)
         result[f"{name}_graphs"] = run(model, runner)
         result[f"{name}_graphs_counts"] = runner.counts()
+        runner.close()  # before the communicator: NCCL's destroy waits for graphs holding its gathers
     return result

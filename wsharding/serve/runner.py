@@ -133,6 +133,14 @@ class StepRunner:
             done += 1
         return done
 
+    def close(self) -> None:
+        """Drop every graph (after the device has run them). A sharded model's graphs hold its
+        communicator's collectives, and NCCL's destroy waits for every graph that does: close the
+        runner (or let it go) before the communicator is closed."""
+        if self._graphs:
+            torch.cuda.synchronize(self.pool.device)
+        self._graphs.clear()
+
     def __call__(self, built: BuiltStep | ServeStep) -> torch.Tensor:
         step = built.step if isinstance(built, BuiltStep) else built
         shape = step.shape
@@ -193,14 +201,19 @@ def time_step(model: Any, tokens: int, width: int, *, graph: bool = False, runs:
         runner.capture([built.step.shape])
     device = pool.device
     times = []
-    with torch.no_grad():
-        for i in range(warmup + runs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            runner(built)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e6)
+    try:
+        with torch.no_grad():
+            for i in range(warmup + runs):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                runner(built)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        runner.close()
+    if graph and runner.graphed_steps != warmup + runs:
+        raise Unsupported(f"time_step: {runner.graphed_steps} of {warmup + runs} steps replayed the graph")
     return statistics.median(times)
