@@ -124,3 +124,19 @@ def test_sharded_serves_the_replicated_tokens_through_the_runner_on_cpu_ranks(cl
             assert counts["graphed_steps"] == 0 and "CPU ranks" in counts["eager_reason"]
             assert r[f"{v}_captured"] == 0 and counts["eager_steps"] == r[f"{v}_eager_counts"]["eager_steps"]
         assert r["shapes"] > 0
+
+
+def test_graphs_are_refused_where_the_gathers_cannot_be_captured(model):
+    """On a GPU, a sharded model over torch's communicator (several ranks) cannot capture its gathers:
+    the reason, not a silent eager run. The replicated model (no gather) can; CPU ranks cannot."""
+    from types import SimpleNamespace
+
+    from wsharding.serve.runner import graph_refusal
+
+    cuda = torch.device("cuda", 0)
+    sharded = SimpleNamespace(weight_sharding=SimpleNamespace(comm=SimpleNamespace(device=cuda, world_size=2)))
+    assert graph_refusal(sharded, cuda) == "capturing gathers needs our NCCL communicator (--comm nccl)"
+    assert graph_refusal(model, cuda) is None
+    assert "CPU ranks" in graph_refusal(model, torch.device("cpu"))
+    alone = SimpleNamespace(weight_sharding=SimpleNamespace(comm=SimpleNamespace(device=cuda, world_size=1)))
+    assert graph_refusal(alone, cuda) is None

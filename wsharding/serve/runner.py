@@ -19,9 +19,9 @@ runs eagerly is allowed: each rank still runs one gather per sharded layer per s
 The replicated model holds no collective, but is given the same shapes, so that both variants run
 the same steps from graphs.
 
-Where the runner stays eager, it says why (:attr:`StepRunner.eager_reason`): CPU ranks, a
-communicator whose gathers cannot be captured (:func:`wsharding.comm_by_name.graph_unsupported`), or
-graphs turned off.
+Where the runner stays eager, it says why (:attr:`StepRunner.eager_reason`): CPU ranks, or graphs
+turned off. Graphs asked for on a GPU whose sharded model's communicator cannot capture its gathers
+(:func:`wsharding.comm_by_name.graph_unsupported`) are refused with the reason, not run eagerly unsaid.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ def decode_shapes(token_sizes: list[int], context_sizes: list[int], max_tokens: 
     return [(n, ((n, 1, w),)) for n in token_sizes if max_tokens is None or n <= max_tokens for w in context_sizes]
 
 
-def _graph_refusal(model: Any, device: torch.device, shared_gpu: bool) -> str | None:
-    """Why ``model``'s steps cannot be captured here, or None."""
-    if device.type != "cuda":
+def graph_refusal(model: Any, device: torch.device, shared_gpu: bool = False) -> str | None:
+    """Why ``model``'s serving steps on ``device`` cannot be captured in CUDA graphs, or None: CPU
+    ranks; a sharded model whose communicator's gathers cannot be captured
+    (:func:`~wsharding.comm_by_name.graph_unsupported`; ranks sharing one GPU only without ``shared_gpu``)."""
+    if torch.device(device).type != "cuda":
         return "CUDA graphs need a GPU (these are CPU ranks): every step runs eagerly"
     ws = getattr(model, "weight_sharding", None)
     if ws is None:
@@ -80,7 +82,9 @@ class StepRunner:
     ``model.forward_serve``, or replayed from the graph of its shape when one was captured
     (:meth:`capture`). The logits returned are the step's own (a copy when replayed).
 
-    ``graphs``: False runs every step eagerly (the same runner, to compare). ``shared_gpu``: capture
+    ``graphs``: False runs every step eagerly (the same runner, to compare); on a GPU whose sharded
+    model's gathers cannot be captured, True is refused (:func:`graph_refusal` says why); on CPU ranks
+    the runner is eager and says so (:attr:`eager_reason`). ``shared_gpu``: capture
     even where several ranks share one GPU, which :func:`~wsharding.comm_by_name.graph_unsupported`
     refuses (a probe of a captured gather hung there under an older NCCL; the draft model's captured
     gather has passed there since) -- an opt-in until a run of this runner has passed there.
@@ -90,7 +94,10 @@ class StepRunner:
         self.model = model
         self.pool = pool
         device = pool.device
-        why = _graph_refusal(model, device, shared_gpu) if graphs else "graphs turned off"
+        why = graph_refusal(model, device, shared_gpu) if graphs else "graphs turned off"
+        if why is not None and device.type == "cuda" and graphs:
+            raise Unsupported(f"StepRunner: the serving steps cannot be captured in CUDA graphs: {why}; pass "
+                              "graphs=False to run every step eagerly")
         #: None where the runner replays graphs; else why every step runs eagerly.
         self.eager_reason: str | None = why
         self.graphed_steps = 0
@@ -194,10 +201,12 @@ def time_step(model: Any, tokens: int, width: int, *, graph: bool = False, runs:
     width = blocks_for(width) * BLOCK_TOKENS
     pool = pool if pool is not None else BlockPool.for_model(model, 1)
     built = build_step(pool, [], [tokens], [width])
+    if graph:
+        why = graph_refusal(model, pool.device, shared_gpu)
+        if why is not None:
+            raise Unsupported(f"time_step: no graph here: {why}; time it eagerly (graph=False)")
     runner = StepRunner(model, pool, graphs=graph, shared_gpu=shared_gpu)
     if graph:
-        if runner.eager_reason is not None:
-            raise Unsupported(f"time_step: no graph here: {runner.eager_reason}; time it eagerly (graph=False)")
         runner.capture([built.step.shape])
     device = pool.device
     times = []
