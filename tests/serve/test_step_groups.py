@@ -94,6 +94,8 @@ def test_the_runner_is_eager_on_cpu_and_says_so(model):
     plain = serve(model, BlockPool.for_model(model, 8), reqs, token_budget=16, max_context=48)
     runner = StepRunner(model, BlockPool.for_model(model, 8))
     assert "CPU ranks" in runner.eager_reason and runner.capture(decode_shapes([1, 2], [16])) == 0
+    with pytest.raises(InvalidArgument, match="has a prefill chunk group"):  # mixed steps are never captured
+        runner.capture([(8, ((2, 1, 16), (1, 4, 16)))])
     run = serve(model, runner.pool, reqs, token_budget=16, max_context=48, runner=runner)
     assert run.outputs == plain.outputs
     assert runner.counts() == {"graphed_steps": 0, "eager_steps": run.steps, "graphs": 0,

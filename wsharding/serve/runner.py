@@ -86,8 +86,8 @@ class StepRunner:
     model's gathers cannot be captured, True is refused (:func:`graph_refusal` says why); on CPU ranks
     the runner is eager and says so (:attr:`eager_reason`). ``shared_gpu``: capture
     even where several ranks share one GPU, which :func:`~wsharding.comm_by_name.graph_unsupported`
-    refuses (a probe of a captured gather hung there under an older NCCL; the draft model's captured
-    gather has passed there since) -- an opt-in until a run of this runner has passed there.
+    refuses (an early probe of a captured gather hung there; the draft model's captured gather has
+    passed there since, with NCCL 2.32) -- an opt-in until a run of this runner has passed there.
     """
 
     def __init__(self, model: Any, pool: BlockPool, *, graphs: bool = True, shared_gpu: bool = False) -> None:
@@ -123,15 +123,16 @@ class StepRunner:
         same order (each warm-up step gathers). Where the runner is eager, it captures nothing and
         returns 0 (:attr:`eager_reason` says why). Run it between runs, not inside one: each capture's
         warm-up steps write only the scratch block, but they are steps of the sharded model's planner."""
+        for shape in shapes:  # every shape checked before any capture: every rank refuses at once
+            if any(length != 1 for _, length, _ in shape[1]):
+                raise InvalidArgument(f"StepRunner.capture: {shape} has a prefill chunk group (length > 1); graphs "
+                                      "are captured for decode-only steps, mixed steps run eagerly")
         if self.eager_reason is not None:
             return 0
         done = 0
         for shape in shapes:
             if shape in self._graphs:
                 continue
-            if any(length != 1 for _, length, _ in shape[1]):
-                raise InvalidArgument(f"StepRunner.capture: {shape} has a prefill chunk group (length > 1); graphs "
-                                      "are captured for decode-only steps, mixed steps run eagerly")
             static = padding_step(self.pool, shape)
             with torch.no_grad():
                 graph, out = capture_graph(lambda static=static: self.model.forward_serve(static), self.pool.device,
