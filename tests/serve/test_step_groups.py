@@ -58,6 +58,10 @@ def test_one_long_and_short_decodes_each_read_their_own_bucket(model):
             alone = build_step(pool, [x], sizes, widths)
             assert alone.step.shape == (1, ((1, 1, 128 if i == 0 else 16),))
             assert torch.equal(model.forward_serve(alone.step)[0], together[i]), i
+        # a graph's static inputs hold every tensor the step reads: filled from the step, the same logits
+        static = padding_step(pool, built.step.shape)
+        static.copy_(built.step)
+        assert torch.equal(model.forward_serve(static), together)
 
 
 def test_chunks_read_their_own_bucket_and_decodes_stay_apart(model):

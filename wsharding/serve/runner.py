@@ -14,8 +14,10 @@ captures the shapes it is given, not every shape it meets. A sharded model's ste
 gathers, and capturing a collective is collective ([Note: a gather launched as a graph] in
 ``wsharding/accel/captured_launch.py``): the warm-up runs before each capture gather with the other
 ranks, so every rank captures the same shapes in the same order (:meth:`StepRunner.capture`;
-:func:`shapes_of_every_rank` merges what each rank met). Replaying a graph whose gathers another rank
-runs eagerly is allowed: each rank still runs one gather per sharded layer per step, in layer order.
+:func:`shapes_of_every_rank` merges what each rank met). At serving time a rank may replay a graph
+while another runs its step eagerly: each still runs one gather per sharded layer per step, in layer
+order, and an eager gather is itself the launch of a captured graph ([Note: a gather launched as a
+graph]), so the gathers pair as between eager steps -- what the runner's GPU test checks.
 The replicated model holds no collective, but is given the same shapes, so that both variants run
 the same steps from graphs.
 
