@@ -23,10 +23,14 @@ import torch
 from wsharding.core.errors import Unsupported
 
 
-def capture_graph(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture_graph(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2,
+                  pool: Any = None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm ``fn`` up on a side stream, then capture one call of it; returns (graph, static output).
 
     ``graph.replay()`` runs the captured step again on whatever the captured input tensors hold.
+    ``pool``: a memory pool shared with other graphs (``torch.cuda.graph_pool_handle()``), for graphs
+    that are replayed one at a time and whose outputs are read before another replays: the graphs of
+    a server's step shapes then hold one step's activations between them, not one each.
     """
     if torch.device(device).type != "cuda":
         raise Unsupported(f"capture_graph needs a CUDA device, got {device}: CUDA graphs exist only on GPUs")
@@ -38,6 +42,6 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, *, warmup: int = 
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out

@@ -166,14 +166,16 @@ def test_a_step_is_its_tokens_rounded_up_and_reads_its_blocks():
     assert built.sample_rows == [19, 22]
     # request 0 owns blocks 0, 1: its token at position 17 is row 16 + 1; request 1's at 2 is block 2's row 2
     assert step.write[17].item() == 17 and step.write[22].item() == 2 * 16 + 2
-    # both are prefill chunks (chunk length 20 -> 32); request 1's last row is its chunk's slot 2
-    assert step.chunk_rows.shape == (2, 32) and step.chunk_rows[1, :3].tolist() == [20, 21, 22]
-    assert step.chunk_mask[1, 2].tolist() == [True] * 3 + [False] * 29
-    assert step.chunk_read[1, 16].item() == pool.scratch_block * 16  # beyond its one block: the scratch block
+    # two prefill chunks, each in its own context bucket: request 1 (3 tokens) reads 16, request 0 (20) 32
+    assert step.shape == (32, ((1, 4, 16), (1, 32, 32)))
+    short, long = step.groups
+    assert short.rows[0, :3].tolist() == [20, 21, 22] and short.mask[0, 2].tolist() == [True] * 3 + [False] * 13
+    assert long.read[0, 16].item() == 16  # its second block; the short one never reads beyond its first
+    assert short.read[0].tolist() == [2 * 16 + i for i in range(16)]
     assert step.write[23:].tolist() == [pool.scratch_block * 16] * 9  # padding writes the scratch block
-    # the 9 padding rows share one decode entry on the scratch block; 22 is slot 2 of chunk 1 (after it)
-    assert step.read.tolist() == [[pool.scratch_block * 16 + i for i in range(16)] * 2]
-    assert step.out_index[22].item() == 1 + 32 + 2 and step.out_index[23:].tolist() == [0] * 9
+    # 22 is slot 2 of the first group; the padding rows have no entry (their results are not read)
+    assert step.out_index[22].item() == 2 and step.out_index[23:].tolist() == [0] * 9
+    assert step.gathered_rows == 1 * 16 + 1 * 32
     idle = build_step(pool, [], token_buckets(32), context_buckets(64))
     assert (idle.tokens, idle.step.rows, idle.sample_rows) == (0, 1, [])
 
@@ -210,9 +212,9 @@ def test_a_prefill_chunk_reads_its_context_once_and_a_mixed_step_computes_its_pa
         assert [(x.seq.request.rid, x.start, x.count) for x in mixed] == [(1, 5, 1), (2, 7, 1), (0, 0, 12)]
         built = build_step(pool, mixed, token_buckets(16), [16])
         step = built.step
-        # decode entries: B, C and the padding rows' shared one -> 4; one chunk of 12 slots -> 16
-        assert (step.read.shape, step.chunk_read.shape, step.chunk_rows.shape) == ((4, 16), (1, 16), (1, 16))
-        assert step.gathered_rows == (4 + 1) * 16 and step.rows * step.max_len == 256  # was: every row's own
+        # decode entries B and C -> a group of 2; one chunk of 12 slots -> 16
+        assert step.shape == (16, ((2, 1, 16), (1, 16, 16)))
+        assert step.gathered_rows == (2 + 1) * 16 and step.rows * step.max_len == 256  # was: every row's own
         together = m.forward_serve(step)
         chunk = m.forward_serve(build_step(pool, mixed[2:], token_buckets(16), [16]).step)
         decodes = m.forward_serve(build_step(pool, mixed[:2], token_buckets(16), [16]).step)

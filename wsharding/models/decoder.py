@@ -38,7 +38,7 @@ from wsharding.linear import (
 )
 from wsharding.linear.methods import make_quant_method
 from wsharding.models.kv_cache import KVStep
-from wsharding.models.token_pool import ServeStep
+from wsharding.models.token_pool import AttnGroup, ServeStep
 
 
 @dataclass(frozen=True)
@@ -190,31 +190,33 @@ class Attention(nn.Module):
     def forward_serve(self, x: torch.Tensor, layer_id: int, step: ServeStep) -> torch.Tensor:
         """The serving path: ``x`` holds the step's rows (``[rows, hidden]``), each a token of its own
         sequence at its own position. Their K/V are written into the token pool first, so that a
-        prompt's rows see each other; then each row attends to its sequence's pool rows up to itself:
-        decode rows as a batch of one query each, a prefill chunk's rows as the queries of one
-        attention over its context, gathered once (see :class:`~wsharding.models.token_pool.ServeStep`).
-        Fixed shapes throughout (see :mod:`wsharding.models.token_pool`)."""
+        prompt's rows see each other; then each group of the step (sequences of one context bucket,
+        :class:`~wsharding.models.token_pool.AttnGroup`) runs one attention: an entry's context is
+        gathered once, at its group's width, and its query slots -- one for a decode, a chunk's rows
+        for a prefill chunk -- attend over it. Fixed shapes throughout (see
+        :mod:`wsharding.models.token_pool`)."""
         rows, rep, hd = x.shape[0], self.heads // self.kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split(self.qkv_gemm["split"], dim=-1)
         step.store(layer_id, k.view(rows, self.kv_heads, hd), v.view(rows, self.kv_heads, hd))
         q = q.reshape(rows, self.kv_heads, rep, hd)  # the rep query heads of a KV head as query rows
-        parts = []
-        if step.read.shape[0]:
-            k_seen, v_seen = step.gathered(layer_id)  # [decodes, kv_heads, max_len, head_dim]
-            a = F.scaled_dot_product_attention(q[step.decode_rows], k_seen, v_seen,
-                                               attn_mask=step.mask[:, None, None, :])
-            parts.append(a.reshape(-1, self.heads * hd))
-        if step.chunk_read.shape[0]:
-            chunks, length = step.chunk_rows.shape
-            k_seen, v_seen = step.gathered_chunks(layer_id)  # [chunks, kv_heads, max_len, head_dim]
-            # a chunk's queries: its slots x the rep heads of a KV head, slot-major, so a row's heads sit together
-            qc = q[step.chunk_rows].permute(0, 2, 1, 3, 4).reshape(chunks, self.kv_heads, length * rep, hd)
-            mask = step.chunk_mask.repeat_interleave(rep, dim=1)[:, None]  # [chunks, 1, length * rep, max_len]
-            a = F.scaled_dot_product_attention(qc, k_seen, v_seen, attn_mask=mask)
-            a = a.view(chunks, self.kv_heads, length, rep, hd).permute(0, 2, 1, 3, 4)
-            parts.append(a.reshape(chunks * length, self.heads * hd))
+        parts = [self._group_attention(q, step, layer_id, g) for g in step.groups]
         a = torch.cat(parts) if len(parts) > 1 else parts[0]
         return self.o_proj(a[step.out_index])
+
+    def _group_attention(self, q: torch.Tensor, step: ServeStep, layer_id: int, group: AttnGroup) -> torch.Tensor:
+        """One group's attention: ``[entries * length, heads * head_dim]``, entry-major."""
+        rep, hd = self.heads // self.kv_heads, self.head_dim
+        entries, length = group.entries, group.length
+        k_seen, v_seen = step.gathered(layer_id, group)  # [entries, kv_heads, width, head_dim]
+        # an entry's queries: its slots x the rep heads of a KV head, slot-major, so a row's heads sit together
+        qg = q[group.rows].permute(0, 2, 1, 3, 4).reshape(entries, self.kv_heads, length * rep, hd)
+        if length == 1:  # decode entries: one mask row serves the rep heads
+            mask = group.mask[:, None]  # [entries, 1, 1, width]
+        else:
+            mask = group.mask.repeat_interleave(rep, dim=1)[:, None]  # [entries, 1, length * rep, width]
+        a = F.scaled_dot_product_attention(qg, k_seen, v_seen, attn_mask=mask)
+        a = a.view(entries, self.kv_heads, length, rep, hd).permute(0, 2, 1, 3, 4)
+        return a.reshape(entries * length, self.heads * hd)
 
 
 def over_group_tokens(fn: Any, x: torch.Tensor, group: Any) -> torch.Tensor:

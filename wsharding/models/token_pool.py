@@ -12,8 +12,8 @@ depend on which other requests share its step, or replicated and sharded -- whos
 whose steps hold different requests -- could not be compared bit for bit. Matrix products of a fixed
 shape compute each row the same way wherever it sits; of a different shape they may pick another
 kernel (and another summation order). So every step has ``rows`` rows (unused ones are padding) and
-its attention has fixed shapes too: a count of decode entries and of prefill chunks, a chunk length,
-and ``max_len`` gathered pool rows per sequence (masked beyond each row's own position).
+its attention has fixed shapes too: per group of sequences that share a context bucket, a count of
+entries, a query length and a width of gathered pool rows (masked beyond each row's own position).
 """
 
 from __future__ import annotations
@@ -86,32 +86,50 @@ class TokenKVPool:
 
 
 @dataclass(frozen=True)
+class AttnGroup:
+    """Entries of a step that attend over the same width: ``entries`` sequences (real ones, then
+    padding entries on the scratch block), each with ``length`` query slots.
+
+    Entry e gathers pool rows ``read[e, :]`` (its sequence's context, up to the group's width) once;
+    its query slot j is step row ``rows[e, j]`` and attends where ``mask[e, j, :]`` is True (its
+    sequence's tokens up to its own position). A decode entry (a sequence with one row in the step)
+    has one slot; a prefill chunk has a slot per row, the group's length covering its longest chunk.
+    """
+
+    read: torch.Tensor  # [entries, width] int64
+    rows: torch.Tensor  # [entries, length] int64
+    mask: torch.Tensor  # [entries, length, width] bool
+
+    @property
+    def entries(self) -> int:
+        return self.read.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.rows.shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.read.shape[1]
+
+
+@dataclass(frozen=True)
 class ServeStep:
-    """One forward of ``rows`` token rows (see the module's note on why the shape is fixed).
+    """One forward of ``rows`` token rows (see the module's note on why the shapes are fixed).
 
-    ``tokens[i]`` is row i's token id; its K/V go to pool row ``write[i]``. Attention runs in two
-    groups, each reading a sequence's context once:
-
-    * **decode** entries (a sequence with one row in the step; padding): entry d is step row
-      ``decode_rows[d]`` and attends to pool rows ``read[d, :]`` where ``mask[d, :]`` is True;
-    * **chunks** (a sequence with several rows: a prefill chunk): chunk p gathers pool rows
-      ``chunk_read[p, :]`` once, and its query slot j is step row ``chunk_rows[p, j]``, attending where
-      ``chunk_mask[p, j, :]`` is True (its sequence's tokens up to its own position).
-
-    The results, decode entries then chunk slots flattened, go back to the step's rows by
-    ``out_index`` (``[rows]``). Padding rows write the scratch row and attend to it alone.
+    ``tokens[i]`` is row i's token id; its K/V go to pool row ``write[i]``. Attention runs in
+    ``groups`` (:class:`AttnGroup`), each a batch of entries of one width -- the context bucket of
+    its own sequences, so a short sequence reads a short window beside a long one -- and one query
+    length (1 for decode entries). The results, group after group, each flattened entry-major, go
+    back to the step's rows by ``out_index`` (``[rows]``). Padding rows write the scratch row; their
+    results are not read.
     """
 
     pool: TokenKVPool
     tokens: torch.Tensor  # [rows] int64
     write: torch.Tensor  # [rows] int64
-    read: torch.Tensor  # [decodes, max_len] int64
-    mask: torch.Tensor  # [decodes, max_len] bool
-    decode_rows: torch.Tensor  # [decodes] int64
-    chunk_read: torch.Tensor  # [chunks, max_len] int64
-    chunk_rows: torch.Tensor  # [chunks, chunk_len] int64
-    chunk_mask: torch.Tensor  # [chunks, chunk_len, max_len] bool
-    out_index: torch.Tensor  # [rows] int64, into decodes + chunks * chunk_len
+    groups: tuple[AttnGroup, ...]
+    out_index: torch.Tensor  # [rows] int64, into the groups' results concatenated
 
     @property
     def rows(self) -> int:
@@ -119,25 +137,46 @@ class ServeStep:
 
     @property
     def max_len(self) -> int:
-        return self.read.shape[1]
+        """The widest group's width (the step's largest context bucket)."""
+        return max(g.width for g in self.groups)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every group is of decode entries (one query slot each): the steps a server captures in graphs."""
+        return all(g.length == 1 for g in self.groups)
+
+    @property
+    def shape(self) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+        """What fixes every tensor's shape: ``(rows, ((entries, length, width) per group))``. Two steps
+        of one shape run the same kernels on the same shapes (a CUDA graph of one replays the other)."""
+        return self.rows, tuple((g.entries, g.length, g.width) for g in self.groups)
 
     @property
     def gathered_rows(self) -> int:
-        """Pool rows one layer's K (and as many of V) gathers: one context per decode entry and per chunk."""
-        return (self.read.shape[0] + self.chunk_read.shape[0]) * self.max_len
+        """Pool rows one layer's K (and as many of V) gathers: each entry's context once, at its group's width."""
+        return sum(g.entries * g.width for g in self.groups)
 
-    def gathered(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` for every decode entry: ``[decodes, kv_heads, max_len, head_dim]`` each."""
-        return self._gather(layer, self.read)
-
-    def gathered_chunks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` for every chunk, once per chunk: ``[chunks, kv_heads, max_len, head_dim]`` each."""
-        return self._gather(layer, self.chunk_read)
-
-    def _gather(self, layer: int, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.k[layer][read].transpose(1, 2), self.pool.v[layer][read].transpose(1, 2)
+    def gathered(self, layer: int, group: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` for every entry of ``group``: ``[entries, kv_heads, width, head_dim]`` each."""
+        return self.pool.k[layer][group.read].transpose(1, 2), self.pool.v[layer][group.read].transpose(1, 2)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the rows' new K and V (``[rows, kv_heads, head_dim]``) into the pool."""
         self.pool.k[layer].index_copy_(0, self.write, k)
         self.pool.v[layer].index_copy_(0, self.write, v)
+
+    def copy_(self, other: ServeStep) -> None:
+        """Take ``other``'s contents into this step's tensors (a captured graph's static inputs); the
+        shapes must be equal (:attr:`shape`) and the pool the same."""
+        if other.shape != self.shape or other.pool is not self.pool:
+            raise InvalidArgument(f"ServeStep.copy_: a step of shape {other.shape} cannot fill one of shape "
+                                  f"{self.shape} (or of another pool): capture a graph for its shape")
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine.copy_(theirs)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every input tensor, in a fixed order."""
+        out = [self.tokens, self.write, self.out_index]
+        for g in self.groups:
+            out += [g.read, g.rows, g.mask]
+        return out

@@ -66,7 +66,8 @@ def _record(seq: Sequence) -> dict[str, Any]:
 def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, token_budget: int,
           max_context: int, max_seqs: int | None = None, max_concurrency: int | None = None,
           agree: Callable[[bool], bool] = bool, clock: Callable[[], float] = time.perf_counter,
-          warmup: int = 1, max_steps: int = 1_000_000, schedule_times: list[float] | None = None) -> ServeRun:
+          warmup: int = 1, max_steps: int = 1_000_000, schedule_times: list[float] | None = None,
+          runner: Callable[[Any], torch.Tensor] | None = None) -> ServeRun:
     """Serve ``requests`` (this rank's) with ``model.forward_serve`` until no rank has work left.
 
     ``agree(has_work)`` returns whether any rank still has work (all ranks call it after every step;
@@ -74,6 +75,8 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
     ``warmup`` padding steps of every token bucket run first, untimed (a process's first forward of a
     shape pays one-time costs). ``schedule_times``: replay -- step i is scheduled as if at that time, and
     exactly that many steps run (every rank replays its own recorded run, so the ranks stay in step).
+    ``runner``: runs each built step and returns its logits (a :class:`~wsharding.serve.runner.StepRunner`
+    replays captured CUDA graphs); default ``model.forward_serve`` of the step, eagerly.
     """
     check_servable(requests, pool, max_context)
     sched = Scheduler(pool, requests, token_budget=token_budget, max_seqs=max_seqs, max_concurrency=max_concurrency)
@@ -92,7 +95,7 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
             scheduled = sched.schedule(now)
             run.peak_blocks = max(run.peak_blocks, pool.used_blocks)
             built = build_step(pool, scheduled, sizes, widths)
-            logits = model.forward_serve(built.step)
+            logits = runner(built) if runner is not None else model.forward_serve(built.step)
             # the host needs the tokens to build the next step: one sync per step, as a server has
             sampled = logits[built.sample_rows].argmax(-1).tolist() if built.sample_rows else []
             ended = clock()

@@ -1,28 +1,34 @@
-"""One forward of the scheduler's step: the tokens it has, rounded up to a bucket, attending over the
-context they have, rounded up to a bucket.
+"""One forward of the scheduler's step: the tokens it has, rounded up to a bucket, each sequence
+attending over its own context, rounded up to a bucket.
 
 A server runs a step of T tokens as one of a few captured shapes (vLLM captures CUDA graphs for a
 list of batch sizes and pads a step up to the next one). Here the token buckets are 1, 2, 4, 8, ...
 up to the step's token budget (and the budget itself): a step costs what its tokens cost, padded by
-less than 2x, never a fixed row count. Attention needs a fixed width too: a step reads its sequences'
-block tables up to the step's **context bucket** (16, 32, 64, ... tokens, at least the longest
-context in the step), masked beyond each row's own position -- so a step of short sequences attends
-over a short window. (A paged-attention kernel would read each sequence's own length; one width per
-step is the closest plain ``scaled_dot_product_attention`` gets.) Each sequence's context is gathered
-once per step, as a paged-attention kernel reads it: a decode row (a sequence with one row) is one
-entry of a batched attention of one query each; a prefill chunk (a sequence with several rows) is one
-attention whose queries are its rows, over its context gathered once (``ServeStep.gathered_chunks``),
-masked causally by position; the results go back to the step's row order. The counts of decode
-entries and of chunks and the chunk length are bucketed like the tokens, so the shapes stay few. What
-is still padded beyond a server: every sequence reads the step's width, and a step's chunks are padded
-to its longest (a varlen kernel packs them).
+less than 2x, never a fixed row count. Attention needs fixed widths too: a sequence reads its block
+table up to its **own context bucket** (16, 32, 64, ... tokens, at least its last position), masked
+beyond each row's own position. The step's sequences are grouped by that bucket -- decode entries
+(a sequence with one row) apart from prefill chunks (a sequence with several rows) -- and each group
+runs one batched attention: a decode entry is one query over its context; a chunk's rows are the
+queries of one attention over its context, gathered once, masked causally by position; the results
+go back to the step's row order. So a short sequence beside a long one reads its short window. The
+count of entries of each group and a chunk group's length are bucketed like the tokens, so the shapes
+stay few (:attr:`~wsharding.models.token_pool.ServeStep.shape`). What is still padded beyond a
+server: a sequence reads up to its bucket (less than 2x its context; a paged-attention kernel reads
+its exact length), a group's entries are padded to its bucket, and the chunks of a group to its
+longest (a varlen kernel packs them). The price of the groups is a launch per group and layer: a
+step of sequences of k buckets runs k attentions where one width for all would run one.
 
-[Note: bits across buckets] A row's logits can differ in the last bits between two buckets (another
-shape may pick another kernel and summation order). The replicated and the sharded model serve the
+[Note: bits across buckets] A row's logits can differ in the last bits between two step shapes
+(another token bucket, or another count of entries in its group, may pick another kernel and
+summation order). Within one shape, a row's result depends only on its own sequence: its group reads
+only its own context, and the other groups' rows enter its attention nowhere. The replicated and the
+sharded model run this same code, so the same step gives the same bits in both; but they serve the
 same requests in different steps -- their pools differ -- so their greedy tokens may part where two
 logits nearly tie. The equality that sharding promises is checked where it holds exactly: the sharded
 model replays the replicated run's steps (:func:`wsharding.serve.engine.serve` with
-``schedule_times``), and every token must match.
+``schedule_times``), or both serve with pools of one size, and every token must match. A step
+replayed from a CUDA graph of its shape runs the same kernels as the eager step
+(:mod:`wsharding.serve.runner`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from wsharding.core.errors import InvalidArgument
-from wsharding.models.token_pool import ServeStep
+from wsharding.models.token_pool import AttnGroup, ServeStep
 from wsharding.serve.blocks import BLOCK_TOKENS, BlockPool, blocks_for
 from wsharding.serve.scheduler import Scheduled
 
@@ -85,23 +91,25 @@ class BuiltStep:
 
 def build_step(pool: BlockPool, scheduled: list[Scheduled], token_sizes: list[int],
                context_sizes: list[int]) -> BuiltStep:
-    """The step's tensors, on the pool's device. No request scheduled: a one-token step of padding (a
-    rank with nothing to do still runs every step: its gathers pair with the other ranks').
+    """The step's tensors, on the pool's device. No request scheduled: a step of padding (a rank with
+    nothing to do still runs every step: its gathers pair with the other ranks').
 
-    Attention groups (see :class:`ServeStep`): a request of one row is a decode entry; one of several
-    rows (a prefill chunk) is a chunk, its context gathered once for all its rows. The counts of decode
-    entries and of chunks, and the chunk length, are rounded up to ``token_sizes`` too: a few shapes, as
-    a server captures. The padding rows of a step share one decode entry on the scratch block (their
-    results are thrown away); a step of padding alone (warmup, an idle rank, the lab's timed steps)
-    gives each row its own, so that it costs what a decode step of its size does."""
+    Attention groups (see :class:`~wsharding.models.token_pool.AttnGroup`): a request of one row is a
+    decode entry; one of several rows (a prefill chunk) is a chunk, its context gathered once for all
+    its rows. Entries are grouped by their **own** context bucket (``context_sizes`` holding their last
+    position), decode entries apart from chunks; a group's count of entries, and a chunk group's length,
+    are rounded up to ``token_sizes``: a few shapes, as a server captures. Groups are ordered decodes
+    first, then by width. The padding rows of a step with requests have no entry (their results are
+    not read); a step of padding alone (warmup, an idle rank, the timed steps of
+    :func:`wsharding.serve.runner.time_step`) gives each row a decode entry of the smallest width, so
+    that it costs what a decode step of its size does."""
     ids: list[int] = []
     positions: list[int] = []
     owner: list[int] = []
     sample_rows: list[int] = []
-    decodes: list[tuple[int, int, int, int]] = []  # (table row, first position, first step row, count)
-    chunks: list[tuple[int, int, int, int]] = []
+    entries: list[tuple[int, int, int, int]] = []  # (table row, first position, first step row, count)
     for j, s in enumerate(scheduled):
-        (decodes if s.count == 1 else chunks).append((j, s.start, len(ids), s.count))
+        entries.append((j, s.start, len(ids), s.count))
         ids += s.seq.tokens(s.start, s.start + s.count)
         positions += range(s.start, s.start + s.count)
         owner += [j] * s.count
@@ -109,51 +117,67 @@ def build_step(pool: BlockPool, scheduled: list[Scheduled], token_sizes: list[in
             sample_rows.append(len(ids) - 1)
     real = len(ids)
     rows = bucket(max(real, 1), token_sizes)
-    width = bucket(max((s.start + s.count for s in scheduled), default=1), context_sizes)
     pad = rows - real
     ids += [0] * pad
     positions += [0] * pad
     scratch_row = len(scheduled)  # the last table row: all scratch
     owner += [scratch_row] * pad
-    out_index = [0] * rows
-    for d, (_, _, row, _) in enumerate(decodes):
-        out_index[row] = d
-    # padding rows' decode entries: one shared, or one each in a step of padding alone (see above)
-    for i in range(real, rows):
-        out_index[i] = len(decodes) + (0 if scheduled else i)
-    decodes += [(scratch_row, 0, i, 1) for i in range(real, rows if not scheduled else real + min(pad, 1))]
-    n_dec = bucket(len(decodes), token_sizes) if decodes else 0
-    decodes += [(scratch_row, 0, 0, 1)] * (n_dec - len(decodes))  # their results are not read
-    n_chunks = bucket(len(chunks), token_sizes) if chunks else 0
-    length = bucket(max(c for *_, c in chunks), token_sizes) if chunks else 0
-    for p, (_, _, row, count) in enumerate(chunks):
-        for q in range(count):
-            out_index[row + q] = n_dec + p * length + q
-    chunks += [(scratch_row, 0, 0, 0)] * (n_chunks - len(chunks))
-    per_row = width // BLOCK_TOKENS
+    if not scheduled:
+        entries = [(scratch_row, 0, i, 1) for i in range(rows)]
+    by_key: dict[tuple[bool, int], list[tuple[int, int, int, int]]] = {}
+    for e in entries:
+        by_key.setdefault((e[3] > 1, bucket(e[1] + e[3], context_sizes)), []).append(e)
+    keys = sorted(by_key)
+    width_max = max(w for _, w in keys)
+    per_row = width_max // BLOCK_TOKENS
     scratch = pool.scratch_block
     table = [s.seq.blocks[:per_row] + [scratch] * (per_row - min(len(s.seq.blocks), per_row)) for s in scheduled]
     table.append([scratch] * per_row)
     blocks = torch.tensor(table, dtype=torch.long)
-    token_rows = (blocks[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(len(table), width)
+    token_rows = (blocks[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(len(table), width_max)
     pos = torch.tensor(positions, dtype=torch.long)
     write = token_rows[torch.tensor(owner, dtype=torch.long)].gather(1, pos[:, None]).squeeze(1)
-    span = torch.arange(width)
-    dec_owner = torch.tensor([t for t, *_ in decodes], dtype=torch.long)
-    dec_pos = torch.tensor([x for _, x, _, _ in decodes], dtype=torch.long)
-    # a chunk's slot beyond its rows stands at position 0 (one scratch token seen, so no row is all masked)
-    slot_pos = torch.tensor([[x + q if q < c else 0 for q in range(length)] for _, x, _, c in chunks],
-                            dtype=torch.long).view(n_chunks, length)
-    slot_row = torch.tensor([[r + q if q < c else 0 for q in range(length)] for _, _, r, c in chunks],
-                            dtype=torch.long).view(n_chunks, length)
+    out_index = [0] * rows  # padding rows beside requests: any result, not read
     device = pool.device
-    tensors = {
-        "tokens": torch.tensor(ids, dtype=torch.long), "write": write,
-        "read": token_rows[dec_owner], "mask": span[None, :] <= dec_pos[:, None],
-        "decode_rows": torch.tensor([r for _, _, r, _ in decodes], dtype=torch.long),
-        "chunk_read": token_rows[torch.tensor([t for t, *_ in chunks], dtype=torch.long)],
-        "chunk_rows": slot_row, "chunk_mask": span <= slot_pos[:, :, None],
-        "out_index": torch.tensor(out_index, dtype=torch.long),
-    }
-    step = ServeStep(pool.storage, **{k: t.to(device) for k, t in tensors.items()})
+    groups, offset = [], 0
+    for chunked, width in keys:
+        members = by_key[chunked, width]
+        n = bucket(len(members), token_sizes)
+        length = bucket(max(c for *_, c in members), token_sizes) if chunked else 1
+        for p, (_, _, row, count) in enumerate(members):
+            for q in range(count):
+                out_index[row + q] = offset + p * length + q
+        members = members + [(scratch_row, 0, 0, 0)] * (n - len(members))  # padding entries: results not read
+        # a slot beyond its entry's rows stands at position 0 (one token seen, so no slot is all masked)
+        slot_pos = torch.tensor([[x + q if q < c else 0 for q in range(length)] for _, x, _, c in members],
+                                dtype=torch.long).view(n, length)
+        slot_row = torch.tensor([[r + q if q < c else 0 for q in range(length)] for _, _, r, c in members],
+                                dtype=torch.long).view(n, length)
+        read = token_rows[torch.tensor([t for t, *_ in members], dtype=torch.long), :width]
+        mask = torch.arange(width) <= slot_pos[:, :, None]
+        groups.append(AttnGroup(read.to(device), slot_row.to(device), mask.to(device)))
+        offset += n * length
+    step = ServeStep(pool.storage, torch.tensor(ids, dtype=torch.long).to(device), write.to(device), tuple(groups),
+                     torch.tensor(out_index, dtype=torch.long).to(device))
     return BuiltStep(step, real, sample_rows)
+
+
+def padding_step(pool: BlockPool, shape: tuple[int, tuple[tuple[int, int, int], ...]]) -> ServeStep:
+    """A step of ``shape`` (:attr:`ServeStep.shape`) that writes and reads the scratch block alone:
+    the static inputs a CUDA graph is captured on (its warm-up runs touch no sequence's K/V)."""
+    rows, groups = shape
+    if rows < 1 or not groups:
+        raise InvalidArgument(f"padding_step: a step shape has rows >= 1 and at least one group, got {shape}")
+    device = pool.device
+    first = pool.scratch_block * BLOCK_TOKENS
+    built = []
+    for entries, length, width in groups:
+        if entries < 1 or length < 1 or width < 1:
+            raise InvalidArgument(f"padding_step: a group has entries, length and width >= 1, got {shape}")
+        read = (first + torch.arange(width) % BLOCK_TOKENS).expand(entries, width).contiguous()
+        mask = (torch.arange(width) == 0).expand(entries, length, width).contiguous()
+        built.append(AttnGroup(read.to(device), torch.zeros(entries, length, dtype=torch.long, device=device),
+                               mask.to(device)))
+    return ServeStep(pool.storage, torch.zeros(rows, dtype=torch.long, device=device),
+                     torch.full((rows,), first, dtype=torch.long, device=device), tuple(built),
+                     torch.zeros(rows, dtype=torch.long, device=device))
