@@ -118,6 +118,13 @@ def test_a_block_given_back_twice_is_refused():
     with pytest.raises(InvalidArgument, match="block 9 is not one of the pool's 4 blocks"):
         pool.give_back([9])
     assert pool.free_blocks == 4
+    # the same block twice in one call, and a refused call that frees nothing of what it was given
+    b = pool.take(3)
+    with pytest.raises(InvalidArgument, match=f"block {b[0]} is already free"):
+        pool.give_back([b[0], b[1], b[0]])
+    assert pool.free_blocks == 1
+    pool.give_back(b)
+    assert pool.free_blocks == 4 and sorted(pool.take(4)) == [0, 1, 2, 3]
 
 
 def test_growth_block_by_block_and_preemption_of_the_newest_by_recompute():

@@ -45,6 +45,9 @@ class BlockPool:
         #: The block padding uses; never handed out.
         self.scratch_block = self.blocks
         self._free = list(range(self.blocks - 1, -1, -1))  # popped from the end: lowest first
+        # one flag per block beside the list: give_back checks a returned block in O(1), not by a set of
+        # the whole free list per call (a pool of a large model holds hundreds of thousands of blocks)
+        self._is_free = bytearray(b"\x01") * self.blocks
 
     @classmethod
     def for_model(cls, model: Any, blocks: int, device: torch.device | str | None = None) -> BlockPool:
@@ -88,15 +91,20 @@ class BlockPool:
             return []
         taken = self._free[-count:][::-1]
         del self._free[-count:]
+        for b in taken:
+            self._is_free[b] = 0
         return taken
 
     def give_back(self, blocks: list[int]) -> None:
         """Return a sequence's blocks. A block that is already free, or not of this pool, is refused:
         handed out twice later, two sequences would write each other's K/V."""
-        free = set(self._free)
+        seen: set[int] = set()
+        for b in blocks:  # all checked before any is freed: a refused call changes nothing
+            if not (isinstance(b, int) and 0 <= b < self.blocks):
+                raise InvalidArgument(f"BlockPool.give_back: block {b} is not one of the pool's {self.blocks} blocks")
+            if self._is_free[b] or b in seen:
+                raise InvalidArgument(f"BlockPool.give_back: block {b} is already free")
+            seen.add(b)
         for b in blocks:
-            if not 0 <= b < self.blocks or b in free:
-                raise InvalidArgument(f"BlockPool.give_back: block {b} is " + (
-                    "already free" if b in free else f"not one of the pool's {self.blocks} blocks"))
-            free.add(b)
+            self._is_free[b] = 1
         self._free.extend(reversed(blocks))
