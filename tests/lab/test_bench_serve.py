@@ -327,3 +327,20 @@ def test_the_saved_cpu_run_reads_back():
     assert [c["regime"] for c in report["crossover"]] == ["pool-limited", "compute-limited"]
     assert {t.name for t in goodput_figure(report).data} >= {"replicated", "sharded"}
     assert any(t.name.startswith("cost model, pool-limited") for t in crossover_figure(report).data)
+
+
+def test_the_crossover_ratio_says_what_kind_of_number_it_is():
+    from wsharding.lab.bench.serve_report import _rate_ratio
+    from wsharding.serve.metrics import bracket
+
+    rates = [2.0, 4.0, 8.0, 16.0]
+
+    def b(*met):
+        return bracket(rates, list(met), 0.9)
+
+    assert _rate_ratio(b(1, 1, 1, 0), b(1, 1, 0, 0)) == (2.0, "exact")  # 8/s against 4/s
+    assert _rate_ratio(b(1, 1, 1, 1), b(1, 1, 0, 0)) == (4.0, "lower")  # sharded passed every rate
+    assert _rate_ratio(b(1, 1, 0, 0), b(0, 0, 0, 0)) == (2.0, "lower")  # replicated below the lowest
+    assert _rate_ratio(b(1, 0, 0, 0), b(1, 1, 1, 1)) == (0.125, "upper")
+    assert _rate_ratio(b(1, 1, 1, 1), b(1, 1, 1, 1)) == (None, None)  # the sweep reached neither limit
+    assert _rate_ratio(b(0, 0, 0, 0), b(0, 0, 0, 0)) == (None, None)

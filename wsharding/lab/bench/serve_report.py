@@ -210,22 +210,43 @@ def crossover(rows: list[dict[str, Any]], variants: list[str]) -> list[dict[str,
                     "ratio": None, "bound": None}
             item["predicted"] = item["predicted_pool_limited" if reg == "pool-limited" else "predicted_compute_limited"]
             if br:
-                s, r = br[v], br["replicated"]
-                if s["sustained"] and r["sustained"] and not math.isinf(s["sustained"]) and not math.isinf(r["sustained"]):
-                    item["ratio"] = s["sustained"] / r["sustained"]
-                    item["bound"] = {(True, True): None, (False, False): "exact", (True, False): "lower",
-                                     (False, True): "upper"}[(s["kind"] == "at least", r["kind"] == "at least")]
-                    if item["bound"] is None:
-                        item["ratio"] = None  # both passed every rate: the sweep did not reach either limit
+                item["ratio"], item["bound"] = _rate_ratio(br[v], br["replicated"])
             out.append(item)
     return out
+
+
+def _rate_ratio(s: dict[str, Any], r: dict[str, Any]) -> tuple[float | None, str | None]:
+    """The ratio of two brackets' sustained rates (sharded ``s`` over replicated ``r``) and what kind of
+    number it is: ``exact`` (both bracketed: each a rate of the grid passed, the next failed),
+    ``lower`` / ``upper`` where one side is open -- a variant that passed every rate, or one below the
+    lowest (then the lowest rate stands for it: the ratio is beyond it) -- None when both are open the
+    same way (the sweep reached neither limit, or both failed its lowest rate)."""
+    def side(b: dict[str, Any]) -> tuple[float | None, str]:
+        if b["kind"] == "bracketed":
+            return b["sustained"], "exact"
+        if b["kind"] == "at least" and b["sustained"] is not None:
+            return b["sustained"], "up"  # the true rate is higher
+        if b["kind"] == "below the lowest" and b["fails_at"] is not None:
+            return b["fails_at"], "down"  # the true rate is lower
+        return None, "none"
+
+    (a, ka), (b, kb) = side(s), side(r)
+    if a is None or b is None or (ka == kb and ka != "exact"):
+        return None, None
+    if ka == "exact" and kb == "exact":
+        return a / b, "exact"
+    lower = ka == "up" or kb == "down"
+    upper = ka == "down" or kb == "up"
+    if lower and upper:
+        return None, None
+    return a / b, "lower" if lower else "upper"
 
 
 def crossover_text(items: list[dict[str, Any]]) -> list[str]:
     lines = []
     for c in items:
-        measured = "not told (a variant's rate is not bracketed)" if c["ratio"] is None else (
-            f"{c['ratio']:.2f}x" + {"exact": "", "lower": " at least", "upper": " at most"}[c["bound"]])
+        measured = "not told (neither variant's rate is bracketed by the sweep)" if c["ratio"] is None else (
+            {"exact": "", "lower": "at least ", "upper": "at most "}[c["bound"]] + f"{c['ratio']:.2f}x")
         pred = "-" if c["predicted"] is None else f"{c['predicted']:.2f}x"
         step = "-" if c["step_time_ratio"] is None else f"{c['step_time_ratio']:.2f}"
         lines.append(f"    replicated KV share {c['kv_share']:.1%}: pool ratio {c['pool_ratio']:.2f}, step-time ratio "

@@ -110,11 +110,12 @@ class _Checker:
         return value
 
     def interval(self, obj: dict[str, Any], key: str, where: str, lo: float | None = 0.0,
-                 hi: float | None = None, above: bool = False) -> None:
-        """An interval over trials (:func:`~wsharding.serve.metrics.interval`): mean in range or null."""
+                 hi: float | None = None, above: bool = False, none: bool = True) -> None:
+        """An interval over trials (:func:`~wsharding.serve.metrics.interval`): mean in range (or null
+        where ``none``: a figure no trial had)."""
         iv = self.field(obj, key, where, dict)
         name = f"{where}.{key}"
-        self.field(iv, "mean", name, lo=lo, hi=hi, above=above, none=True)
+        self.field(iv, "mean", name, lo=lo, hi=hi, above=above, none=none)
         self.field(iv, "half", name, lo=0.0, none=True)
         self.field(iv, "n", name, lo=0, integer=True)
         if "std" in iv:
@@ -139,8 +140,8 @@ def _check_point(c: _Checker, p: dict[str, Any], where: str, variants: list[str]
             for stat in ("mean", "p50", "p90", "p99"):
                 c.interval(lat, stat, f"{w}.{key}")
         if slo:
-            c.interval(x, "goodput", w)
-            c.interval(x, "attainment", w, hi=1.0)
+            c.interval(x, "goodput", w, none=False)
+            c.interval(x, "attainment", w, hi=1.0, none=False)
         c.field(x, "max_concurrency", w, lo=0, integer=True)
         buckets = c.field(x, "step_ms_by_bucket", w, dict)
         for k, b in buckets.items():
@@ -177,7 +178,7 @@ def check_report(report: Any, path: str | os.PathLike[str]) -> None:
                 f"{path}: an old-format serve report ({which}): its benchmark ran the variants one after the "
                 "other, counted each variant's goodput over its own drain and judged steady states per variant, so "
                 f"its answer is not judged as a pair and is not read; run wsharding bench serve again (schema {SCHEMA})")
-        raise c.fail("schema", f"is {str(schema)[:20]!r}, this version reads schema {SCHEMA}")
+        raise c.fail("schema", f"is {str(schema)[:20]}, this version reads schema {SCHEMA}")
     for key in ("mode", "device", "communicator", "preset", "dtype", "workload_text"):
         c.field(report, key, "", str)
     c.field(report, "emulation", "", str, none=True)
@@ -226,8 +227,13 @@ def check_report(report: Any, path: str | os.PathLike[str]) -> None:
             c.field(spec, "kv_share", f"{w}.budget_spec", lo=0.0, hi=1.0, above=True)
         elif "utilization" in spec:
             c.field(spec, "utilization", f"{w}.budget_spec", lo=0.0, hi=1.0, above=True)
-            c.field(spec, "memory_bytes", f"{w}.budget_spec", lo=1, integer=True, none=True)
-        elif "bytes" not in spec:
+            if c.field(spec, "memory_bytes", f"{w}.budget_spec", lo=1, integer=True, none=True) is None \
+                    and report["device_memory_bytes"] is None:
+                raise c.fail(f"{w}.budget_spec.memory_bytes", "is null and so is device_memory_bytes: the "
+                                                             "utilization is of no memory")
+        elif "bytes" in spec:
+            c.field(spec, "bytes", f"{w}.budget_spec", lo=0, above=True, integer=True)
+        else:
             raise c.fail(f"{w}.budget_spec", "names no budget (bytes, kv_share or utilization)")
         predicted = c.field(row, "predicted", w, dict)
         for v in variants:
@@ -267,8 +273,9 @@ def check_report(report: Any, path: str | os.PathLike[str]) -> None:
         lw = f"layer_times[{i}]"
         c.field(lt, "tokens", lw, lo=1, integer=True)
         c.field(lt, "width", lw, lo=1, integer=True)
-        for key in ("gather_us", "compute_us", "predicted_hide_tokens"):
-            c.field(lt, key, lw, lo=0.0, none=True)
+        measured = c.field(lt, "gather_us", lw, lo=0.0, none=True) is not None
+        for key in ("compute_us", "predicted_hide_tokens"):  # read beside a gather measured
+            c.field(lt, key, lw, lo=0.0, none=not measured)
         for key in ("predicted_gather_us", "predicted_compute_us"):
             c.field(lt, key, lw, lo=0.0)
 
