@@ -11,7 +11,7 @@ the same run). Beside it: per sharded layer, gather against compute at the shape
 the cost model's prediction for the same layer on the GPUs of its datasheet.
 
 :func:`read_serve_report` reads a saved report back after checking it against the report's schema
-(:func:`check_report`): every figure it reads is there, of its type and in its range, before any is
+(:func:`~wsharding.lab.bench.serve_schema.check_report`): every figure it reads is there, of its type and in its range, before any is
 read; the answers are computed again from the points, never read from the file.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.costmodel.devices import get_device
 from wsharding.costmodel.plan import breakeven, gather_seconds
+from wsharding.lab.bench.serve_schema import SCHEMA, check_report, parse_report
 from wsharding.serve import BLOCK_TOKENS, pool_blocks
 from wsharding.serve.metrics import (
     SLO,
@@ -268,10 +269,6 @@ def predicted_layers(measured: list[dict[str, Any]], ranks: int, itemsize: int) 
     return out
 
 
-#: The schema of a report this module writes and reads; older ones are refused (:func:`check_report`).
-SCHEMA = 3
-
-
 def summarize(results: list[dict[str, Any]], slo: SLO | None = None, warmup: int | None = None) -> dict[str, Any]:
     """The benchmark's report from every rank's :func:`~wsharding.lab.tasks.serve.serve_rank` result.
     ``warmup``: requests per rank left out of the metrics (default a tenth of them)."""
@@ -512,8 +509,6 @@ def read_serve_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     report limit, JSON without NaN or infinities, nested no deeper than a report is, a serve report of
     this schema whose every figure read is there, of its type and in its range (:func:`check_report`);
     then its answers computed again (:func:`with_answers`)."""
-    from wsharding.lab.bench.serve_schema import check_report, parse_report
-
     report = parse_report(read_saved_report_text(path), path)
     check_report(report, path)
     return with_answers(report)

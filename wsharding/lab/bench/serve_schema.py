@@ -19,6 +19,8 @@ from typing import Any
 
 from wsharding.core.errors import InvalidArgument
 
+#: The schema of a report ``bench serve`` writes and this version reads; older ones are refused by name.
+SCHEMA = 3
 #: The deepest nesting a report has (a point's latency interval is 6 levels down; the request records 3).
 MAX_DEPTH = 12
 #: What a refusal tells the user to do.
@@ -164,7 +166,6 @@ def _check_point(c: _Checker, p: dict[str, Any], where: str, variants: list[str]
 def check_report(report: Any, path: str | os.PathLike[str]) -> None:
     """Refuse, in one line naming the field, a saved serve report any figure of which is missing, of
     another type or out of its range; and a report of an earlier schema, by name."""
-    from wsharding.lab.bench.serve_report import SCHEMA
     from wsharding.serve.metrics import SLO
 
     c = _Checker(path)
