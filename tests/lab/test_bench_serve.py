@@ -22,6 +22,7 @@ RATES = [None, 400.0]  # all at once, and Poisson fast enough to keep the test s
 SLO_ = SLO(ttft_ms=60_000, tpot_ms=60_000)  # met by every request on any CPU: the counts below are exact
 #: The saved run of the default CPU benchmark (docs/measurements).
 SAVED = Path(__file__).resolve().parents[2] / "docs" / "measurements" / "cpu-2026-12-05" / "bench_serve_tiny-deep_2ranks_gloo.json"
+SWEEP = SAVED.with_name("bench_serve_tiny-deep_2ranks_gloo_sweep.json")
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +345,32 @@ def test_the_crossover_ratio_says_what_kind_of_number_it_is():
     assert _rate_ratio(b(1, 0, 0, 0), b(1, 1, 1, 1)) == (0.125, "upper")
     assert _rate_ratio(b(1, 1, 1, 1), b(1, 1, 1, 1)) == (None, None)  # the sweep reached neither limit
     assert _rate_ratio(b(0, 0, 0, 0), b(0, 0, 0, 0)) == (None, None)
+
+
+def test_reports_of_one_set_up_at_other_budgets_merge_into_one_crossover(tmp_path, capsys):
+    """One call per budget (a call's time is limited on a lent GPU), merged by --from-json: the budgets
+    side by side in the order of their replicated share, the crossover of all; another set-up is refused."""
+    import json
+
+    from wsharding.lab import cli
+
+    full = json.loads(SWEEP.read_text())
+    for name, rows in (("low", [0]), ("high", [1])):
+        part = json.loads(SWEEP.read_text())
+        part["rows_by_budget"] = [full["rows_by_budget"][i] for i in rows]
+        part["budgets"] = [full["budgets"][i] for i in rows]
+        (tmp_path / f"{name}.json").write_text(json.dumps(part))
+    assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "high.json"), str(tmp_path / "low.json"),
+                     "--json", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    from wsharding.lab.bench.serve import read_serve_report
+
+    whole = json.loads(json.dumps(read_serve_report(SWEEP)))
+    assert merged["crossover"] == whole["crossover"] and merged["budgets"] == full["budgets"]
+    assert "at least 8.00x" in capsys.readouterr().out
+    other = json.loads((tmp_path / "low.json").read_text())
+    other["trials"] = 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "high.json"), str(tmp_path / "other.json"),
+                     "--json", ""]) == 2
+    assert "its trials differs from" in capsys.readouterr().err

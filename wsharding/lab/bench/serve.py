@@ -27,7 +27,7 @@ from wsharding.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
-from wsharding.lab.bench.serve_report import format_table, read_serve_report, summarize
+from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.progress import Stages
@@ -217,9 +217,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true", help="also serve the sharded model with plain slots where it maps its own chunk")
     p.add_argument("--no-check", action="store_true", help="skip the replay that checks the tokens (not for a saved result)")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
-    p.add_argument("--from-json", default=None, metavar="SAVED",
+    p.add_argument("--from-json", default=None, metavar="SAVED", nargs="+",
                    help="serve nothing: check a saved report (its .json) against the report's schema, print it with "
-                        "its answers computed again, and write it again with its figures under --json")
+                        "its answers computed again, and write it again with its figures under --json; several "
+                        "reports of one set-up at other budgets (one call per --kv-share) are merged into one, "
+                        "with the crossover of all their budgets")
     out = default_output("bench_serve")
     p.add_argument("--json", default=out, metavar="PREFIX",
                    help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
@@ -245,7 +247,8 @@ def _save(report: dict[str, Any], prefix: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.from_json is not None:
-        report = read_serve_report(args.from_json)
+        saved = [read_serve_report(path) for path in args.from_json]
+        report = saved[0] if len(saved) == 1 else merge_saved(saved, args.from_json)
         print(format_table(report))
         if args.json:
             check_output_path(args.json + ".json", "--json")

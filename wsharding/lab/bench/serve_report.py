@@ -521,3 +521,31 @@ def read_saved_report_text(path: str | os.PathLike[str]) -> str:
     raw = read_regular_file(path, "saved report", max_bytes=MAX_REPORT_BYTES,
                             todo="remove it, or pass a JSON report a wsharding command wrote")
     return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+
+
+#: What reports merged into one must share (:func:`merge_saved`): the same set-up, other budgets.
+SAME_SETUP = ("preset", "layers", "world_size", "variants", "rates", "trials", "slo", "workload_text", "token_budget",
+              "device", "mode", "warmup_requests")
+
+
+def merge_saved(reports: list[dict[str, Any]], paths: list[Any]) -> dict[str, Any]:
+    """Saved reports of one set-up at other budgets (one call per budget where a call's time is
+    limited) as one report: their budgets side by side, ordered by the replicated pool's share, the
+    answers and the crossover computed again. Reports of another set-up are refused, naming the field."""
+    first = reports[0]
+    for r, path in zip(reports[1:], paths[1:], strict=True):
+        for key in SAME_SETUP:
+            if r.get(key) != first.get(key):
+                raise InvalidArgument(f"{path}: its {key} differs from {paths[0]}'s: only runs of one set-up at other "
+                                      "budgets merge into one report")
+    merged = dict(first)
+    rows = [row for r in reports for row in r["rows_by_budget"]]
+    rows.sort(key=lambda row: row["replicated"]["kv_share"])
+    merged["rows_by_budget"] = rows
+    merged["budgets"] = [row["budget_bytes"] for row in rows]
+    merged["differ"] = [d for r in reports for d in r["differ"]]
+    merged["equal"] = all(r["equal"] for r in reports)
+    merged["requests"] = [q for r in reports for q in r.get("requests", [])]
+    own = [r["own_schedule_differ"] for r in reports]
+    merged["own_schedule_differ"] = {"requests": sum(o["requests"] for o in own), "of": sum(o["of"] for o in own)}
+    return with_answers(merged)
