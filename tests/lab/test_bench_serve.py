@@ -321,13 +321,18 @@ def test_deep_nesting_is_refused_not_a_recursion_error(tmp_path):
 
 def test_the_saved_cpu_run_reads_back():
     from wsharding.lab.bench.serve import read_serve_report
-    from wsharding.lab.viz.serve import crossover_figure, goodput_figure
+    from wsharding.lab.viz.serve import crossover_figure, goodput_figure, kv_figure
 
     report = read_serve_report(SAVED)
     assert report["device"] == "cpu" and report["equal"] and len(report["rows_by_budget"]) == 2
     assert [c["regime"] for c in report["crossover"]] == ["pool-limited", "compute-limited"]
     assert {t.name for t in goodput_figure(report).data} >= {"replicated", "sharded"}
     assert any(t.name.startswith("cost model, pool-limited") for t in crossover_figure(report).data)
+    kv = kv_figure(report)
+    tight = report["rows_by_budget"][0]
+    trace = next(k for k in tight["points"][-1]["replicated"]["kv_blocks"] if k["trial"] == 0 and k["rank"] == 0)
+    assert list(kv.data[0].y) == [b / tight["replicated"]["pool_blocks"] for b in trace["blocks"]]
+    assert max(kv.data[0].y) == 1.0  # the replicated pool ran full: the pool-limited regime
 
 
 def test_the_crossover_ratio_says_what_kind_of_number_it_is():

@@ -236,17 +236,24 @@ def test_serve_and_its_replay(model):
     assert [r["preempted"] for r in again.records] == [r["preempted"] for r in run.records]
 
 
-def test_arrivals_are_respected_a_free_rank_waits_and_an_aligned_one_pads(model):
+def test_arrivals_are_respected_a_free_rank_waits_and_an_aligned_one_pads(model, monkeypatch):
     """A request is not scheduled before it arrives; its times count from its arrival. Free (no
     ``agree``, a replicated rank) the rank waits for the arrival and runs no step; aligned it runs idle
     steps until then, counted."""
     reqs = [_req(0, 3, 2), _req(1, 2, 2, arrival=0.75)]
-    ticks = iter(range(100))
-    run = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4,
-                clock=lambda: next(ticks) / 100, warmup=0)
-    # steps read the clock twice (schedule, then its tokens); an idle look reads it once more to wait
-    assert run.step_requests == [1, 1, 1, 1] and run.idle_steps == 0
-    assert run.records[1]["token_s"][0] >= 0.75
+    now = [0.0]
+
+    def clock() -> float:  # 0.1 s a reading; a wait moves it on by what was waited
+        now[0] += 0.1
+        return now[0]
+
+    slept = []
+    monkeypatch.setattr("wsharding.serve.engine.time.sleep", lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    run = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4, clock=clock, warmup=0)
+    # times since the start (0.1): steps at 0.1 and 0.3 serve request 0; at 0.5 nothing is left to do, the
+    # clock reads 0.6 and the rank waits 0.15 s for request 1 (at 0.75) instead of running idle steps
+    assert run.step_requests == [1, 1, 1, 1] and run.idle_steps == 0 and slept == [pytest.approx(0.15)]
+    assert run.records[1]["token_s"][0] - run.records[1]["sent_s"] == pytest.approx(0.2)
     ticks = iter(range(100))
     aligned = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4,
                     clock=lambda: next(ticks) / 10, warmup=0, agree=bool)

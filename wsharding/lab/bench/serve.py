@@ -234,15 +234,17 @@ def _figure(report: dict[str, Any]) -> Any:
 
 
 def _save(report: dict[str, Any], prefix: str) -> None:
-    """The JSON and the goodput figure under ``prefix``, the crossover figure under ``prefix_crossover``."""
+    """The JSON and the goodput figure under ``prefix``, the crossover under ``prefix_crossover``, the
+    KV blocks in use over time under ``prefix_kv``."""
     save_report(report, prefix, _figure)
     try:
         from wsharding.lab.viz.export import save_figure
-        from wsharding.lab.viz.serve import crossover_figure
+        from wsharding.lab.viz.serve import crossover_figure, kv_figure
     except ImportError:
         return  # said once by save_report
-    for path in save_figure(crossover_figure(report), Path(prefix + "_crossover")):
-        print(f"  wrote {path}")
+    for fig, suffix in ((crossover_figure(report), "_crossover"), (kv_figure(report), "_kv")):
+        for path in save_figure(fig, Path(prefix + suffix)):
+            print(f"  wrote {path}")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -160,3 +160,32 @@ def crossover_figure(report: dict[str, Any], title: str | None = None) -> go.Fig
                       height=560, margin={"t": 150, "b": 160}, font={"size": 13},
                       legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
     return fig
+
+
+def kv_figure(report: dict[str, Any], point: int = -1, title: str | None = None) -> go.Figure:
+    """KV blocks in use over time, as a share of each variant's pool: one panel per budget, at the
+    sweep's ``point`` (default its highest rate), rank 0's first trial, both variants -- a pool that sits
+    at 100 % is the limit (the report's regime says so by its waits and preemptions)."""
+    rows = report["rows_by_budget"]
+    fig = make_subplots(rows=1, cols=len(rows), subplot_titles=[_budget_title(report, r) for r in rows],
+                        horizontal_spacing=0.08)
+    for col, row in enumerate(rows, start=1):
+        p = row["points"][point]
+        for v in report["variants"]:
+            trace = next((k for k in p[v]["kv_blocks"] if k["trial"] == 0 and k["rank"] == 0), None)
+            if trace is None:
+                continue
+            pool = row[v]["pool_blocks"]
+            fig.add_trace(go.Scatter(x=trace["t"], y=[b / pool for b in trace["blocks"]], mode="lines", name=v,
+                                     legendgroup=v, showlegend=col == 1, line={"color": COLORS.get(v, "#7f7f7f"),
+                                                                               "width": 2, "shape": "hv"},
+                                     hovertemplate=v + ": %{y:.0%} of " + f"{pool} blocks at " + "%{x:.2f} s"
+                                                   "<extra></extra>"), row=1, col=col)
+    fig.update_xaxes(title_text="seconds since the run's start")
+    fig.update_yaxes(title_text="KV blocks in use (share of the pool)", tickformat=".0%", range=[0, 1.05], col=1)
+    rate = rate_label(rows[0]["points"][point]["rate"])
+    fig.update_layout(title={"text": (title or f"KV blocks in use at {rate} per rank (rank 0, first trial)")
+                             + f"<br><sub>{_setup(report)}</sub>", "y": 0.97, "yanchor": "top"},
+                      height=560, margin={"t": 170, "b": 150}, font={"size": 13},
+                      legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
+    return fig
