@@ -277,6 +277,7 @@ CRAFTED = {
                            r"points\[0\] is not an object"),
     "a float too large": (lambda r: r.update(world_size=1e400), "too large for a float"),
     "true for a number": (lambda r: r.update(trials=True), "field trials is bool"),
+    "an integer too large": (lambda r: r.update(layers=10**400), "field layers is a whole number of 401 digits"),
     "points fewer than rates": (lambda r: r["rows_by_budget"][0]["points"].pop(), "points for 2 rates"),
     "schema 99": (lambda r: r.update(schema=99), "field schema is 99, this version reads schema 3"),
     "schema 2": (lambda r: r.update(schema=2), r"old-format serve report \(schema 2\)"),

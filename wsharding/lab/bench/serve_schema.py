@@ -88,6 +88,8 @@ class _Checker:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
             raise self.fail(field, f"is {type(value).__name__} {str(value)[:40]!r}, "
                                    f"{'a whole number' if integer else 'a number'} is needed")
+        if isinstance(value, int) and abs(value) > 2**63:  # math.isfinite would overflow converting it
+            raise self.fail(field, f"is a whole number of {len(str(abs(value)))} digits, too large for a report")
         if not math.isfinite(value):
             raise self.fail(field, f"is {value}, a finite number is needed")
         if lo is not None and (value <= lo if above else value < lo):
