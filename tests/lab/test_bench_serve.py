@@ -1,11 +1,16 @@
 """``wsharding bench serve`` on CPU ranks: the same requests, replicated and sharded, under one budget at
-two rates -- the paged pool each variant sizes, the replay's tokens, the report, and the refusals."""
+two rates -- the paged pool each variant sizes, the same arrivals for both, interleaved, replicated ranks
+free and sharded ones aligned, the replay's tokens, the report judged as a pair, and the refusals (of a
+rank's requests, and of saved reports that are not one)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from wsharding.cluster import RemoteError
+from wsharding.core.errors import InvalidArgument
 from wsharding.lab.bench.serve import format_table, replicated_footprint, summarize
 from wsharding.lab.tasks.serve import serve_rank
 from wsharding.serve import BLOCK_TOKENS, Workload, blocks_for
@@ -15,6 +20,9 @@ WORKLOAD = Workload(requests=6, prompt=(4, 12), output=(3, 6))
 TOKENS = 32
 RATES = [None, 400.0]  # all at once, and Poisson fast enough to keep the test short
 SLO_ = SLO(ttft_ms=60_000, tpot_ms=60_000)  # met by every request on any CPU: the counts below are exact
+#: The saved run of the default CPU benchmark (docs/measurements).
+SAVED = Path(__file__).resolve().parents[2] / "docs" / "measurements" / "cpu-2026-12-05" / "bench_serve_tiny-deep_2ranks_gloo.json"
+SWEEP = SAVED.with_name("bench_serve_tiny-deep_2ranks_gloo_sweep.json")
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +56,34 @@ def test_pool_is_whole_blocks_of_budget_minus_resident_minus_reserve(served):
         assert gained == r["sizing"]["sharded"]["net_saving_bytes_predicted"] > 0  # the cost model's bill, exactly
 
 
+def test_the_variants_serve_the_same_arrivals_interleaved_replicated_free_sharded_aligned(served):
+    for r in served:
+        for key, run in r["runs"]["replicated"].items():
+            other = r["runs"]["sharded"][key]
+            assert [q["arrival_s"] for q in run["records"]] == [q["arrival_s"] for q in other["records"]]
+            assert run["idle_steps"] == 0  # free: a replicated rank runs no padding step
+            trial = int(key.split("/")[2])
+            assert (run["first"], other["first"]) == ((True, False) if trial % 2 == 0 else (False, True))
+            if key.split("/")[1] == "1":  # 400/s, rescaled: exactly
+                assert abs(run["realised_rate"] - 400.0) <= 1e-9
+            assert run["kv_blocks"]["blocks"] and max(run["kv_blocks"]["blocks"]) == run["peak_blocks"]
+    # aligned: every sharded run has as many steps on each rank
+    for key in served[0]["runs"]["sharded"]:
+        assert len({r["runs"]["sharded"][key]["steps"] for r in served}) == 1
+
+
+def test_kv_trace_keeps_the_peak():
+    from wsharding.lab.tasks.serve import kv_trace
+
+    assert kv_trace([0.0, 0.1, 0.2], [1, 3, 2]) == {"t": [0.0, 0.1, 0.2], "blocks": [1, 3, 2]}
+    t = kv_trace([i / 10 for i in range(10)], [0, 1, 9, 2, 3, 3, 1, 0, 4, 0], samples=3)
+    assert t == {"t": [0.0, 0.3, 0.6], "blocks": [9, 3, 4]}
+
+
 def test_report_answer_and_table(served):
     report = summarize(served, SLO_, warmup=1)
     row = report["rows_by_budget"][0]
-    assert report["schema"] == 2 and report["equal"] and report["variants"] == ["replicated", "sharded"]
+    assert report["schema"] == 3 and report["equal"] and report["variants"] == ["replicated", "sharded"]
     assert row["sharded"]["pool_tokens"] == row["predicted"]["sharded"]["pool_tokens"] > row["replicated"]["pool_tokens"]
     # whole blocks: the pool (its scratch block included) is at most the 6 % asked for
     assert row["replicated"]["kv_share"] == row["replicated"]["pool_bytes"] / row["budget_bytes"] <= 0.06
@@ -61,20 +93,35 @@ def test_report_answer_and_table(served):
             x = p[v]
             assert x["attainment"]["mean"] == 1.0 and x["measured"]["mean"] == 10  # 5 per rank after 1 warm-up
             assert x["goodput"]["n"] == 2 and x["ttft_ms"]["p99"]["mean"] >= x["ttft_ms"]["p50"]["mean"]
-    # every rate met the SLO, but 5 measured requests per rank at 400/s are a burst: most of each trial is
-    # the drain after the last arrival, so the sweep stops there and claims no rate (all at once neither)
-    assert all(p[v]["drain_share"]["mean"] > 0.5 for p in row["points"] for v in ("replicated", "sharded"))
-    assert row["answer"]["max_rate"] == {"replicated": None, "sharded": None}
-    assert row["answer"]["all_at_once_sustained"] == {"replicated": False, "sharded": False}
-    assert row["answer"]["stopped"] == {v: {"rate": 400.0, "why": "not a steady state"} for v in ("replicated", "sharded")}
-    # every request of every run: 2 ranks x 6 requests x 2 rates x 2 trials x 2 variants
+            for k in ("peak_blocks", "waited_for_memory", "preemptions", "recomputed_tokens", "peak_in_flight",
+                      "idle_steps"):
+                assert x[k]["n"] == 2 and "std" in x[k]
+        # both met the SLO for every request: over the common window their goodput is the same
+        assert p["sharded"]["goodput"]["mean"] == p["replicated"]["goodput"]["mean"]
+    assert row["points"][1]["realised_rate"]["mean"] == pytest.approx(400.0, rel=1e-12)
+    assert row["points"][0]["replicated"]["idle_steps"]["mean"] == 0
+    # the replicated pool (2 blocks, a third of a rank's demand) ran out: pool-limited
+    assert row["answer"]["regime"] == ["pool-limited", "pool-limited"]
+    # 5 measured requests per rank at 400/s are a burst: the sweep stops there and claims no rate
+    assert row["answer"]["steady"] == [True, False]
+    for v in ("replicated", "sharded"):
+        b = row["answer"]["brackets"][v]
+        # all at once sorts above every rate: the sweep stopped at 400/s before it
+        assert (b["sustained"], b["kind"], b["all_at_once"]) == (None, "not established", False)
+        assert b["stopped"] == {"rate": 400.0, "why": "not a steady state"}
+    assert row["answer"]["goodput_ratio"]["sharded"] == [1.0, 1.0]
+    # every request of every run: 2 ranks x 6 requests x 2 rates x 2 trials x 2 variants, each with its ITLs
     assert len(report["requests"]) == 96 and sum(q["measured"] for q in report["requests"]) == 80
+    assert all(len(q["itl_ms"]) == q["output_tokens"] - 1 for q in report["requests"])
     sizes = {lt["tokens"] for lt in report["layer_times"]}
     assert sizes and all(lt["gather_us"] > 0 and lt["compute_us"] > 0 for lt in report["layer_times"])
     assert len(report["layer_times"]) == 11 * len(sizes)
+    c = report["crossover"][0]
+    assert c["pool_ratio"] == row["sharded"]["pool_tokens"] / row["replicated"]["pool_tokens"] and c["ratio"] is None
     text = format_table(report)
     assert "CPU ranks" in text and "ANSWER" in text and "every token equal" in text and "KV share 6%" in text
-    assert "replicated not established (400/s not a steady state)" in text and "rate 400/s per rank: NOT A STEADY" in text
+    assert "(realised 400.000/s): pool-limited; NOT A STEADY STATE" in text and "CROSSOVER" in text
+    assert "replicated not established: 400/s not a steady state (more requests)" in text
     # beside the measurement, the cost model's figure for the full-size design, labelled as a prediction
     from wsharding.costmodel import Deployment, estimate, get_device
     from wsharding.presets import load_preset
@@ -85,31 +132,22 @@ def test_report_answer_and_table(served):
             f"assumed): KV tokens per GPU replicated {rep:,} -> sharded {sh:,} ({sh / rep:.2f}x)") in text
 
 
-def test_a_saved_report_gets_the_drain_its_records_give(served, tmp_path):
-    """A report saved before the steady-state rule has no drain shares: read back, they come from its
-    per-request records, equal to what the trials computed; its answer is computed again."""
+def test_a_saved_report_reads_back_with_its_answers_computed_again(served, tmp_path):
     import json
 
     from wsharding.lab.bench.serve import read_serve_report
 
     report = summarize(served, SLO_, warmup=1)
-    old = json.loads(json.dumps(report))
-    for row in old["rows_by_budget"]:
-        row.pop("answer")
-        for p in row["points"]:
-            for v in old["variants"]:
-                p[v].pop("drain_share")
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps(old))
+    saved = json.loads(json.dumps(report))
+    saved["rows_by_budget"][0]["answer"] = {"brackets": "anything"}  # never read
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(saved))
     back = read_serve_report(path)
-    for got, want in zip(back["rows_by_budget"][0]["points"], report["rows_by_budget"][0]["points"], strict=True):
-        for v in report["variants"]:
-            assert got[v]["drain_share"]["mean"] == pytest.approx(want[v]["drain_share"]["mean"], rel=1e-12)
     assert back["rows_by_budget"][0]["answer"] == report["rows_by_budget"][0]["answer"]
+    assert format_table(back) == format_table(report)
 
 
 def test_a_file_that_is_not_a_serve_report_is_refused(tmp_path):
-    from wsharding.core.errors import InvalidArgument
     from wsharding.lab.bench.serve import read_serve_report
 
     (tmp_path / "a.json").write_text("{not json")
@@ -122,24 +160,16 @@ def test_a_file_that_is_not_a_serve_report_is_refused(tmp_path):
         read_serve_report(tmp_path)  # a folder
 
 
-def test_the_saved_h200_answers_are_the_readmes():
-    """The measured answer the README quotes, from the saved one-H200 reports under today's rules."""
-    from pathlib import Path
-
+def test_the_old_h200_reports_are_refused_as_old_format():
+    """The one-H200 runs the README used to quote were judged per variant, goodput over each one's own
+    drain: read back, they are refused by name, never printed as an answer."""
     from wsharding.lab.bench.serve import read_serve_report
-    from wsharding.lab.bench.serve_report import answer_text
     from wsharding.lab.bench.step import MEASUREMENTS, saved_path
 
     root = Path(__file__).resolve().parents[2] / MEASUREMENTS
-    steady = read_serve_report(saved_path("bench_serve_k3-like_2ranks_1gpu_steady_share05.json", root))
-    row = steady["rows_by_budget"][0]
-    assert row["answer"]["max_rate"] == {"replicated": 5.0, "sharded": 5.0} and row["answer"]["stopped"] == {
-        "replicated": None, "sharded": None}
-    assert [round(g, 2) for g in row["answer"]["goodput_ratio"]["sharded"]] == [0.94, 0.89]
-    assert (row["replicated"]["pool_tokens"], row["sharded"]["pool_tokens"]) == (8592, 42176)
-    short = read_serve_report(saved_path("bench_serve_k3-like_2ranks_1gpu_share05.json", root))
-    assert "replicated at least 8/s (every rate tried); sharded 4/s (8/s not a steady state)" in answer_text(
-        short["rows_by_budget"][0], short["variants"])
+    for name in ("bench_serve_k3-like_2ranks_1gpu_steady_share05.json", "bench_serve_k3-like_2ranks_1gpu_share05.json"):
+        with pytest.raises(InvalidArgument, match=r"an old-format serve report \(schema 2\).*not judged as a pair"):
+            read_serve_report(saved_path(name, root))
 
 
 def test_goodput_figure_states_the_slo(served):
@@ -172,23 +202,23 @@ def test_a_request_one_rank_cannot_fit_stops_every_rank(cluster_of):
 
 
 def test_a_cluster_of_another_size_is_refused(cluster_of):
-    from wsharding.core.errors import InvalidArgument
     from wsharding.lab.bench.serve import run_serve_bench
 
     with pytest.raises(InvalidArgument, match="ranks=3, but the cluster given has 2"):
         run_serve_bench(3, "tiny-deep", WORKLOAD, budgets=[1 << 30], token_budget=TOKENS, cluster=cluster_of(2))
 
 
-def test_a_report_of_the_fixed_row_bench_is_refused_by_name():
-    from pathlib import Path
+def test_a_report_of_the_fixed_row_bench_is_refused_by_name(tmp_path):
+    import json
 
-    from wsharding.core.errors import InvalidArgument
+    from wsharding.lab.bench.serve import read_serve_report
     from wsharding.lab.bench.step import MEASUREMENTS, pick_report, saved_reports
 
     root = Path(__file__).resolve().parents[2]
     old = pick_report(saved_reports(root / MEASUREMENTS, "bench_serve_*.json"), preset="k3-like", rows=1024)
-    with pytest.raises(InvalidArgument, match="was written by the earlier fixed-row benchmark"):
-        format_table(old)
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(InvalidArgument, match="old-format serve report"):
+        read_serve_report(tmp_path / "old.json")
 
 
 def test_slo_parsing():
@@ -201,17 +231,152 @@ def test_slo_parsing():
 
 
 def test_from_json_prints_a_saved_report_and_refuses_what_is_not_one(tmp_path, capsys):
-    from pathlib import Path
-
     from wsharding.lab import cli
-    from wsharding.lab.bench.step import MEASUREMENTS, saved_path
 
-    saved = saved_path("bench_serve_k3-like_2ranks_1gpu_steady_share05.json",
-                       Path(__file__).resolve().parents[2] / MEASUREMENTS)
-    assert cli.main(["bench", "serve", "--from-json", str(saved), "--json", ""]) == 0
+    assert cli.main(["bench", "serve", "--from-json", str(SAVED), "--json", ""]) == 0
     out = capsys.readouterr().out
-    assert "replicated at least 5/s (every rate tried); sharded at least 5/s (every rate tried)" in out
-    assert "NOTE: time-sliced" in out and list(tmp_path.iterdir()) == []
+    assert "ANSWER: per rank, replicated" in out and "NOTE: CPU ranks" in out and list(tmp_path.iterdir()) == []
     (tmp_path / "x.json").write_text("[]")
     assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "x.json")]) != 0
     assert "not a report of wsharding bench serve" in capsys.readouterr().err
+
+
+def _crafted(tmp_path, change) -> str:
+    """The saved CPU report with ``change`` applied to its JSON (a dict), written back."""
+    import json
+
+    report = json.loads(SAVED.read_text())
+    change(report)
+    path = tmp_path / "crafted.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def _point(r):
+    return r["rows_by_budget"][0]["points"][0]
+
+
+CRAFTED = {
+    "attainment NaN": (lambda r: _point(r)["sharded"]["attainment"].update(mean=float("nan")),
+                       "holds NaN, which is no figure"),
+    "attainment 7.5": (lambda r: _point(r)["sharded"]["attainment"].update(mean=7.5),
+                       r"field rows_by_budget\[0\]\.points\[0\]\.sharded\.attainment\.mean is 7\.5, it must be <= 1"),
+    "attainment -0.1": (lambda r: _point(r)["replicated"]["attainment"].update(mean=-0.1), "must be >= 0"),
+    "rate -20": (lambda r: (r.update(rates=[-20.0, *r["rates"][1:]]), _point(r).update(rate=-20.0)),
+                 r"field rates\[0\] is -20, it must be > 0"),
+    "rate 0": (lambda r: r["rates"].__setitem__(0, 0), r"field rates\[0\] is 0, it must be > 0"),
+    "goodput -0.68": (lambda r: _point(r)["sharded"]["goodput"].update(mean=-0.68), r"goodput\.mean is -0\.68"),
+    "equal beside differing tokens": (
+        lambda r: r.update(equal=True, differ=[{"rank": 0, "budget_bytes": r["budgets"][0], "rate": r["rates"][0],
+                                                "requests": [3]}]),
+        "field equal says every token was equal, but the field differ lists 1 runs"),
+    "missing field": (lambda r: _point(r)["sharded"].pop("ttft_ms"), r"points\[0\]\.sharded\.ttft_ms is missing"),
+    "string for a number": (lambda r: _point(r)["sharded"]["ttft_ms"]["p99"].update(mean="fast"),
+                            r"ttft_ms\.p99\.mean is str 'fast', a number is needed"),
+    "list for an object": (lambda r: r["rows_by_budget"][0].update(points=[[1, 2]] * len(r["rates"])),
+                           r"points\[0\] is not an object"),
+    "a float too large": (lambda r: r.update(world_size=1e400), "too large for a float"),
+    "true for a number": (lambda r: r.update(trials=True), "field trials is bool"),
+    "an integer too large": (lambda r: r.update(layers=10**400), "field layers is a whole number of 401 digits"),
+    "points fewer than rates": (lambda r: r["rows_by_budget"][0]["points"].pop(), "points for 2 rates"),
+    "schema 99": (lambda r: r.update(schema=99), "field schema is 99, this version reads schema 3"),
+    "schema 2": (lambda r: r.update(schema=2), r"old-format serve report \(schema 2\)"),
+    "slo of nonsense": (lambda r: r.update(slo={"ttft_ms": -1}), "field slo is not an SLO"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_report_is_refused_naming_the_field(tmp_path, case):
+    """Each of these was read as an answer (NaN attainment counted as met, "at least -20/s", "-0.68x",
+    "every token equal" beside differing tokens) or ended in a raw KeyError / TypeError."""
+    import json
+
+    from wsharding.lab.bench.serve import read_serve_report
+
+    change, message = CRAFTED[case]
+    if case == "attainment NaN":  # json.dumps writes NaN as the literal NaN, which Python's json reads
+        path = _crafted(tmp_path, change)
+        assert "NaN" in path.read_text()
+    elif case == "a float too large":
+        path = _crafted(tmp_path, lambda r: None)
+        text = json.loads(path.read_text())
+        text["world_size"] = 1
+        path.write_text(json.dumps(text).replace('"world_size": 1', '"world_size": 1e400'))
+    else:
+        path = _crafted(tmp_path, change)
+    with pytest.raises(InvalidArgument, match=message) as err:
+        read_serve_report(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_deep_nesting_is_refused_not_a_recursion_error(tmp_path):
+    from wsharding.lab.bench.serve import read_serve_report
+
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidArgument, match="not a report's JSON"):
+        read_serve_report(tmp_path / "deep.json")
+    (tmp_path / "d.json").write_text('{"bench": "serve", "schema": 3, "x": ' + "[" * 40 + "]" * 40 + "}")
+    with pytest.raises(InvalidArgument, match="nested deeper than a serve report"):
+        read_serve_report(tmp_path / "d.json")
+
+
+def test_the_saved_cpu_run_reads_back():
+    from wsharding.lab.bench.serve import read_serve_report
+    from wsharding.lab.viz.serve import crossover_figure, goodput_figure, kv_figure
+
+    report = read_serve_report(SAVED)
+    assert report["device"] == "cpu" and report["equal"] and len(report["rows_by_budget"]) == 2
+    assert [c["regime"] for c in report["crossover"]] == ["pool-limited", "compute-limited"]
+    assert {t.name for t in goodput_figure(report).data} >= {"replicated", "sharded"}
+    assert any(t.name.startswith("cost model, pool-limited") for t in crossover_figure(report).data)
+    kv = kv_figure(report)
+    tight = report["rows_by_budget"][0]
+    trace = next(k for k in tight["points"][-1]["replicated"]["kv_blocks"] if k["trial"] == 0 and k["rank"] == 0)
+    assert list(kv.data[0].y) == [b / tight["replicated"]["pool_blocks"] for b in trace["blocks"]]
+    assert max(kv.data[0].y) == 1.0  # the replicated pool ran full: the pool-limited regime
+
+
+def test_the_crossover_ratio_says_what_kind_of_number_it_is():
+    from wsharding.lab.bench.serve_report import _rate_ratio
+    from wsharding.serve.metrics import bracket
+
+    rates = [2.0, 4.0, 8.0, 16.0]
+
+    def b(*met):
+        return bracket(rates, list(met), 0.9)
+
+    assert _rate_ratio(b(1, 1, 1, 0), b(1, 1, 0, 0)) == (2.0, "exact")  # 8/s against 4/s
+    assert _rate_ratio(b(1, 1, 1, 1), b(1, 1, 0, 0)) == (4.0, "lower")  # sharded passed every rate
+    assert _rate_ratio(b(1, 1, 0, 0), b(0, 0, 0, 0)) == (2.0, "lower")  # replicated below the lowest
+    assert _rate_ratio(b(1, 0, 0, 0), b(1, 1, 1, 1)) == (0.125, "upper")
+    assert _rate_ratio(b(1, 1, 1, 1), b(1, 1, 1, 1)) == (None, None)  # the sweep reached neither limit
+    assert _rate_ratio(b(0, 0, 0, 0), b(0, 0, 0, 0)) == (None, None)
+
+
+def test_reports_of_one_set_up_at_other_budgets_merge_into_one_crossover(tmp_path, capsys):
+    """One call per budget (a call's time is limited on a lent GPU), merged by --from-json: the budgets
+    side by side in the order of their replicated share, the crossover of all; another set-up is refused."""
+    import json
+
+    from wsharding.lab import cli
+
+    full = json.loads(SWEEP.read_text())
+    for name, rows in (("low", [0]), ("high", [1])):
+        part = json.loads(SWEEP.read_text())
+        part["rows_by_budget"] = [full["rows_by_budget"][i] for i in rows]
+        part["budgets"] = [full["budgets"][i] for i in rows]
+        (tmp_path / f"{name}.json").write_text(json.dumps(part))
+    assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "high.json"), str(tmp_path / "low.json"),
+                     "--json", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    from wsharding.lab.bench.serve import read_serve_report
+
+    whole = json.loads(json.dumps(read_serve_report(SWEEP)))
+    assert merged["crossover"] == whole["crossover"] and merged["budgets"] == full["budgets"]
+    assert "at least 8.00x" in capsys.readouterr().out
+    other = json.loads((tmp_path / "low.json").read_text())
+    other["trials"] = 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "high.json"), str(tmp_path / "other.json"),
+                     "--json", ""]) == 2
+    assert "its trials differs from" in capsys.readouterr().err

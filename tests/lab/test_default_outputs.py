@@ -16,7 +16,7 @@ from wsharding.lab.bench import serve as bench_serve
 ROOT = Path(__file__).resolve().parents[2]
 #: The options whose value is where a command writes (a file, a prefix or a folder).
 OUTPUT_DESTS = {"json", "figures", "checkpoint"}
-SAVED_SERVE = ROOT / "docs" / "measurements" / "cpu-2026-12-04" / "bench_serve_tiny-deep_2ranks_gloo.json"
+SAVED_SERVE = ROOT / "docs" / "measurements" / "cpu-2026-12-05" / "bench_serve_tiny-deep_2ranks_gloo.json"
 
 
 def _git_status() -> str:

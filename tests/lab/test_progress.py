@@ -11,7 +11,7 @@ from wsharding.lab import cli
 from wsharding.lab.bench import serve as bench_serve
 from wsharding.lab.progress import Stages, rank_stage
 
-SAVED = Path(__file__).parents[2] / "docs" / "measurements" / "cpu-2026-12-04" / "bench_serve_tiny-deep_2ranks_gloo.json"
+SAVED = Path(__file__).parents[2] / "docs" / "measurements" / "cpu-2026-12-05" / "bench_serve_tiny-deep_2ranks_gloo.json"
 
 
 class _Terminal(io.StringIO):

@@ -9,7 +9,7 @@ from wsharding.lab.bench.serve import read_serve_report
 from wsharding.lab.viz.serve import goodput_figure, serve_figure
 from wsharding.lab.widgets.serve import _count
 
-SAVED = Path(__file__).parents[2] / "docs" / "measurements" / "cpu-2026-12-04" / "bench_serve_tiny-deep_2ranks_gloo.json"
+SAVED = Path(__file__).parents[2] / "docs" / "measurements" / "cpu-2026-12-05" / "bench_serve_tiny-deep_2ranks_gloo.json"
 
 
 def test_legends_sit_below_the_x_axis_title():

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from wsharding.core.errors import InvalidArgument
 from wsharding.serve.metrics import SLO, interval, percentile, request_metrics, sweep_answer, trial_metrics
 
 
@@ -73,3 +74,84 @@ def test_slo_met_and_described():
     slo = SLO(ttft_ms=100, tpot_ms=10)
     assert slo.met({"ttft_ms": 100, "tpot_ms": None, "e2e_ms": 5}) and not slo.met({"ttft_ms": 1, "tpot_ms": 11, "e2e_ms": 5})
     assert slo.describe() == "TTFT <= 100 ms and TPOT <= 10 ms for 90% of requests"
+
+
+def _stream(sends: list[float], last_tokens: list[float]) -> list[dict]:
+    """Requests sent (= arrived) at ``sends``, each of two tokens, the first 10 ms after its send."""
+    return [_rec(i, s, [s + 0.01, e]) for i, (s, e) in enumerate(zip(sends, last_tokens, strict=True))]
+
+
+# the same arrivals, 1 s apart; replicated drains at once, sharded's last request ends 3.5 s after its arrival
+ARRIVALS = [0.0, 1.0, 2.0, 3.0]
+FAST = _stream(ARRIVALS, [0.2, 1.2, 2.2, 3.2])
+SLOW = _stream(ARRIVALS, [0.3, 1.3, 2.3, 6.5])
+
+
+def test_goodput_over_the_common_window_is_the_same_for_two_variants_that_met_every_slo():
+    """Every request met the SLO in both: over each variant's own window (first send to last token,
+    the drain counted) the ratio is 3.2 / 6.5 = 0.49x; over the arrival window common to both it is 1."""
+    from wsharding.serve.metrics import pair_metrics
+
+    slo = SLO(ttft_ms=100, e2e_ms=5000)
+    pair = pair_metrics({"replicated": FAST, "sharded": SLOW}, ranks=1, warmup=0, slo=slo)
+    assert pair["replicated"]["attainment"] == pair["sharded"]["attainment"] == 1.0
+    own = pair["sharded"]["goodput_own_window"] / pair["replicated"]["goodput_own_window"]
+    assert own == pytest.approx(3.2 / 6.5)
+    assert pair["sharded"]["goodput"] / pair["replicated"]["goodput"] == 1.0
+    assert pair["replicated"]["window_s"] == pair["sharded"]["window_s"] == 3.0 and pair["sharded"]["goodput"] == 4 / 3
+    with pytest.raises(InvalidArgument, match="sharded served other arrivals than replicated"):
+        pair_metrics({"replicated": FAST, "sharded": _stream([0.0, 1.0, 2.0, 3.5], [1, 2, 3, 4])}, 1, 0, slo)
+
+
+def test_a_point_is_judged_as_a_pair():
+    """Both met the SLO on the same arrivals; the sharded run's drain was 3.5 s of 6.5 (54 %). Judged per
+    variant (the rule before) the replicated sustains the rate and the sharded 'is not a steady state' on
+    the very arrivals the other passed -- a win for the replicated model out of nothing. Judged as a pair
+    the arrivals did not cover most of the time measured for a variant that met the SLO: the point
+    proves no rate for either. A variant that missed the SLO misses it whatever its drain."""
+    from wsharding.serve.metrics import is_steady, pair_metrics, pair_steady
+
+    pair = pair_metrics({"replicated": FAST, "sharded": SLOW}, ranks=1, warmup=0, slo=SLO(ttft_ms=100, e2e_ms=5000))
+    drains = {v: m["drain_share"] for v, m in pair.items()}
+    assert drains["sharded"] == pytest.approx(3.5 / 6.5) and drains["replicated"] == pytest.approx(0.2 / 3.2)
+    old = {v: sweep_answer([2.0, 4.0], [1.0, 1.0], 0.9, [True, is_steady(4.0, d)])[0] for v, d in drains.items()}
+    assert old == {"replicated": 4.0, "sharded": 2.0}
+    met = {v: m["attainment"] for v, m in pair.items()}
+    assert not pair_steady(4.0, drains, met, 0.9)
+    new = {v: sweep_answer([2.0, 4.0], [1.0, 1.0], 0.9, [True, pair_steady(4.0, drains, met, 0.9)])[0] for v in drains}
+    assert new == {"replicated": 2.0, "sharded": 2.0}
+    # the sharded variant missed (attainment 0.5): its drain no longer matters, the point stands
+    assert pair_steady(4.0, drains, {"replicated": 1.0, "sharded": 0.5}, 0.9)
+    assert pair_steady(None, drains, met, 0.9)  # all at once: a declared burst
+
+
+def test_the_answer_is_bracketed():
+    from wsharding.serve.metrics import bracket, bracket_text
+
+    rates = [2.0, 4.0, 8.0]
+    b = bracket(rates, [1.0, 0.95, 0.4], 0.9)
+    assert (b["sustained"], b["fails_at"], b["kind"]) == (4.0, 8.0, "bracketed")
+    assert bracket_text(b) == "sustains 4/s, fails at 8/s"
+    b = bracket(rates, [1.0, 1.0, 0.95], 0.9)
+    assert (b["sustained"], b["fails_at"], b["kind"]) == (8.0, None, "at least")
+    assert bracket_text(b) == "at least 8/s (nothing failed)"
+    b = bracket(rates, [0.5, 1.0, 1.0], 0.9)
+    assert (b["sustained"], b["fails_at"], b["kind"]) == (None, 2.0, "below the lowest")
+    assert bracket_text(b) == "below the lowest rate (2/s failed)"
+    b = bracket(rates, [1.0, 1.0, 0.2], 0.9, steady=[True, False, True])
+    assert (b["sustained"], b["fails_at"], b["kind"]) == (2.0, None, "not established")
+    assert bracket_text(b) == "sustains 2/s, 4/s not a steady state (more requests)"
+    assert bracket_text(bracket(rates, [None, 1.0, 1.0], 0.9)) == "below the lowest rate (2/s failed)"  # no figure: a miss
+
+
+def test_regime():
+    from wsharding.serve.metrics import regime
+
+    assert regime(0, 0) == "compute-limited"
+    assert regime(3, 0) == regime(0, 1) == regime(0.5, 0) == "pool-limited"
+
+
+def test_interval_has_the_spread():
+    iv = interval([1.0, 2.0, 3.0])
+    assert iv["std"] == 1.0 and iv["half"] == pytest.approx(4.303 / math.sqrt(3))
+    assert interval([2.0])["std"] is None

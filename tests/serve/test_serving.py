@@ -245,15 +245,73 @@ def test_serve_and_its_replay(model):
     assert [r["preempted"] for r in again.records] == [r["preempted"] for r in run.records]
 
 
-def test_arrivals_are_respected(model):
-    """A request is not scheduled before it arrives; its times count from its arrival."""
+def test_arrivals_are_respected_a_free_rank_waits_and_an_aligned_one_pads(model, monkeypatch):
+    """A request is not scheduled before it arrives; its times count from its arrival. Free (no
+    ``agree``, a replicated rank) the rank waits for the arrival and runs no step; aligned it runs idle
+    steps until then, counted."""
     reqs = [_req(0, 3, 2), _req(1, 2, 2, arrival=0.75)]
+    now = [0.0]
+
+    def clock() -> float:  # 0.1 s a reading; a wait moves it on by what was waited
+        now[0] += 0.1
+        return now[0]
+
+    slept = []
+    monkeypatch.setattr("wsharding.serve.engine.time.sleep", lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    run = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4, clock=clock, warmup=0)
+    # times since the start (0.1): steps at 0.1 and 0.3 serve request 0; at 0.5 nothing is left to do, the
+    # clock reads 0.6 and the rank waits 0.15 s for request 1 (at 0.75) instead of running idle steps
+    assert run.step_requests == [1, 1, 1, 1] and run.idle_steps == 0 and slept == [pytest.approx(0.15)]
+    assert run.records[1]["token_s"][0] - run.records[1]["sent_s"] == pytest.approx(0.2)
     ticks = iter(range(100))
-    run = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4,
-                clock=lambda: next(ticks) / 10, warmup=0)
-    # a step reads the clock twice (schedule, then its tokens): steps schedule at 0.1, 0.3, 0.5, 0.7, 0.9 s
-    assert run.step_requests == [1, 1, 0, 0, 1, 1]  # request 1 arrives at 0.75 s: padding steps until then
-    assert [r["token_s"][0] - r["sent_s"] for r in run.records] == pytest.approx([0.2, 0.25])
+    aligned = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4,
+                    clock=lambda: next(ticks) / 10, warmup=0, agree=bool)
+    # steps schedule at 0.1, 0.3, 0.5, 0.7, 0.9 s: request 1 arrives at 0.75 s, two idle steps until then
+    assert aligned.step_requests == [1, 1, 0, 0, 1, 1] and aligned.idle_steps == 2
+    assert [r["token_s"][0] - r["sent_s"] for r in aligned.records] == pytest.approx([0.2, 0.25])
+
+
+def test_a_replay_is_padded_to_the_longest_rank_with_idle_steps(model):
+    reqs = [_req(i, p, o) for i, (p, o) in enumerate([(9, 7), (12, 3)])]
+    run = serve(model, BlockPool.for_model(model, 4), reqs, token_budget=16, max_context=48)
+    again = serve(model, BlockPool.for_model(model, 4), reqs, token_budget=16, max_context=48,
+                  schedule_times=run.schedule_times, pad_to=run.steps + 3)
+    assert again.outputs == run.outputs and again.steps == run.steps + 3 and again.idle_steps == 3
+    assert again.step_tokens[run.steps:] == [0, 0, 0]
+
+
+def test_admission_takes_the_scheduled_chunks_blocks_not_the_whole_prompts():
+    """A 64-token prompt (4 blocks) arrives while a request holds 1 of 4 blocks, 16 tokens a step.
+    Admission by the whole prompt (the rule before) waits: 4 blocks > 3 free. By the scheduled chunk
+    (vLLM V1) it is admitted with the 1 block its first chunk of 15 tokens needs, and grows a block a
+    chunk; at its last chunk there is no block left, so the newest running request -- itself -- stops
+    there and is readmitted when the first finishes."""
+    s = Scheduler(_pool(4), [_req(0, 10, 20), _req(1, 64, 2, arrival=0.5)], token_budget=16)
+    first = s.schedule(0.0)
+    s.step_done(first, [7], 0.0)  # request 0's prompt (10 tokens): 1 block
+    assert s.pool.used_blocks == 1
+    step = s.schedule(1.0)
+    assert [(x.seq.request.rid, x.start, x.count) for x in step] == [(0, 10, 1), (1, 0, 15)]
+    assert [len(q.blocks) for q in s.running] == [1, 1] and s.pool.used_blocks == 2 and not s.waited_for_memory
+    whole = blocks_for(64)
+    assert whole == 4 > 4 - 1  # what whole-prompt admission asked: more than the 3 blocks free
+    s.step_done(step, [7], 1.0)
+    step = s.schedule(1.0)  # its second chunk (15 tokens, to 30): a second block
+    assert [(x.seq.request.rid, x.start, x.count) for x in step] == [(0, 11, 1), (1, 15, 15)]
+    assert [len(q.blocks) for q in s.running] == [1, 2]
+    s.step_done(step, [7], 1.0)
+    step = s.schedule(1.0)  # to 45 tokens: a third block, the last free one
+    assert [len(q.blocks) for q in s.running] == [1, 3] and s.pool.free_blocks == 0
+    s.step_done(step, [7], 1.0)
+    step = s.schedule(1.0)  # to 60 tokens needs a fourth: none free, request 1 (the newest) is preempted
+    assert [(x.seq.request.rid, x.count) for x in step] == [(0, 1)]
+    assert s.preemptions == 1 and s.recomputed_tokens == 45 and [q.request.rid for q in s.waiting] == [1]
+
+
+def test_in_flight_counts_the_waiting_and_the_running():
+    s = Scheduler(_pool(4), [_req(0, 30, 8), _req(1, 40, 4), _req(2, 3, 2)], token_budget=128)
+    s.schedule(0.0)
+    assert s.in_flight == 3 and len(s.running) == 1
 
 
 def test_refusals_before_anything_runs(model):
@@ -265,6 +323,21 @@ def test_refusals_before_anything_runs(model):
         serve(model, BlockPool.for_model(model, 2), [_req(0, 4, 9)], token_budget=8, max_context=16, max_steps=3)
 
 
+def test_arrivals_are_rescaled_to_the_rate_exactly():
+    """The realised rate (requests over the time to the last arrival) equals the label: drawn gaps
+    alone offered 2.80/s at a label of 3/s."""
+    from wsharding.serve.workload import realised_rate
+
+    for seed in range(5):
+        for burstiness in (1.0, 0.5):
+            for rank in (0, 1):
+                w = Workload(requests=7, rate=3.0, seed=seed, burstiness=burstiness)
+                reqs = w.for_rank(rank, 100)
+                assert abs(realised_rate(reqs) - 3.0) <= 1e-9 and reqs[-1].arrival_s == 7 / 3.0
+                assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs) and reqs[0].arrival_s > 0
+    assert realised_rate(Workload(requests=3).for_rank(0, 10)) is None  # all at once
+
+
 def test_workload_is_seeded_per_rank_bursty_and_round_trips():
     w = Workload(requests=5, prompt=(3, 9), output=(2, 4), rate=10.0, seed=1)
     a, b = w.for_rank(0, 100), w.for_rank(1, 100)
@@ -273,7 +346,7 @@ def test_workload_is_seeded_per_rank_bursty_and_round_trips():
     assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a) and a[0].arrival_s > 0
     assert Workload.from_dict(w.as_dict()) == w and Workload.from_dict(Workload().as_dict()).rate == float("inf")
     gaps = Workload(requests=2000, rate=4.0, burstiness=0.25).for_rank(0, 10)
-    assert gaps[-1].arrival_s / 2000 == pytest.approx(0.25, rel=0.15)  # the mean gap is 1/rate whatever the shape
+    assert gaps[-1].arrival_s / 2000 == 0.25  # the mean gap is 1/rate whatever the shape (rescaled: exactly)
     traced = Workload(requests=6, lengths=((5, 2), (9, 4)), source="t")
     assert traced.prompt == (5, 9) and traced.max_len == 12 and {(len(r.prompt), r.output) for r in traced.for_rank(0, 10)} <= {(5, 2), (9, 4)}
     assert Workload.from_dict(traced.as_dict()) == traced

@@ -1,14 +1,21 @@
 """Serve a stream of requests on one rank, greedy decoding, and record what a user would see.
 
-Every rank runs every step, working or not: a sharded model gathers its weights in every forward, and
-a rank that skipped one would leave the others waiting in that gather. A rank with nothing to do runs
-a one-token padding step. The ranks stop together when none has work left, which they agree on after
-every step (``agree``).
+Two ways to run, as the two variants need:
+
+* **free** (``agree=None``, a replicated model): the rank serves its own requests and nothing else;
+  with nothing to compute it waits for the next arrival (no step runs), and it stops when its own
+  work is done -- as every replica of a replicated deployment does.
+* **aligned** (``agree`` given, a sharded model): every rank runs every step, working or not: a
+  sharded model gathers its weights in every forward, and a rank that skipped one would leave the
+  others waiting in that gather. A rank with nothing to do runs a one-token padding step (an **idle
+  step**, counted). The ranks stop together when none has work left, which they agree on after every
+  step (``agree``).
 
 What is recorded: per request, when it arrived, when it was sent, the time each token reached the
 host (TTFT, ITL, TPOT and end-to-end latency follow, :mod:`wsharding.serve.metrics`); per step, its
-tokens, its buckets and its time; and the time each step was scheduled, which is all a replay needs
-to make the same decisions again ([Note: bits across buckets] in :mod:`wsharding.serve.step`).
+tokens, its buckets, its time, the KV blocks in use and the requests in flight; and the time each
+step was scheduled, which is all a replay needs to make the same decisions again ([Note: bits
+across buckets] in :mod:`wsharding.serve.step`).
 """
 
 from __future__ import annotations
@@ -46,10 +53,17 @@ class ServeRun:
     step_s: list[float] = field(default_factory=list)
     #: When each step was scheduled (seconds since the start): a replay's clock.
     schedule_times: list[float] = field(default_factory=list)
+    #: Per step: KV blocks in use once the step was scheduled, requests in flight (sent, not finished).
+    step_blocks: list[int] = field(default_factory=list)
+    step_in_flight: list[int] = field(default_factory=list)
     pool_blocks: int = 0
     peak_blocks: int = 0
+    peak_in_flight: int = 0
     preemptions: int = 0
+    recomputed_tokens: int = 0
     waited_for_memory: int = 0
+    #: Steps that computed nothing (aligned ranks pad with them; a free rank runs none).
+    idle_steps: int = 0
     wall_s: float = 0.0
 
     @property
@@ -65,16 +79,19 @@ def _record(seq: Sequence) -> dict[str, Any]:
 
 def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, token_budget: int,
           max_context: int, max_seqs: int | None = None, max_concurrency: int | None = None,
-          agree: Callable[[bool], bool] = bool, clock: Callable[[], float] = time.perf_counter,
+          agree: Callable[[bool], bool] | None = None, clock: Callable[[], float] = time.perf_counter,
           warmup: int = 1, max_steps: int = 1_000_000, schedule_times: list[float] | None = None,
-          runner: Callable[[Any], torch.Tensor] | None = None) -> ServeRun:
-    """Serve ``requests`` (this rank's) with ``model.forward_serve`` until no rank has work left.
+          pad_to: int | None = None, runner: Callable[[Any], torch.Tensor] | None = None) -> ServeRun:
+    """Serve ``requests`` (this rank's) with ``model.forward_serve``.
 
-    ``agree(has_work)`` returns whether any rank still has work (all ranks call it after every step;
-    ``bool`` for a single rank). A request's times run from when it is sent (:mod:`~wsharding.serve.scheduler`).
-    ``warmup`` padding steps of every token bucket run first, untimed (a process's first forward of a
-    shape pays one-time costs). ``schedule_times``: replay -- step i is scheduled as if at that time, and
-    exactly that many steps run (every rank replays its own recorded run, so the ranks stay in step).
+    ``agree``: None runs **free** (no idle steps: with nothing to compute the rank waits for the next
+    arrival; it stops when its own work is done); given, the ranks run **aligned** steps --
+    ``agree(has_work)`` returns whether any rank still has work (all ranks call it after every step)
+    and a rank with nothing to do runs an idle step. A request's times run from when it is sent
+    (:mod:`~wsharding.serve.scheduler`). ``warmup`` padding steps of every token bucket run first,
+    untimed (a process's first forward of a shape pays one-time costs). ``schedule_times``: replay --
+    step i is scheduled as if at that time, and exactly that many steps run, then idle steps up to
+    ``pad_to`` steps in all (ranks replaying schedules of other lengths stay aligned so).
     ``runner``: runs each built step and returns its logits (a :class:`~wsharding.serve.runner.StepRunner`
     replays captured CUDA graphs); default ``model.forward_serve`` of the step, eagerly.
     """
@@ -82,6 +99,8 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
     sched = Scheduler(pool, requests, token_budget=token_budget, max_seqs=max_seqs, max_concurrency=max_concurrency)
     sizes, widths = token_buckets(token_budget), context_buckets(max_context)
     run = ServeRun(outputs={}, records=[], pool_blocks=pool.blocks)
+    replay = schedule_times is not None
+    total = None if not replay else max(len(schedule_times), pad_to or 0)
     with torch.no_grad():
         for _ in range(warmup):
             for n in sizes:  # every shape once; the contents are padding
@@ -90,10 +109,28 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
     t0 = clock()
     with torch.no_grad():
         while True:
+            if replay and run.steps == total:
+                break
             began = clock()
-            now = began - t0 if schedule_times is None else schedule_times[run.steps]
-            scheduled = sched.schedule(now)
+            if replay:
+                padding = run.steps >= len(schedule_times)
+                now = schedule_times[-1] if padding else schedule_times[run.steps]
+                scheduled = [] if padding else sched.schedule(now)
+            else:
+                now = began - t0
+                scheduled = sched.schedule(now)
+                if not scheduled and agree is None:
+                    if not sched.has_work():
+                        break
+                    nxt = sched.next_arrival()
+                    if nxt is None:
+                        raise ServeStalled(f"serve: nothing to schedule on rank {requests[0].rank} and no arrival "
+                                           f"to wait for: {len(sched.waiting)} waiting, {len(sched.running)} running")
+                    time.sleep(max(0.0, nxt - (clock() - t0)))  # a free rank waits; it runs no idle step
+                    continue
             run.peak_blocks = max(run.peak_blocks, pool.used_blocks)
+            run.step_blocks.append(pool.used_blocks)
+            run.step_in_flight.append(sched.in_flight)
             built = build_step(pool, scheduled, sizes, widths)
             logits = runner(built) if runner is not None else model.forward_serve(built.step)
             # the host needs the tokens to build the next step: one sync per step, as a server has
@@ -106,11 +143,13 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
             run.step_context.append(built.bucket_context)
             run.step_requests.append(len(scheduled))
             run.step_s.append(ended - began)
-            if schedule_times is not None:
-                if run.steps == len(schedule_times):
+            run.idle_steps += not scheduled
+            if not replay:
+                if agree is None:
+                    if not sched.has_work():
+                        break
+                elif not agree(sched.has_work()):
                     break
-            elif not agree(sched.has_work()):
-                break
             if run.steps >= max_steps:
                 raise ServeStalled(f"serve: still working after {max_steps} steps on rank "
                                    f"{requests[0].rank if requests else '?'}: {len(sched.running)} running, "
@@ -120,5 +159,7 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
     run.outputs = {s.request.rid: s.generated for s in done}
     run.records = [_record(s) for s in done]
     run.preemptions = sched.preemptions
+    run.recomputed_tokens = sched.recomputed_tokens
     run.waited_for_memory = len(sched.waited_for_memory)
+    run.peak_in_flight = max(run.step_in_flight, default=0)
     return run

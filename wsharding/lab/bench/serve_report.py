@@ -1,38 +1,43 @@
 """The report of ``wsharding bench serve`` from every rank's result, and its text.
 
-The headline (:func:`answer`) is the highest request rate each variant sustains within the SLOs and
-the goodput ratio at every rate of the sweep, under a budget whose KV share is printed. A rate counts
-only where the run was a steady state (:data:`~wsharding.serve.metrics.STEADY_DRAIN`): a point that
-was mostly the drain after the last arrival is flagged, and the answer says where it stopped and why
-("at least" when every rate tried passed). Beside it: per sharded layer, gather against compute at
-the shapes the run used, with the cost model's prediction for the same layer on the GPUs of its
-datasheet. :func:`read_serve_report` reads a saved report back and applies today's rules to it.
+The variants are judged as a **pair** at every point (:mod:`wsharding.serve.metrics`): the same
+arrivals, goodput over one window common to both, a point that proves a rate only where the arrivals
+covered most of the time measured for every variant that met the SLO. The headline (:func:`answer`)
+is, per budget, each variant's highest sustained rate **bracketed** by the first rate it failed, the
+goodput ratio at every rate and each point's regime (pool-limited where the replicated pool ran out,
+else compute-limited); :func:`crossover` sets the ratio of sustained rates against the pool ratio,
+beside what the cost model makes of the two (pool ratio / step-time ratio, the step times measured in
+the same run). Beside it: per sharded layer, gather against compute at the shapes the run used, with
+the cost model's prediction for the same layer on the GPUs of its datasheet.
+
+:func:`read_serve_report` reads a saved report back after checking it against the report's schema
+(:func:`~wsharding.lab.bench.serve_schema.check_report`): every figure it reads is there, of its type and in its range, before any is
+read; the answers are computed again from the points, never read from the file.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 import time
-from collections import defaultdict
 from typing import Any
 
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.costmodel.devices import get_device
 from wsharding.costmodel.plan import breakeven, gather_seconds
-from wsharding.io_checks import read_saved_report
+from wsharding.lab.bench.serve_schema import SCHEMA, check_report, parse_report
 from wsharding.serve import BLOCK_TOKENS, pool_blocks
 from wsharding.serve.metrics import (
     SLO,
+    bracket,
+    bracket_text,
     interval,
-    is_steady,
-    measured_window,
     over_trials,
+    pair_metrics,
+    pair_steady,
+    regime,
     request_metrics,
-    sweep_answer,
-    trial_metrics,
 )
 
 #: The datasheet the per-layer prediction uses (a deployment's GPUs, not the machine that ran).
@@ -52,92 +57,202 @@ def rate_label(rate: float | None) -> str:
     return "all at once" if rate is None else f"{rate:g}/s"
 
 
-def _point(results: list[dict[str, Any]], variant: str, b: int, ri: int, warmup: int, slo: SLO | None) -> dict[str, Any]:
-    """One variant at one (budget, rate): the metrics of each trial, then their intervals and counts."""
+#: The counts each run keeps, summed over ranks (or their most, ``peak``), then spread over trials.
+COUNTS = {"preemptions": sum, "recomputed_tokens": sum, "waited_for_memory": sum, "idle_steps": sum,
+          "peak_blocks": max, "peak_in_flight": max}
+
+
+def _points(results: list[dict[str, Any]], variants: list[str], b: int, ri: int, warmup: int,
+            slo: SLO | None) -> dict[str, Any]:
+    """Every variant at one (budget, rate), judged as a pair per trial (:func:`~wsharding.serve.metrics.pair_metrics`):
+    each trial's metrics, then their intervals over trials, the counts per trial and their spread."""
     r0 = results[0]
-    trials = []
-    counts = {"max_concurrency": 0, "preemptions": 0, "steps": 0, "tokens_per_step": [], "mean_concurrency": []}
-    by_bucket: dict[str, list[float]] = {}
+    trials: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    counts: dict[str, dict[str, list[float]]] = {v: {k: [] for k in COUNTS} for v in variants}
+    extra: dict[str, dict[str, Any]] = {v: {"max_concurrency": 0, "steps": 0, "tokens_per_step": [],
+                                            "mean_concurrency": [], "kv_blocks": [], "first": []} for v in variants}
+    by_bucket: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    realised = []
     for t in range(r0["trials"]):
         key = f"{b}/{ri}/{t}"
-        runs = [r["runs"][variant][key] for r in results]
-        trials.append(trial_metrics([rec for run in runs for rec in run["records"]], len(results), warmup, slo))
-        for run in runs:
-            counts["max_concurrency"] = max(counts["max_concurrency"], run["max_concurrency"])
-            counts["preemptions"] += run["preemptions"]
-            counts["steps"] = max(counts["steps"], run["steps"])
-            counts["tokens_per_step"].append(run["tokens_per_step"])
-            counts["mean_concurrency"].append(run["mean_concurrency"])
-            for k, c in run["steps_by_bucket"].items():
-                acc = by_bucket.setdefault(k, [0, 0.0, 0])
-                acc[0] += c["steps"]
-                acc[1] += c["seconds"]
-                acc[2] += c["working"]
-    out = over_trials(trials)
-    out.update(max_concurrency=counts["max_concurrency"], preemptions=counts["preemptions"], steps=counts["steps"],
-               tokens_per_step=statistics.fmean(counts["tokens_per_step"]),
-               mean_concurrency=statistics.fmean(counts["mean_concurrency"]),
-               step_ms_by_bucket={k: {"steps": a[0], "working": a[2], "mean_ms": 1e3 * a[1] / a[0]}
-                                  for k, a in sorted(by_bucket.items(), key=lambda x: int(x[0]))},
-               trials=trials)
-    return out
+        pair = pair_metrics({v: [rec for r in results for rec in r["runs"][v][key]["records"]] for v in variants},
+                            len(results), warmup, slo)
+        realised += [r["runs"]["replicated"][key]["realised_rate"] for r in results]
+        for v in variants:
+            trials[v].append(pair[v])
+            runs = [r["runs"][v][key] for r in results]
+            for k, how in COUNTS.items():
+                counts[v][k].append(how(run[k] for run in runs))
+            e = extra[v]
+            e["max_concurrency"] = max(e["max_concurrency"], *(run["max_concurrency"] for run in runs))
+            e["steps"] = max(e["steps"], *(run["steps"] for run in runs))
+            e["tokens_per_step"] += [run["tokens_per_step"] for run in runs]
+            e["mean_concurrency"] += [run["mean_concurrency"] for run in runs]
+            e["first"].append(runs[0]["first"])
+            e["kv_blocks"] += [{"trial": t, "rank": r["rank"], **r["runs"][v][key]["kv_blocks"]} for r in results]
+            for run in runs:
+                for k, c in run["steps_by_bucket"].items():
+                    acc = by_bucket[v].setdefault(k, [0, 0.0, 0])
+                    acc[0] += c["steps"]
+                    acc[1] += c["seconds"]
+                    acc[2] += c["working"]
+    point: dict[str, Any] = {"realised_rate": interval(realised)}
+    for v in variants:
+        out = over_trials(trials[v])
+        e = extra[v]
+        out.update({k: interval(xs) for k, xs in counts[v].items()})
+        out.update(max_concurrency=e["max_concurrency"], steps=e["steps"],
+                   tokens_per_step=statistics.fmean(e["tokens_per_step"]),
+                   mean_concurrency=statistics.fmean(e["mean_concurrency"]), first_in_trials=e["first"],
+                   step_ms_by_bucket={k: {"steps": a[0], "working": a[2], "mean_ms": 1e3 * a[1] / a[0]}
+                                      for k, a in sorted(by_bucket[v].items(), key=lambda x: int(x[0]))},
+                   kv_blocks=e["kv_blocks"], counts_by_trial=counts[v], trials=trials[v])
+        point[v] = out
+    return point
 
 
 def _mean(point: dict[str, Any], key: str) -> float | None:
     return point[key]["mean"] if key in point else None
 
 
-def steady(point: dict[str, Any], variant: str) -> bool:
-    """Whether ``variant`` ran a steady state at this point of a report (:func:`~wsharding.serve.metrics.is_steady`)."""
-    return is_steady(point["rate"], point[variant]["drain_share"]["mean"])
+def point_steady(point: dict[str, Any], variants: list[str], slo: SLO | None) -> bool:
+    """Whether a point of a report proves rates, for the pair (:func:`~wsharding.serve.metrics.pair_steady`)."""
+    target = 1.0 if slo is None else slo.attainment
+    return pair_steady(point["rate"], {v: point[v]["drain_share"]["mean"] for v in variants},
+                       {v: _mean(point[v], "attainment") for v in variants}, target)
+
+
+def point_regime(point: dict[str, Any]) -> str:
+    """A point's regime, from the replicated runs there (:func:`~wsharding.serve.metrics.regime`)."""
+    rep = point["replicated"]
+    return regime(rep["preemptions"]["mean"] or 0, rep["waited_for_memory"]["mean"] or 0)
 
 
 def answer(row: dict[str, Any], rates: list[float | None], variants: list[str], slo: SLO | None) -> dict[str, Any]:
-    """The highest rate each variant sustains (:func:`~wsharding.serve.metrics.sweep_answer`
-    over the steady points; all at once counts as infinite), where and why its sweep stopped
-    (``stopped``: None when every rate tried passed, so the rate is a lower bound), and the goodput
-    ratio of each sharded variant at each rate."""
+    """Per variant its :func:`~wsharding.serve.metrics.bracket` over the points that prove rates (all
+    at once counts as infinite), the goodput ratio of each sharded variant at each rate (over the
+    window common to the pair), and each point's steadiness and regime."""
+    steady = [point_steady(p, variants, slo) for p in row["points"]]
+    regimes = [point_regime(p) for p in row["points"]]
     if slo is None:
-        return {"max_rate": None, "goodput_ratio": None}
+        return {"brackets": None, "goodput_ratio": None, "steady": steady, "regime": regimes}
     xs = [math.inf if r is None else r for r in rates]
-    best, stopped = {}, {}
+    brackets = {}
     for v in variants:
-        met = [_mean(p[v], "attainment") for p in row["points"]]
-        best[v], stopped[v] = sweep_answer(xs, met, slo.attainment, [steady(p, v) for p in row["points"]])
-        if stopped[v] is not None and math.isinf(stopped[v]["rate"]):
-            stopped[v]["rate"] = None
+        got = bracket(xs, [_mean(p[v], "attainment") for p in row["points"]], slo.attainment, steady)
+        # all at once is the rate None in a report (JSON has no infinity)
+        got["all_at_once"] = got["sustained"] is not None and math.isinf(got["sustained"])
+        for key in ("sustained", "fails_at"):
+            if got[key] is not None and math.isinf(got[key]):
+                got[key] = None
+        if got["stopped"] is not None and math.isinf(got["stopped"]["rate"]):
+            got["stopped"]["rate"] = None
+        brackets[v] = got
     ratio = {}
     for v in variants[1:]:
         ratio[v] = []
         for p in row["points"]:
             rep, got = _mean(p["replicated"], "goodput"), _mean(p[v], "goodput")
             ratio[v].append(got / rep if rep else None)
-    return {"max_rate": {v: (None if b is None else (None if math.isinf(b) else b)) for v, b in best.items()},
-            "all_at_once_sustained": {v: b is not None and math.isinf(b) for v, b in best.items()},
-            "stopped": stopped, "goodput_ratio": ratio}
+    return {"brackets": brackets, "goodput_ratio": ratio, "steady": steady, "regime": regimes}
 
 
 def answer_text(row: dict[str, Any], variants: list[str]) -> str:
-    """The answer as one sentence: per variant the highest rate sustained and where its sweep stopped
-    and why, then the goodput ratio at each rate (the ANSWER line of :func:`format_table`)."""
+    """The answer as one sentence: per variant its bracket, then the goodput ratio and the regime at
+    each rate (the ANSWER line of :func:`format_table`, and what notebook 07 prints)."""
     a = row["answer"]
-    best = []
-    for v in variants:
-        stop = a["stopped"][v]
-        if a["all_at_once_sustained"][v]:
-            best.append(f"{v} all at once (a burst)")
-            continue
-        rate = f"{a['max_rate'][v]:g}/s" if a["max_rate"][v] is not None else (
-            "not established" if stop and stop["why"] == "not a steady state" else "none of the rates")
-        if stop is None:
-            rate = f"at least {rate} (every rate tried)"
-        else:
-            rate += f" ({rate_label(stop['rate'])} {stop['why']})"
-        best.append(f"{v} {rate}")
-    ratios = "; ".join(f"{v}/replicated " + ", ".join(f"{rate_label(p['rate'])} {_v(g, '.2f')}x"
-                                                       for p, g in zip(row["points"], a["goodput_ratio"][v], strict=True))
-                       for v in variants[1:])
-    return f"highest rate sustained within the SLO per rank: {'; '.join(best)}; goodput {ratios}"
+    if a["brackets"] is None:
+        return "no SLO given: no rate is judged"
+    best = "; ".join(f"{v} {bracket_text(a['brackets'][v])}" for v in variants)
+    ratios = "; ".join(
+        f"goodput {v}/replicated " + ", ".join(
+            f"{rate_label(p['rate'])} {_v(g, '.2f')}x ({reg}{'' if ok else ', not a steady state'})"
+            for p, g, reg, ok in zip(row["points"], a["goodput_ratio"][v], a["regime"], a["steady"], strict=True))
+        for v in variants[1:])
+    return f"per rank, {best}; {ratios}"
+
+
+def step_time_ratio(row: dict[str, Any], variant: str) -> float | None:
+    """The sharded variant's step time over the replicated one's, measured in this run at this budget:
+    per token bucket the mean step time of each, weighted by the replicated variant's working steps in
+    that bucket (the mix of steps a replicated server ran), over the buckets both ran."""
+    num = den = 0.0
+    for p in row["points"]:
+        rep, got = p["replicated"]["step_ms_by_bucket"], p[variant]["step_ms_by_bucket"]
+        for k, c in rep.items():
+            if k in got and c["working"]:
+                num += c["working"] * got[k]["mean_ms"]
+                den += c["working"] * c["mean_ms"]
+    return num / den if den > 0 else None
+
+
+def crossover(rows: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
+    """Per budget and sharded variant: the pool ratio (sharded pool tokens / replicated), the measured
+    step-time ratio, the cost model's line (pool ratio / step-time ratio where the replicated pool is
+    the limit; 1 / step-time ratio where compute is), and the measured ratio of sustained rates with
+    what kind of number it is: ``exact`` (both bracketed), ``lower`` (the sharded one passed every
+    rate), ``upper`` (the replicated one did), None when it cannot be told."""
+    out = []
+    for b, row in enumerate(rows):
+        br = row["answer"]["brackets"]
+        # the regime where the replicated variant's answer is decided: its first failing rate, else its last
+        rep = br["replicated"] if br else None
+        at = len(row["points"]) - 1
+        if rep and rep["fails_at"] is not None:
+            at = next(i for i, p in enumerate(row["points"]) if p["rate"] == rep["fails_at"])
+        reg = row["answer"]["regime"][at]
+        for v in variants[1:]:
+            pool = row[v]["pool_tokens"] / row["replicated"]["pool_tokens"]
+            step = step_time_ratio(row, v)
+            item = {"budget": b, "variant": v, "kv_share": row["replicated"]["kv_share"], "pool_ratio": pool,
+                    "step_time_ratio": step, "regime": reg,
+                    "predicted_pool_limited": None if not step else pool / step,
+                    "predicted_compute_limited": None if not step else 1 / step,
+                    "ratio": None, "bound": None}
+            item["predicted"] = item["predicted_pool_limited" if reg == "pool-limited" else "predicted_compute_limited"]
+            if br:
+                item["ratio"], item["bound"] = _rate_ratio(br[v], br["replicated"])
+            out.append(item)
+    return out
+
+
+def _rate_ratio(s: dict[str, Any], r: dict[str, Any]) -> tuple[float | None, str | None]:
+    """The ratio of two brackets' sustained rates (sharded ``s`` over replicated ``r``) and what kind of
+    number it is: ``exact`` (both bracketed: each a rate of the grid passed, the next failed),
+    ``lower`` / ``upper`` where one side is open -- a variant that passed every rate, or one below the
+    lowest (then the lowest rate stands for it: the ratio is beyond it) -- None when both are open the
+    same way (the sweep reached neither limit, or both failed its lowest rate)."""
+    def side(b: dict[str, Any]) -> tuple[float | None, str]:
+        if b["kind"] == "bracketed":
+            return b["sustained"], "exact"
+        if b["kind"] == "at least" and b["sustained"] is not None:
+            return b["sustained"], "up"  # the true rate is higher
+        if b["kind"] == "below the lowest" and b["fails_at"] is not None:
+            return b["fails_at"], "down"  # the true rate is lower
+        return None, "none"
+
+    (a, ka), (b, kb) = side(s), side(r)
+    if a is None or b is None or (ka == kb and ka != "exact"):
+        return None, None
+    if ka == "exact" and kb == "exact":
+        return a / b, "exact"
+    lower = ka == "up" or kb == "down"
+    upper = ka == "down" or kb == "up"
+    if lower and upper:
+        return None, None
+    return a / b, "lower" if lower else "upper"
+
+
+def crossover_text(items: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for c in items:
+        measured = "not told (neither variant's rate is bracketed by the sweep)" if c["ratio"] is None else (
+            {"exact": "", "lower": "at least ", "upper": "at most "}[c["bound"]] + f"{c['ratio']:.2f}x")
+        pred = "-" if c["predicted"] is None else f"{c['predicted']:.2f}x"
+        step = "-" if c["step_time_ratio"] is None else f"{c['step_time_ratio']:.2f}"
+        lines.append(f"    replicated KV share {c['kv_share']:.1%}: pool ratio {c['pool_ratio']:.2f}, step-time ratio "
+                     f"{step}, {c['regime']}: sustained rate {c['variant']}/replicated {measured}; cost model {pred}")
+    return lines
 
 
 def predicted_layers(measured: list[dict[str, Any]], ranks: int, itemsize: int) -> list[dict[str, Any]]:
@@ -168,10 +283,7 @@ def summarize(results: list[dict[str, Any]], slo: SLO | None = None, warmup: int
     for b, budget in enumerate(r0["budgets"]):
         row: dict[str, Any] = {"budget_bytes": budget, "budget_spec": r0["budget_specs"][b], "points": []}
         for ri, rate in enumerate(r0["rates"]):
-            p: dict[str, Any] = {"rate": rate}
-            for v in variants:
-                p[v] = _point(results, v, b, ri, warmup, slo)
-            row["points"].append(p)
+            row["points"].append({"rate": rate, **_points(results, variants, b, ri, warmup, slo)})
         first = f"{b}/0/0"
         for v in variants:
             run = r0["runs"][v][first]
@@ -179,7 +291,7 @@ def summarize(results: list[dict[str, Any]], slo: SLO | None = None, warmup: int
                       "pool_blocks": run["pool_blocks"], "pool_bytes": run["pool_bytes"],
                       "kv_share": run["pool_bytes"] / budget,
                       "max_concurrency": max(p[v]["max_concurrency"] for p in row["points"]),
-                      "preemptions": sum(p[v]["preemptions"] for p in row["points"])}
+                      "preemptions": sum(sum(p[v]["counts_by_trial"]["preemptions"]) for p in row["points"])}
         row["predicted"] = {"replicated": {"pool_tokens": row["replicated"]["pool_tokens"]}}
         for v in variants[1:]:
             resident = sizing["replicated"]["resident_bytes"] - sizing[v]["net_saving_bytes_predicted"]
@@ -200,10 +312,10 @@ def summarize(results: list[dict[str, Any]], slo: SLO | None = None, warmup: int
             "preset", "layers", "dtype", "workload_text", "kv_bytes_per_token", "token_budget", "max_seqs",
             "max_concurrency", "max_context", "rates", "trials", "budgets", "checked")
     workload = {k: v for k, v in r0["workload"].items() if k != "lengths"}  # a trace's pairs would swamp the JSON
-    return {"bench": "serve", "schema": 2, "date": time.strftime("%Y-%m-%d"), **{k: r0.get(k) for k in keep},
+    return {"bench": "serve", "schema": SCHEMA, "date": time.strftime("%Y-%m-%d"), **{k: r0.get(k) for k in keep},
             "workload": workload, "slo": None if slo is None else slo.as_dict(),
             "slo_text": None if slo is None else slo.describe(), "warmup_requests": warmup, "variants": variants,
-            "sizing": sizing, "rows_by_budget": rows, "notes": notes(r0),
+            "sizing": sizing, "rows_by_budget": rows, "crossover": crossover(rows, variants), "notes": notes(r0),
             "layer_times": predicted_layers(r0["layer_times"], r0["world_size"], itemsize) if r0["layer_times"] else [],
             "layer_times_by_rank": [r["layer_times"] for r in results],
             "requests": request_records(results, variants, slo, warmup),
@@ -214,7 +326,8 @@ def summarize(results: list[dict[str, Any]], slo: SLO | None = None, warmup: int
 def request_records(results: list[dict[str, Any]], variants: list[str], slo: SLO | None,
                     warmup: int) -> list[dict[str, Any]]:
     """Every request of every run, one flat record each: where it ran, its times and lengths, its
-    latencies, whether it was measured and met the SLOs (the token times themselves stay on the ranks)."""
+    latencies and every inter-token latency (ms, to the microsecond), whether it was measured and
+    met the SLOs."""
     out = []
     for r in results:
         for v in variants:
@@ -228,6 +341,7 @@ def request_records(results: list[dict[str, Any]], variants: list[str], slo: SLO
                                 "prompt_tokens": rec["prompt_tokens"], "output_tokens": rec["output_tokens"],
                                 "preempted": rec["preempted"], "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"],
                                 "e2e_ms": m["e2e_ms"], "itl_ms_max": max(m["itl_ms"], default=None),
+                                "itl_ms": [round(x, 3) for x in m["itl_ms"]],
                                 "measured": rec["rid"] >= warmup, "met_slo": None if slo is None else slo.met(m)})
     return out
 
@@ -261,17 +375,12 @@ def notes(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def check_schema(report: dict[str, Any]) -> None:
-    """Refuse a report of the fixed-row benchmark that came before this one, by name."""
-    if report.get("schema") != 2:
-        raise InvalidArgument("this serve report was written by the earlier fixed-row benchmark (steps of a fixed "
-                              "row count, a drain): re-run wsharding bench serve")
-
-
 def format_table(report: dict[str, Any]) -> str:
-    """The report as text: the set-up, per budget the pools and their share of it, per rate both
-    variants (means ±95 % intervals over trials), the answer, the layers' gather against compute."""
-    check_schema(report)
+    """The report as text: the set-up, per budget the pools and their share of it, per rate the realised
+    rate, whether the point proves rates, its regime, and both variants (means ±95 % intervals over
+    trials) -- latencies and goodput, then memory: KV blocks at peak, waits for memory, preemptions and
+    recomputed tokens, peak in flight, idle steps -- the answer, the crossover, the layers' gather
+    against compute."""
     s = report["sizing"]
     variants = report["variants"]
     lines = [f"wsharding bench serve -- {report['mode']}, {report['world_size']} ranks"
@@ -281,16 +390,20 @@ def format_table(report: dict[str, Any]) -> str:
     lines += [f"  NOTE: {n}" for n in report["notes"]]
     lines.append(f"  workload: {report['workload_text']}; {report['trials']} trial(s) per point, the first "
                  f"{report['warmup_requests']} requests per rank left out (warm-up)")
-    lines.append(f"  steps: at most {report['token_budget']} tokens (chunked prefill), padded to the next power of two; "
-                 f"attention over the step's longest context, padded likewise (<= {report['max_context']}), "
-                 f"each sequence's read once (a prefill chunk's too); KV in blocks "
-                 f"of {BLOCK_TOKENS}, {report['kv_bytes_per_token']:,} B per token"
-                 + (f"; at most {report['max_concurrency']} requests in flight" if report.get("max_concurrency") else ""))
+    lines.append("  judged as a pair: the variants serve the same arrivals (rescaled to the rate), interleaved per "
+                 "trial, the first alternating; goodput over the arrival window of the measured requests, common "
+                 "to both; replicated ranks run free, sharded ranks aligned (their idle steps counted)")
+    lines.append(f"  steps: at most {report['token_budget']} tokens (chunked prefill, admission by the chunk's blocks), "
+                 f"padded to the next power of two; attention over the step's longest context, padded likewise "
+                 f"(<= {report['max_context']}); KV in blocks of {BLOCK_TOKENS}, {report['kv_bytes_per_token']:,} B per "
+                 "token" + (f"; at most {report['max_concurrency']} requests in flight" if report.get("max_concurrency") else ""))
     lines.append("  resident: " + ", ".join(f"{v} {_mib(s[v]['resident_bytes'])}" for v in variants)
                  + f"; reserve for activations {_mib(s['replicated']['reserve_bytes'])}")
     lines.append(f"  SLO: {report['slo_text'] or 'none given (no goodput)'}")
     head = (f"    {'':<18}{'req/s':>12}{'out tok/s':>14}{'TTFT mean/p99':>17}{'TPOT mean/p99':>16}"
-            f"{'ITL p99':>10}{'E2E p50/p99':>22}{'goodput':>13}{'met':>6}{'seq':>5}{'preempt':>8}")
+            f"{'ITL p99':>10}{'E2E p50/p99':>22}{'goodput':>13}{'met':>6}")
+    mem = (f"    {'':<18}{'KV peak/pool':>16}{'waited':>10}{'preempt':>10}{'recomputed':>14}{'in flight':>11}"
+           f"{'idle steps':>12}{'drain':>8}")
     for row in report["rows_by_budget"]:
         spec = row["budget_spec"]
         how = ("" if "bytes" in spec else f" (replicated KV share {spec['kv_share']:.0%})" if "kv_share" in spec
@@ -299,12 +412,13 @@ def format_table(report: dict[str, Any]) -> str:
                      + ", ".join(f"{v} {row[v]['pool_tokens']:,} tokens = {row[v]['kv_share']:.1%} of the budget"
                                  for v in variants)
                      + "; cost model: " + ", ".join(f"{v} {row['predicted'][v]['pool_tokens']:,}" for v in variants[1:]))
-        for p in row["points"]:
-            drains = [v for v in variants if not steady(p, v)]
-            lines.append(f"   rate {rate_label(p['rate'])} per rank:" + ("" if not drains else
-                         " NOT A STEADY STATE for " + ", ".join(f"{v} (drain {p[v]['drain_share']['mean']:.0%} of the "
-                                                                "time measured)" for v in drains)
-                         + ": requests stopped arriving early, more --requests"))
+        a = row["answer"]
+        for p, ok, reg in zip(row["points"], a["steady"], a["regime"], strict=True):
+            real = p["realised_rate"]["mean"]
+            lines.append(f"   rate {rate_label(p['rate'])} per rank"
+                         + ("" if real is None else f" (realised {real:.3f}/s)") + f": {reg}"
+                         + ("" if ok else "; NOT A STEADY STATE: a variant met the SLO while most of its time measured "
+                            "was the drain after the last arrival -- the point proves no rate (more --requests)"))
             lines.append(head)
             for v in variants:
                 x = p[v]
@@ -315,9 +429,19 @@ def format_table(report: dict[str, Any]) -> str:
                              f"{_v(x['tpot_ms']['mean']['mean']) + '/' + _v(x['tpot_ms']['p99']['mean']):>16}"
                              f"{_v(x['itl_ms']['p99']['mean']):>10}"
                              f"{_v(x['e2e_ms']['p50']['mean']) + '/' + _v(x['e2e_ms']['p99']['mean']):>22}"
-                             f"{good:>13}{met:>6}{x['max_concurrency']:>5}{x['preemptions']:>8}")
-        if row["answer"]["max_rate"] is not None:
-            lines.append(f"   ANSWER: {answer_text(row, variants)}")
+                             f"{good:>13}{met:>6}")
+            lines.append(mem)
+            for v in variants:
+                x = p[v]
+                lines.append(f"    {v:<18}{_iv(x['peak_blocks'], '.0f') + '/' + str(row[v]['pool_blocks']):>16}"
+                             f"{_iv(x['waited_for_memory'], '.0f'):>10}{_iv(x['preemptions'], '.0f'):>10}"
+                             f"{_iv(x['recomputed_tokens'], ',.0f'):>14}{_iv(x['peak_in_flight'], '.0f'):>11}"
+                             f"{_iv(x['idle_steps'], ',.0f'):>12}{_v(x['drain_share']['mean'], '.0%'):>8}")
+        lines.append(f"   ANSWER: {answer_text(row, variants)}")
+    if report.get("crossover"):
+        lines.append("  CROSSOVER (ratio of sustained rates against the pool ratio; the cost model's line is pool "
+                     "ratio / step-time ratio where the replicated pool limits, 1 / step-time ratio where compute does):")
+        lines += crossover_text(report["crossover"])
     lines.append(design_line(design_kv_capacity()))
     lines += _layer_lines(report)
     own = report["own_schedule_differ"]
@@ -370,35 +494,58 @@ def _layer_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def with_todays_rules(report: dict[str, Any]) -> dict[str, Any]:
-    """``report`` with each point's drain share (from its per-request records, as
-    :func:`~wsharding.serve.metrics.trial_metrics` computes it, where a report saved before the rule
-    lacks it) and each answer computed again under today's rules."""
-    windows: dict[tuple, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    for q in report["requests"]:
-        if q["measured"]:
-            sends, ends = windows[(q["budget"], q["rate"], q["variant"], q["trial"])]
-            sends.append(q["sent_s"])
-            ends.append(q["last_token_s"])
+def with_answers(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with every answer and the crossover computed again from its points (a saved file's
+    own answers are never read: they could say anything)."""
     slo = None if report.get("slo") is None else SLO(**report["slo"])
-    for b, row in enumerate(report["rows_by_budget"]):
-        for p in row["points"]:
-            for v in report["variants"]:
-                if "drain_share" not in p[v]:
-                    p[v]["drain_share"] = interval(measured_window(*w)[2] for (bb, r, vv, _), w in windows.items()
-                                                   if bb == b and r == p["rate"] and vv == v)
+    for row in report["rows_by_budget"]:
         row["answer"] = answer(row, report["rates"], report["variants"], slo)
+    report["crossover"] = crossover(report["rows_by_budget"], report["variants"])
     return report
 
 
 def read_serve_report(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A report ``wsharding bench serve --json`` saved, read back (a regular file of at most the
-    report limit, JSON, a serve report of this schema) with :func:`with_todays_rules` applied."""
-    try:
-        report = read_saved_report(path)
-    except json.JSONDecodeError as e:
-        raise InvalidArgument(f"{path}: not JSON ({e}); pass the .json that wsharding bench serve --json wrote") from None
-    if not isinstance(report, dict) or report.get("bench") != "serve":
-        raise InvalidArgument(f"{path}: not a report of wsharding bench serve (its 'bench' field is not 'serve')")
-    check_schema(report)
-    return with_todays_rules(report)
+    """A report ``wsharding bench serve --json`` saved, read back: a regular file of at most the
+    report limit, JSON without NaN or infinities, nested no deeper than a report is, a serve report of
+    this schema whose every figure read is there, of its type and in its range (:func:`check_report`);
+    then its answers computed again (:func:`with_answers`)."""
+    report = parse_report(read_saved_report_text(path), path)
+    check_report(report, path)
+    return with_answers(report)
+
+
+def read_saved_report_text(path: str | os.PathLike[str]) -> str:
+    """The text of a saved report (:func:`~wsharding.io_checks.read_regular_file`, the report limit)."""
+    from wsharding.io_checks import MAX_REPORT_BYTES, read_regular_file
+
+    raw = read_regular_file(path, "saved report", max_bytes=MAX_REPORT_BYTES,
+                            todo="remove it, or pass a JSON report a wsharding command wrote")
+    return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+
+
+#: What reports merged into one must share (:func:`merge_saved`): the same set-up, other budgets.
+SAME_SETUP = ("preset", "layers", "world_size", "variants", "rates", "trials", "slo", "workload_text", "token_budget",
+              "device", "mode", "warmup_requests")
+
+
+def merge_saved(reports: list[dict[str, Any]], paths: list[Any]) -> dict[str, Any]:
+    """Saved reports of one set-up at other budgets (one call per budget where a call's time is
+    limited) as one report: their budgets side by side, ordered by the replicated pool's share, the
+    answers and the crossover computed again. Reports of another set-up are refused, naming the field."""
+    first = reports[0]
+    for r, path in zip(reports[1:], paths[1:], strict=True):
+        for key in SAME_SETUP:
+            if r.get(key) != first.get(key):
+                raise InvalidArgument(f"{path}: its {key} differs from {paths[0]}'s: only runs of one set-up at other "
+                                      "budgets merge into one report")
+    merged = dict(first)
+    rows = [row for r in reports for row in r["rows_by_budget"]]
+    rows.sort(key=lambda row: row["replicated"]["kv_share"])
+    merged["rows_by_budget"] = rows
+    merged["budgets"] = [row["budget_bytes"] for row in rows]
+    merged["differ"] = [d for r in reports for d in r["differ"]]
+    merged["equal"] = all(r["equal"] for r in reports)
+    merged["requests"] = [q for r in reports for q in r.get("requests", [])]
+    own = [r["own_schedule_differ"] for r in reports]
+    merged["own_schedule_differ"] = {"requests": sum(o["requests"] for o in own), "of": sum(o["of"] for o in own)}
+    return with_answers(merged)

@@ -1,12 +1,17 @@
 """Rank task of ``wsharding bench serve``: the same requests served by the replicated and the sharded
 model under the same memory budget, at a sweep of request rates, each point repeated.
 
-Variants run one after the other on each rank, so only one model is resident while it serves: its KV
-pool is the budget less what *it* holds (:func:`wsharding.serve.budget.pool_blocks`). Each variant
-is built once and serves every (budget, rate, trial) point. The replicated model goes first and
-records when it scheduled each step of each point's first trial; the sharded model then replays
-those steps with the replicated pool's size -- the same steps, so every token must be equal
-([Note: bits across buckets] in :mod:`wsharding.serve.step`).
+Every variant is built once, up front, and serves every (budget, rate, trial) point; at each point
+the variants serve the **same arrivals** one after the other, interleaved per trial (which goes first
+alternates from trial to trial, so a machine that slows down over a run does not always cost the same
+variant). Each variant's KV pool is the budget less what *it* holds
+(:func:`wsharding.serve.budget.pool_blocks`). Replicated ranks run **free** -- a barrier before and
+after, no per-step agreement, no idle steps, each stops when its own work is done -- as replicas of
+a replicated deployment do; sharded ranks run **aligned** steps (their gathers pair up), and their
+idle steps are counted. The replicated run of each point's first trial records when it scheduled
+each step; each sharded model then replays those steps with the replicated pool's size, padded with
+idle steps to the longest rank's schedule (every rank replays its own) -- the same steps, so every
+token must be equal ([Note: bits across buckets] in :mod:`wsharding.serve.step`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from wsharding.serve import (
 from wsharding.serve.engine import ServeRun
 from wsharding.serve.scheduler import check_servable
 from wsharding.serve.step import build_step, context_buckets, token_buckets
+from wsharding.serve.workload import realised_rate
 
 #: The variants every run serves; with ``plain`` and where the sharded one maps its own chunk (our
 #: NCCL, >= 2.30), a third with plain slots shows what the mapping adds.
@@ -125,8 +131,24 @@ def layer_times(model: ToyDecoder, ws: WeightSharding, tokens: int, width: int, 
     return out
 
 
-def _summary(run: ServeRun, pool: BlockPool) -> dict[str, Any]:
-    """What the report keeps of one run: counts, per-bucket step times, the per-request records."""
+#: Samples of the KV blocks in use kept per run (a run's steps binned, the most used in each bin).
+KV_SAMPLES = 128
+
+
+def kv_trace(times: list[float], blocks: list[int], samples: int = KV_SAMPLES) -> dict[str, list]:
+    """KV blocks in use over a run, compact: per step when there are at most ``samples`` steps, else
+    the steps cut into ``samples`` bins of consecutive steps, each the time of its first step and the
+    most blocks any of its steps used (so the peak is kept)."""
+    if len(blocks) <= samples:
+        return {"t": [round(x, 4) for x in times], "blocks": list(blocks)}
+    edges = [len(blocks) * i // samples for i in range(samples + 1)]
+    return {"t": [round(times[a], 4) for a in edges[:-1]],
+            "blocks": [max(blocks[a:b]) for a, b in zip(edges, edges[1:], strict=False)]}
+
+
+def _summary(run: ServeRun, pool: BlockPool, requests: list[Any], first: bool) -> dict[str, Any]:
+    """What the report keeps of one run: counts, per-bucket step times, KV blocks over time, the
+    per-request records. ``first``: whether this variant went first at its point."""
     by_bucket: dict[int, list[float]] = {}
     for b, s, n in zip(run.step_bucket, run.step_s, run.step_tokens, strict=True):
         c = by_bucket.setdefault(b, [0, 0.0, 0, 0])
@@ -136,12 +158,16 @@ def _summary(run: ServeRun, pool: BlockPool) -> dict[str, Any]:
         c[3] += n > 0
     working = [n for n in run.step_requests if n]
     return {"pool_blocks": pool.blocks, "pool_tokens": pool.tokens, "pool_bytes": pool.nbytes,
-            "peak_blocks": run.peak_blocks, "preemptions": run.preemptions, "waited_for_memory": run.waited_for_memory,
+            "peak_blocks": run.peak_blocks, "preemptions": run.preemptions,
+            "recomputed_tokens": run.recomputed_tokens, "waited_for_memory": run.waited_for_memory,
+            "peak_in_flight": run.peak_in_flight, "idle_steps": run.idle_steps, "first": first,
+            "realised_rate": realised_rate(requests),
             "steps": run.steps, "wall_s": run.wall_s, "max_concurrency": max(run.step_requests, default=0),
             "mean_concurrency": statistics.fmean(working) if working else 0.0,
             "tokens_per_step": statistics.fmean(n for n in run.step_tokens if n) if any(run.step_tokens) else 0.0,
             "steps_by_bucket": {str(b): {"steps": c[0], "seconds": c[1], "tokens": c[2], "working": c[3]} for b, c in sorted(by_bucket.items())},
             "contexts": dict(Counter(w for w, n in zip(run.step_context, run.step_tokens, strict=True) if n)),
+            "kv_blocks": kv_trace(run.schedule_times, run.step_blocks),
             "records": run.records}
 
 
@@ -194,7 +220,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
                reserve_bytes: int | None = None, plain: bool = False, probe_steps: int = 3,
                check: bool = True, progress: str | None = None) -> dict[str, Any]:
     """Serve this rank's requests with each variant under each budget, at each rate (None: all at
-    once), ``trials`` times with other seeds.
+    once), ``trials`` times with other seeds; the variants built once and interleaved per point.
 
     Returns per variant, budget, rate and trial the run's summary and per-request records; the
     sizing of each variant; per sharded layer the gather and compute times at the shapes the run
@@ -220,16 +246,16 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     replays: dict[tuple[int, int], dict[str, Any]] = {}
     sizing: dict[str, dict[str, Any]] = {}
     resolved: list[int] = []
-    probes: list[dict[str, Any]] = []
+    built: dict[str, tuple[ToyDecoder, WeightSharding | None]] = {}
     variants = list(VARIANTS)
     for variant in variants:  # grows by PLAIN when asked and the sharded variant maps its own chunk
         rank_stage(ctx.rank, progress, f"building {preset} {variant}")
         model, ws, load = _build(variant, cfg, comm_, seed)
+        built[variant] = (model, ws)
         if variant == "sharded" and plain and ws.map_own_chunk:
             variants.append(PLAIN)
         resident = model_bytes(model) if ws is None else sharded_model_bytes(model, ws)
         reserve = activation_reserve_bytes(model, token_budget, max_context) if reserve_bytes is None else reserve_bytes
-        per_token = kv_bytes_per_token(model)
         sizing[variant] = {"resident_bytes": resident, "reserve_bytes": reserve, **load}
         if variant == "replicated":
             resolved = [_resolve_budget(s, resident, reserve, device, share) for s in budgets]
@@ -240,56 +266,81 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
                                     "map_own_chunk": ws.map_own_chunk, "slot_layout": ws.map_own_chunk_reason})
         runs[variant] = {}
         outputs[variant] = {}
-        for b, ri, t in points:
-            rate = "all at once" if rates[ri] is None else f"{rates[ri]:g}/s"
+    per_token = kv_bytes_per_token(built["replicated"][0])
+
+    def sized_pool(variant: str, b: int, requests: list[Any], blocks: int | None = None) -> BlockPool:
+        """The variant's pool at budget ``b`` (or of ``blocks``), refused on every rank when any rank's is."""
+        model = built[variant][0]
+        problem, pool = None, None
+        try:
+            if blocks is None:
+                blocks = pool_blocks(resolved[b], sizing[variant]["resident_bytes"], sizing[variant]["reserve_bytes"],
+                                     per_token)
+            if device.type == "cuda":
+                room = kv_budget_bytes(device, share=share)[0]
+                if (blocks + 1) * 16 * per_token > room:
+                    raise InvalidArgument(
+                        f"rank {ctx.rank}: a budget of {resolved[b] / 2**30:.2f} GiB asks for a KV pool of "
+                        f"{(blocks + 1) * 16 * per_token / 2**30:.2f} GiB, but only {room / 2**30:.2f} GiB is free "
+                        "for this rank on its GPU (every variant's model is resident): give a smaller budget")
+            pool = BlockPool.for_model(model, blocks)
+            check_servable(requests, pool, max_context)
+        except WshardingError as e:
+            problem = e
+        _all_ranks_ready(ctx, problem)
+        return pool
+
+    for b, ri, t in points:
+        rate = "all at once" if rates[ri] is None else f"{rates[ri]:g}/s"
+        requests = workload_at(ri, t).for_rank(ctx.rank, cfg.vocab)
+        order = variants if t % 2 == 0 else variants[::-1]  # which goes first alternates per trial
+        for variant in order:
             rank_stage(ctx.rank, progress, f"{variant}: budget {b + 1} of {len(budgets)}, rate {rate}, trial "
                                            f"{t + 1} of {trials}")
-            problem, pool = None, None
-            wl = workload_at(ri, t)
-            requests = wl.for_rank(ctx.rank, cfg.vocab)
-            try:
-                blocks = pool_blocks(resolved[b], resident, reserve, per_token)
-                if device.type == "cuda":
-                    room = kv_budget_bytes(device, share=share)[0]
-                    if (blocks + 1) * 16 * per_token > room:
-                        raise InvalidArgument(
-                            f"rank {ctx.rank}: a budget of {resolved[b] / 2**30:.2f} GiB asks for a KV pool of "
-                            f"{(blocks + 1) * 16 * per_token / 2**30:.2f} GiB, but only {room / 2**30:.2f} GiB is free "
-                            "for this rank on its GPU: give a smaller budget")
-                pool = BlockPool.for_model(model, blocks)
-                check_servable(requests, pool, max_context)
-            except WshardingError as e:
-                problem = e
-            _all_ranks_ready(ctx, problem)
+            model = built[variant][0]
+            pool = sized_pool(variant, b, requests)
             align_ranks(ctx)
-            run = serve(model, pool, requests, token_budget=token_budget, max_context=max_context, max_seqs=max_seqs,
-                        max_concurrency=max_concurrency, agree=lambda has_work: _any_rank(ctx, has_work))
-            runs[variant][f"{b}/{ri}/{t}"] = _summary(run, pool)
+            if variant == "replicated":  # free: no lockstep, no idle steps; a barrier after
+                run = serve(model, pool, requests, token_budget=token_budget, max_context=max_context,
+                            max_seqs=max_seqs, max_concurrency=max_concurrency)
+                align_ranks(ctx)
+            else:
+                run = serve(model, pool, requests, token_budget=token_budget, max_context=max_context,
+                            max_seqs=max_seqs, max_concurrency=max_concurrency,
+                            agree=lambda has_work: _any_rank(ctx, has_work))
+            runs[variant][f"{b}/{ri}/{t}"] = _summary(run, pool, requests, first=variant == order[0])
             outputs[variant][(b, ri, t)] = run.outputs
             if variant == "replicated" and t == 0:
                 replays[(b, ri)] = {"times": run.schedule_times, "blocks": pool.blocks}
             del pool
             gc.collect()
-            if variant != "replicated" and t == 0 and check:
-                # [Note: bits across buckets]: the replicated run's steps, on this model, token for token
-                rep = replays[(b, ri)]
+        if t == 0 and check:
+            # [Note: bits across buckets]: the replicated run's steps, on each sharded model, token for token;
+            # the ranks' free schedules differ in length, so each replay is padded to the longest with idle steps
+            rep = replays[(b, ri)]
+            longest = _reduced(ctx, len(rep["times"]), dist.ReduceOp.MAX)
+            for variant in variants[1:]:
                 rank_stage(ctx.rank, progress, f"{variant}: replaying the replicated run's steps (token check)")
-                replay_pool = BlockPool.for_model(model, rep["blocks"])
+                replay_pool = sized_pool(variant, b, requests, blocks=rep["blocks"])
                 align_ranks(ctx)
-                again = serve(model, replay_pool, requests, token_budget=token_budget, max_context=max_context,
-                              max_seqs=max_seqs, max_concurrency=max_concurrency, schedule_times=rep["times"])
-                replays[(b, ri)].setdefault("outputs", {})[variant] = again.outputs
+                again = serve(built[variant][0], replay_pool, requests, token_budget=token_budget,
+                              max_context=max_context, max_seqs=max_seqs, max_concurrency=max_concurrency,
+                              schedule_times=rep["times"], pad_to=longest)
+                rep.setdefault("outputs", {})[variant] = again.outputs
                 del replay_pool
                 gc.collect()
-        if variant == "sharded":
-            shapes, width = _probe_shapes(ctx, runs[variant].values(), token_budget, max_context)
-            probes = [lt for n in shapes for lt in layer_times(model, ws, n, width, probe_steps)]
-        if ws is not None:
-            ws.close()
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    probes: list[dict[str, Any]] = []
+    model, ws = built["sharded"]
+    shapes, width = _probe_shapes(ctx, runs["sharded"].values(), token_budget, max_context)
+    probes = [lt for n in shapes for lt in layer_times(model, ws, n, width, probe_steps)]
+    for variant in variants:
+        if built[variant][1] is not None:
+            built[variant][1].close()
+    built.clear()
+    del model, ws
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     differ, own_differ = {}, {}
     for (b, ri), rep in replays.items():
         want = outputs["replicated"][(b, ri, 0)]

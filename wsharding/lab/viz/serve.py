@@ -13,8 +13,6 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from wsharding.serve.metrics import is_steady
-
 COLORS = {"replicated": "#1f77b4", "sharded": "#2ca02c", "sharded_plain": "#98df8a"}
 
 #: Said beside a run on CPU ranks (the first words are the test's handle).
@@ -45,9 +43,11 @@ def _budget_title(report: dict[str, Any], row: dict[str, Any]) -> str:
 
 def goodput_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
     """Goodput (requests per second per rank that met every SLO) against the request rate, both
-    variants, one panel per budget, with 95 % intervals over trials; a dotted line marks the highest
-    rate each variant sustains (SLO attainment at least the target at it and every lower rate, each
-    a steady state); an open marker is a point that was mostly its drain. The SLO is stated in the
+    variants, one panel per budget, with 95 % intervals over trials; goodput is counted over the
+    arrival window common to both, so two variants that met the SLO for every request coincide. A
+    dotted line marks the highest rate each variant sustains (SLO attainment at least the target at it
+    and every lower rate); an open marker is a point that proves no rate (judged for the pair: a
+    variant met the SLO there while most of its time measured was the drain). The SLO is stated in the
     title. A rate of "all at once" is drawn right of the others."""
     rows = report["rows_by_budget"]
     rates = report["rates"]
@@ -63,17 +63,18 @@ def goodput_figure(report: dict[str, Any], title: str | None = None) -> go.Figur
             y = [p[v]["goodput"]["mean"] if "goodput" in p[v] else None for p in pts]
             err = [(p[v]["goodput"]["half"] or 0.0) if "goodput" in p[v] else 0.0 for p in pts]
             met = [p[v]["attainment"]["mean"] if "attainment" in p[v] else None for p in pts]
-            ok = [is_steady(p["rate"], p[v]["drain_share"]["mean"]) for p in pts]
+            ok = row["answer"]["steady"]  # judged for the pair: the same for both variants
             fig.add_trace(go.Scatter(x=xs, y=y, mode="lines+markers", name=v, legendgroup=v, showlegend=col == 1,
                                      line={"color": c, "width": 3}, error_y={"type": "data", "array": err, "visible": True},
                                      marker={"size": 10, "symbol": ["circle" if k else "circle-open" for k in ok]},
                                      customdata=[[rate_label(r), m if m is not None else math.nan,
-                                                  "" if k else "<br>NOT a steady state (mostly the drain): proves no rate"]
+                                                  "" if k else "<br>NOT a steady state (mostly the drain): proves no rate"
+                                                  ]
                                                  for r, m, k in zip(rates, met, ok, strict=True)],
                                      hovertemplate=v + " at %{customdata[0]}: goodput %{y:.2f}/s<br>"
                                                    "SLO met by %{customdata[1]:.0%}%{customdata[2]}<extra></extra>"),
                           row=1, col=col)
-            best = (row["answer"]["max_rate"] or {}).get(v)
+            best = ((row["answer"]["brackets"] or {}).get(v) or {}).get("sustained")
             if best is not None:
                 fig.add_vline(x=best, line={"color": c, "dash": "dot"}, row=1, col=col)
         fig.add_trace(go.Scatter(x=xs, y=xs, mode="lines", name="goodput = rate (every request met the SLO)",
@@ -114,5 +115,77 @@ def serve_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
     fig.update_layout(title={"text": (title or "What the saving buys: the same requests under the same budget")
                              + f"<br><sub>{_setup(report)}</sub>", "y": 0.97, "yanchor": "top"},
                       height=560, margin={"t": 150, "b": 160}, font={"size": 13},
+                      legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
+    return fig
+
+
+def crossover_figure(report: dict[str, Any], title: str | None = None) -> go.Figure:
+    """The crossover: the ratio of sustained rates (sharded / replicated) against the pool ratio
+    (sharded pool tokens / replicated), one marker per budget of the sweep (a triangle up: a lower
+    bound, the sharded variant passed every rate; down: an upper bound), beside the cost model's
+    lines -- pool ratio / step-time ratio where the replicated pool limits, 1 / step-time ratio where
+    compute does -- the step-time ratio measured in the same run. Hover says each point's regime."""
+    items = [c for c in report["crossover"] if c["variant"] == "sharded"]
+    fig = go.Figure()
+    pools = [c["pool_ratio"] for c in items]
+    steps = [c["step_time_ratio"] for c in items if c["step_time_ratio"]]
+    step = sum(steps) / len(steps) if steps else None
+    if step:
+        xs = sorted({1.0, *pools, max(pools) * 1.1})
+        fig.add_trace(go.Scatter(x=xs, y=[x / step for x in xs], mode="lines",
+                                 name=f"cost model, pool-limited: pool ratio / step-time ratio ({step:.2f})",
+                                 line={"color": "#d62728", "dash": "dash"}))
+        fig.add_trace(go.Scatter(x=xs, y=[1 / step] * len(xs), mode="lines",
+                                 name="cost model, compute-limited: 1 / step-time ratio",
+                                 line={"color": "#7f7f7f", "dash": "dot"}))
+    told = [c for c in items if c["ratio"] is not None]
+    symbol = {"exact": "circle", "lower": "triangle-up", "upper": "triangle-down"}
+    fig.add_trace(go.Scatter(
+        x=[c["pool_ratio"] for c in told], y=[c["ratio"] for c in told], mode="markers",
+        name="measured: sustained rate sharded / replicated", marker={"size": 14, "color": COLORS["sharded"],
+                                                                     "symbol": [symbol[c["bound"]] for c in told]},
+        customdata=[[f"{c['kv_share']:.0%}", c["regime"], c["bound"]] for c in told],
+        hovertemplate="replicated KV share %{customdata[0]}: pool ratio %{x:.2f}, rate ratio %{y:.2f} "
+                      "(%{customdata[2]})<br>%{customdata[1]}<extra></extra>"))
+    untold = [c for c in items if c["ratio"] is None]
+    if untold:
+        fig.add_trace(go.Scatter(x=[c["pool_ratio"] for c in untold], y=[1.0] * len(untold), mode="markers",
+                                 name="not told (a variant's rate not bracketed by the sweep)",
+                                 marker={"size": 12, "symbol": "x-open", "color": "#7f7f7f"}))
+    fig.add_hline(y=1.0, line={"color": "#bbbbbb"})
+    fig.update_xaxes(title_text="pool ratio: sharded KV pool tokens / replicated", type="log")
+    fig.update_yaxes(title_text="sustained rate, sharded / replicated", rangemode="tozero")
+    fig.update_layout(title={"text": (title or "Where sharding starts to win: the crossover")
+                             + f"<br><sub>{_setup(report)}</sub>", "y": 0.97, "yanchor": "top"},
+                      height=560, margin={"t": 150, "b": 160}, font={"size": 13},
+                      legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
+    return fig
+
+
+def kv_figure(report: dict[str, Any], point: int = -1, title: str | None = None) -> go.Figure:
+    """KV blocks in use over time, as a share of each variant's pool: one panel per budget, at the
+    sweep's ``point`` (default its highest rate), rank 0's first trial, both variants -- a pool that sits
+    at 100 % is the limit (the report's regime says so by its waits and preemptions)."""
+    rows = report["rows_by_budget"]
+    fig = make_subplots(rows=1, cols=len(rows), subplot_titles=[_budget_title(report, r) for r in rows],
+                        horizontal_spacing=0.08)
+    for col, row in enumerate(rows, start=1):
+        p = row["points"][point]
+        for v in report["variants"]:
+            trace = next((k for k in p[v]["kv_blocks"] if k["trial"] == 0 and k["rank"] == 0), None)
+            if trace is None:
+                continue
+            pool = row[v]["pool_blocks"]
+            fig.add_trace(go.Scatter(x=trace["t"], y=[b / pool for b in trace["blocks"]], mode="lines", name=v,
+                                     legendgroup=v, showlegend=col == 1, line={"color": COLORS.get(v, "#7f7f7f"),
+                                                                               "width": 2, "shape": "hv"},
+                                     hovertemplate=v + ": %{y:.0%} of " + f"{pool} blocks at " + "%{x:.2f} s"
+                                                   "<extra></extra>"), row=1, col=col)
+    fig.update_xaxes(title_text="seconds since the run's start")
+    fig.update_yaxes(title_text="KV blocks in use (share of the pool)", tickformat=".0%", range=[0, 1.05], col=1)
+    rate = rate_label(rows[0]["points"][point]["rate"])
+    fig.update_layout(title={"text": (title or f"KV blocks in use at {rate} per rank (rank 0, first trial)")
+                             + f"<br><sub>{_setup(report)}</sub>", "y": 0.97, "yanchor": "top"},
+                      height=560, margin={"t": 170, "b": 150}, font={"size": 13},
                       legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
     return fig
