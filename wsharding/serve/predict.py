@@ -502,7 +502,8 @@ def bracket_text(v: dict[str, Any]) -> str:
     if stop is None:
         return f"at least {best:.3g}/s (every rate replayed passed)"
     if best is None:
-        return f"below {stop['rate']:.3g}/s ({stop['why']})"
+        return (f"below {stop['rate']:.3g}/s (missed the SLO)" if stop["why"] == "missed the SLO" else
+                f"not established ({stop['rate']:.3g}/s {stop['why']})")
     return f"{best:.3g}/s (fails at {stop['rate']:.3g}/s: {stop['why']})"
 
 
@@ -593,3 +594,66 @@ def format_comparison(cmp: dict[str, Any]) -> str:
                              f"({pct(p['ttft_ms_mean_error'])}), TPOT mean {num(p['tpot_ms_mean_predicted'], '.1f')} vs "
                              f"{num(p['tpot_ms_mean_measured'], '.1f')} ms ({pct(p['tpot_ms_mean_error'])})")
     return "\n".join(lines)
+
+
+# ---- the design's deployment: Kimi K3 on 8 B200s, from the cost model alone ----------------------------
+
+#: The deployment the design starts from, and the workload its line replays (a stated choice: long
+#: enough prompts that a step is full, few enough requests that the replay of 8 ranks stays quick).
+DESIGN_PRESET, DESIGN_RANKS, DESIGN_DEVICE = "kimi-k3-b200-fp8", 8, "b200"
+DESIGN_WORKLOAD = Workload(requests=40, prompt=(1024, 2048), output=(128, 256))
+
+
+def design_prediction(slo: SLO, *, efficiency: float = 1.0, rates: Sequence[float] = (1.0,),
+                      workload: Workload = DESIGN_WORKLOAD, refine: int = 2) -> dict[str, Any]:
+    """Each variant's sustained rate for :data:`DESIGN_PRESET` on :data:`DESIGN_RANKS`
+    :data:`DESIGN_DEVICE` GPUs, from the cost model alone (nothing of it was measured): the pools are
+    the preset's replicated KV pool and that pool plus the net saving (``Plan.kv_capacity``); a
+    replicated step is the roofline of the sharded GEMMs (``2 * params * tokens / (peak * efficiency)``
+    per layer, attention and routed experts not modelled: a lower bound, so the gathers show as much as
+    they can -- the case least favourable to sharding); a sharded step adds what of each layer's
+    gather over the B200's NVLink outlasts its compute (the ``overlap`` rule)."""
+    from wsharding.costmodel import Deployment, estimate, get_device
+    from wsharding.presets import load_preset
+
+    plan = estimate(load_preset(DESIGN_PRESET), Deployment(ranks=DESIGN_RANKS, device=get_device(DESIGN_DEVICE),
+                                                           tokens=256, efficiency=efficiency))
+    cap = plan.kv_capacity()
+    kv = plan.kv_bytes_per_token
+    per_token = [c.compute_seconds_per_token for c in plan.layers]
+    gathers = [c.gather_seconds for c in plan.layers]
+
+    def seconds(variant: str, tokens: int, context: int) -> float:
+        compute = [p * tokens for p in per_token]
+        rep = sum(compute)
+        return rep if variant == "replicated" else rep + sum(max(0.0, g - c) for g, c in zip(gathers, compute, strict=True))
+
+    token_budget = int(plan.deployment.tokens)
+    blocks = {"replicated": cap["pool_bytes_replicated"] // (BLOCK_TOKENS * kv) - 1,
+              "sharded": cap["pool_bytes_sharded"] // (BLOCK_TOKENS * kv) - 1}
+    setting = Setting(ranks=DESIGN_RANKS, workload=workload, token_budget=token_budget, slo=slo, vocab=32768)
+    out: dict[str, Any] = {"label": PREDICTED, "preset": DESIGN_PRESET, "ranks": DESIGN_RANKS, "device": DESIGN_DEVICE,
+                           "efficiency": efficiency, "token_budget": token_budget, "workload_text": workload.describe().split(", arrivals")[0] + ", Poisson arrivals",
+                           "pool_tokens": {v: b * BLOCK_TOKENS for v, b in blocks.items()},
+                           "pool_ratio": blocks["sharded"] / blocks["replicated"],
+                           "step_s_full": {v: seconds(v, token_budget, 0) for v in VARIANTS},
+                           "breakeven_tokens": plan.breakeven_tokens}
+    out["step_ratio_full"] = out["step_s_full"]["sharded"] / out["step_s_full"]["replicated"]
+    for v in VARIANTS:
+        out[v] = sustained_rate(setting, v, blocks[v], lambda n, c, v=v: seconds(v, n, c), rates, refine=refine)
+    rep, sh = out["replicated"]["sustained_rate"], out["sharded"]["sustained_rate"]
+    out["rate_ratio"] = sh / rep if rep and sh is not None else None
+    return out
+
+
+def design_text(d: dict[str, Any]) -> str:
+    """The design's line, labelled PREDICTED."""
+    ratio = "-" if d["rate_ratio"] is None else f"{d['rate_ratio']:.2f}x"
+    return (f"  {PREDICTED}, not measured ({d['preset']} on {d['ranks']} x {d['device'].upper()}, cost model only: "
+            f"compute = roofline of the sharded GEMMs at {d['efficiency']:.0%} of peak, a lower bound; gathers over "
+            f"NVLink with lookahead): KV pool {d['pool_tokens']['replicated']:,} -> {d['pool_tokens']['sharded']:,} "
+            f"tokens per GPU ({d['pool_ratio']:.2f}x); a {d['token_budget']}-token step "
+            f"{1e3 * d['step_s_full']['replicated']:.2f} -> {1e3 * d['step_s_full']['sharded']:.2f} ms "
+            f"({d['step_ratio_full']:.2f}x; the gathers hide from {d['breakeven_tokens']:,} tokens per step); "
+            f"sustained rate per GPU replicated {bracket_text(d['replicated'])}, sharded {bracket_text(d['sharded'])}: "
+            f"{ratio} ({d['workload_text']})")
