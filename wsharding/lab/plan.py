@@ -166,7 +166,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serve", action="store_true",
                    help="predict each variant's sustained request rate per budget instead of the bill")
     g.add_argument("--profile", type=_profile_arg, default=None, metavar="FILE|measure",
-                   help="step times: a profile JSON (written by --profile measure), a bench serve --json report, "
+                   help="step times: a profile JSON or a prediction's (--json of a --profile measure run), a bench serve "
+                        "--json report, "
                         "or 'measure' (time them now on rank processes)")
     g.add_argument("--decoder", default=None, help="--profile measure: the decoder preset (default tiny-deep on CPU, "
                                                    "k3-like on GPUs)")
@@ -207,6 +208,8 @@ def load_profile(path: str) -> tuple[Any, dict[str, Any] | None]:
         raw = read_saved_report(path)
     except ValueError as e:
         raise InputError(f"--profile {path}: not JSON ({e})") from None
+    if isinstance(raw, dict) and raw.get("kind") == "serve prediction" and "profile" in raw:
+        raw = raw["profile"]  # a prediction's JSON carries the profile it was made from
     if isinstance(raw, dict) and raw.get("bench") == "serve":
         report = read_serve_report(path)
         return StepProfile.from_serve_report(report, f"bench serve report {path}"), report

@@ -1,0 +1,46 @@
+"""``wsharding plan --serve``: its argument errors, and a prediction from a saved CPU report beside it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from wsharding.lab import plan
+from wsharding.lab.cliargs import InputError
+
+SAVED = "docs/measurements/cpu-2026-12-04/bench_serve_tiny-deep_2ranks_gloo.json"
+
+
+def args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--serve"], "--serve needs --profile"),
+    (["--kv-share", "0.1"], "--kv-share: options of wsharding plan --serve"),
+    (["--serve", "--profile", SAVED, "--ranks", "4"], "--ranks 4 needs --link h200 or b200"),
+    (["--serve", "--profile", "measure", "--compare", SAVED], "--compare predicts a saved bench serve run"),
+    (["--serve", "--profile", "pyproject.toml"], "not JSON"),
+])
+def test_argument_errors(argv, words):
+    with pytest.raises(InputError, match=words):
+        plan.main(args(argv))
+
+
+def test_compare_with_a_saved_cpu_report_is_labelled(capsys):
+    rc = plan.main(args(["--serve", "--profile", SAVED, "--compare", SAVED, "--no-design", "--json"]))
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["label"] == "PREDICTED" and out["comparison"]["label"] == "PREDICTED"
+    pt = out["comparison"]["rows_by_budget"][0]["replicated"]["points"][0]
+    assert pt["goodput_error"] == (pt["goodput_predicted"] - pt["goodput_measured"]) / pt["goodput_measured"]
+
+
+def test_link_h200_prices_gathers_for_n_gpus(capsys):
+    rc = plan.main(args(["--serve", "--profile", SAVED, "--link", "h200", "--ranks", "4", "--no-design",
+                         "--kv-share", "0.3", "--rate", "20", "--no-search", "--requests", "8"]))
+    text = capsys.readouterr().out
+    assert rc == 0 and "4 x H200 NVLink at 450 GB/s, datasheet" in text and "4 ranks" in text
