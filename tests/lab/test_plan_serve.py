@@ -25,6 +25,9 @@ def args(argv: list[str]) -> argparse.Namespace:
     (["--serve", "--profile", SAVED, "--ranks", "4"], "--ranks 4 needs --link h200 or b200"),
     (["--serve", "--profile", "measure", "--compare", SAVED], "--compare predicts a saved bench serve run"),
     (["--serve", "--profile", "pyproject.toml"], "not JSON"),
+    (["--serve", "--profile", SAVED, "--preset", "kimi-k3-b200-fp8"], "--preset: options of the bill"),
+    (["--serve", "--profile", SAVED, "--compare", SAVED, "--rate", "4"], "--rate: --compare takes them"),
+    (["--serve", "--profile", SAVED, "--compare", SAVED, "--link", "h200", "--ranks", "4"], "the run had 2 ranks"),
 ])
 def test_argument_errors(argv, words):
     with pytest.raises(InputError, match=words):

@@ -234,25 +234,36 @@ def measure_profile(args: argparse.Namespace, token_budget: int, max_len: int) -
 
 def serve_main(args: argparse.Namespace) -> int:
     """``wsharding plan --serve``: the prediction, its text, and with ``--json`` the object."""
-    import math
-
     from wsharding.costmodel import get_device
     from wsharding.serve import Workload
     from wsharding.serve.metrics import SLO
     from wsharding.serve.predict import (
         Setting,
         StepModel,
-        compare_with_report,
         datasheet_gathers,
         design_prediction,
         design_text,
         format_comparison,
         format_prediction,
+        predict_report,
         predict_serve,
     )
 
     if args.profile is None:
         raise InputError("--serve needs --profile FILE (a profile or bench serve JSON) or --profile measure")
+    bill_only = [o for o, v in (("--preset", args.preset), ("--model", args.model), ("--device", args.device),
+                                ("--tokens", args.tokens), ("--dtype", args.dtype), ("--context", args.context),
+                                ("--kv-bytes-per-token", args.kv_bytes_per_token), ("--kv-pool-gib", args.kv_pool_gib))
+                 if v is not None] + (["--list"] if args.list else []) + (["--map-own-chunk"] if args.map_own_chunk else [])
+    if bill_only:
+        raise InputError(f"{', '.join(bill_only)}: options of the bill, not of --serve (its model is the profile's; "
+                         "--link and --ranks say where it runs)")
+    if args.compare:
+        given = [o for o, v in (("--kv-share", args.kv_share), ("--rate", args.rate), ("--prompt", args.prompt),
+                                ("--output", args.output), ("--requests", args.requests), ("--slo", args.slo),
+                                ("--token-budget", args.token_budget), ("--warmup", args.warmup)) if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)}: --compare takes them from the bench serve run it predicts")
     if args.compare and args.profile == "measure":
         raise InputError("--compare predicts a saved bench serve run from a profile: give --profile FILE")
     if args.json:
@@ -283,34 +294,24 @@ def serve_main(args: argparse.Namespace) -> int:
         bw = dev.link_bandwidth if args.bandwidth is None else args.bandwidth * GB
         model = StepModel(profile, "overlap", datasheet_gathers(profile, ranks, bw, args.latency_us * 1e-6),
                           link=f"{ranks} x {link.upper()} NVLink at {bw / 1e9:g} GB/s, datasheet")
-    cpu = profile.device == "cpu"
     if report is not None:
-        wl = Workload.from_dict(report["workload"])
-        shares = [r["budget_spec"]["kv_share"] for r in report["rows_by_budget"] if "kv_share" in r["budget_spec"]]
-        if len(shares) != len(report["rows_by_budget"]):
-            raise InputError(f"--compare {args.compare}: its budgets are not KV shares; predict a run of --kv-share")
-        rates = [math.inf if r is None else r for r in report["rates"]]
-        slo = SLO(**report["slo"]) if report.get("slo") else (args.slo or SLO(ttft_ms=3000, tpot_ms=300))
-        setting = Setting(ranks=ranks, workload=wl, token_budget=report["token_budget"], slo=slo, vocab=profile.vocab,
-                          trials=report["trials"], warmup=report["warmup_requests"], max_seqs=report.get("max_seqs"),
-                          max_concurrency=report.get("max_concurrency"))
-        search = False
+        if ranks != report["world_size"]:
+            raise InputError(f"--compare: the run had {report['world_size']} ranks, the prediction {ranks}: predict "
+                             "the run's own ranks")
+        pred = predict_report(profile, model, report)
+        slo = SLO(**report["slo"])
+        text = format_prediction(pred) + "\n" + format_comparison(pred["comparison"])
     else:
         wl = Workload(requests=args.requests or 60, prompt=args.prompt or (8, 24), output=args.output or (4, 16),
                       seed=args.seed)
-        shares, rates = args.kv_share or [0.05, 0.3], args.rate or [1.0]
-        slo = args.slo or (SLO(ttft_ms=3000, tpot_ms=300) if cpu else SLO(ttft_ms=2000, tpot_ms=200))
+        slo = args.slo or (SLO(ttft_ms=3000, tpot_ms=300) if profile.device == "cpu" else SLO(ttft_ms=2000, tpot_ms=200))
         setting = Setting(ranks=ranks, workload=wl, token_budget=args.token_budget or profile.token_budget, slo=slo,
                           vocab=profile.vocab, trials=args.trials, warmup=args.warmup)
-        search = not args.no_search
-    pred = predict_serve(profile, model, setting, shares, rates, search=search)
-    text = format_prediction(pred)
-    if report is not None:
-        cmp = compare_with_report(pred, report)
-        pred["comparison"] = cmp
-        text += "\n" + format_comparison(cmp)
+        pred = predict_serve(profile, model, setting, args.kv_share or [0.05, 0.3], args.rate or [1.0],
+                             search=not args.no_search)
+        text = format_prediction(pred)
     if not args.no_design:
-        pred["design"] = design_prediction(slo)
+        pred["design"] = design_prediction(slo, efficiency=args.efficiency)
         text += "\n" + design_text(pred["design"])
     pred["profile"] = profile.as_dict()
     if args.json != "-":

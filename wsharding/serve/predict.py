@@ -558,7 +558,8 @@ def compare_with_report(pred: dict[str, Any], report: dict[str, Any]) -> dict[st
                 if pp is None:
                     continue
                 x = mp[v]
-                meas = {"goodput": x["goodput"]["mean"] if "goodput" in x else None,
+                meas = {"attainment": x["attainment"]["mean"] if "attainment" in x else None,
+                        "goodput": x["goodput"]["mean"] if "goodput" in x else None,
                         "ttft_ms_mean": x["ttft_ms"]["mean"]["mean"], "tpot_ms_mean": x["tpot_ms"]["mean"]["mean"]}
                 points.append({"rate": mp["rate"], **{f"{k}_predicted": pp[k] for k in meas},
                                **{f"{k}_measured": m for k, m in meas.items()},
@@ -569,6 +570,26 @@ def compare_with_report(pred: dict[str, Any], report: dict[str, Any]) -> dict[st
         rows.append(out)
     return {"label": PREDICTED, "kind": "prediction vs measurement", "measured_notes": report.get("notes", []),
             "rows_by_budget": rows}
+
+
+def predict_report(profile: StepProfile, model: StepModel, report: dict[str, Any]) -> dict[str, Any]:
+    """The prediction of a saved ``bench serve`` run -- its workload, KV shares, rates, trials, warm-up,
+    SLO and step sizes, its ranks -- with :func:`compare_with_report` beside it (``"comparison"``): what
+    the bench prints under its own answer. The run's budgets must be KV shares."""
+    shares = [r["budget_spec"].get("kv_share") for r in report["rows_by_budget"]]
+    if None in shares:
+        raise InvalidArgument("predict a bench serve run: its budgets must be KV shares (--kv-share), the "
+                              "prediction sizes its budgets from the profile's model")
+    if report.get("slo") is None:
+        raise InvalidArgument("predict a bench serve run: it was run without an SLO, so it has no sustained rate")
+    setting = Setting(ranks=report["world_size"], workload=Workload.from_dict(report["workload"]),
+                      token_budget=report["token_budget"], slo=SLO(**report["slo"]), vocab=profile.vocab,
+                      trials=report["trials"], warmup=report["warmup_requests"], max_seqs=report.get("max_seqs"),
+                      max_concurrency=report.get("max_concurrency"))
+    rates = [math.inf if r is None else r for r in report["rates"]]
+    pred = predict_serve(profile, model, setting, shares, rates, search=False)
+    pred["comparison"] = compare_with_report(pred, report)
+    return pred
 
 
 def format_comparison(cmp: dict[str, Any]) -> str:
@@ -588,7 +609,8 @@ def format_comparison(cmp: dict[str, Any]) -> str:
             lines.append(f"    {v:<10} sustained rate {PREDICTED} {num(x['sustained_predicted'], '.3g')}/s, measured "
                          f"{num(x['sustained_measured'], '.3g')}/s, error {pct(x['sustained_error'])}")
             for p in x["points"]:
-                lines.append(f"      rate {p['rate']:g}/s: goodput {num(p['goodput_predicted'])} vs "
+                lines.append(f"      rate {p['rate']:g}/s: met the SLO {num(p['attainment_predicted'], '.0%')} vs "
+                             f"{num(p['attainment_measured'], '.0%')}, goodput {num(p['goodput_predicted'])} vs "
                              f"{num(p['goodput_measured'])} ({pct(p['goodput_error'])}), TTFT mean "
                              f"{num(p['ttft_ms_mean_predicted'], '.1f')} vs {num(p['ttft_ms_mean_measured'], '.1f')} ms "
                              f"({pct(p['ttft_ms_mean_error'])}), TPOT mean {num(p['tpot_ms_mean_predicted'], '.1f')} vs "
