@@ -86,8 +86,11 @@ def test_rules_serial_and_overlap():
     # compute at 2 tokens lies between the probes at 1 and 4: 0.002; the gather outlasts it by 0.001
     assert StepModel(p, "overlap").seconds("sharded", 2, 16) == pytest.approx(0.002 + 0.001, abs=1e-15)
     assert StepModel(p, "overlap").seconds("sharded", 4, 16) == 0.004  # hidden behind 4 ms of compute
+    assert StepModel(p, "serial", compute_scale=0.5).seconds("sharded", 4, 16) == 0.002 + 0.003
     with pytest.raises(ValueError, match="rule"):
         StepModel(p, "guess")
+    with pytest.raises(ValueError, match="compute scale"):
+        StepModel(p, "measured", compute_scale=0.5)
 
 
 def test_prediction_labelled_in_text_and_json():

@@ -176,6 +176,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="gathers: measured (each variant's steps as the profile measured them; default), time-sliced "
                         "(the profile's gathers in series with compute), h200 / b200 (their NVLink, or --bandwidth, "
                         "with lookahead, for --ranks GPUs)")
+    g.add_argument("--compute-scale", type=checked_number(float, 0.0), default=None, metavar="F",
+                   help="with --link time-sliced/h200/b200: the profile's compute times F, for a GPU not at hand "
+                        "(e.g. the ratio of two datasheet peaks; default 1)")
     g.add_argument("--kv-share", type=number_list(float, 0.0, "fraction", "0.05,0.3"), default=None,
                    help="budgets in which the replicated KV pool is this share (default 0.05,0.3)")
     g.add_argument("--rate", type=number_list(float, 0.0, "requests/s", "1,4"), default=None,
@@ -282,18 +285,22 @@ def serve_main(args: argparse.Namespace) -> int:
     ranks = args.ranks if args.ranks is not None else profile.ranks
     if ranks < 2:
         raise InputError(f"--ranks: a shard group needs at least 2 GPUs, got {ranks}")
+    scale = 1.0 if args.compute_scale is None else args.compute_scale
     if link == "measured":
+        if args.compute_scale is not None:
+            raise InputError("--compute-scale: --link measured replays the steps as measured, gathers included; "
+                             "scale compute with --link time-sliced, h200 or b200")
         if ranks != profile.ranks:
             raise InputError(f"--link measured replays the profile's own steps, measured on {profile.ranks} ranks: "
                              f"--ranks {ranks} needs --link h200 or b200 (gathers priced for {ranks} GPUs)")
         model = StepModel(profile, "measured")
     elif link == "time-sliced":
-        model = StepModel(profile, "serial", link="measured, time-sliced")
+        model = StepModel(profile, "serial", link="measured, time-sliced", compute_scale=scale)
     else:
         dev = get_device(link)
         bw = dev.link_bandwidth if args.bandwidth is None else args.bandwidth * GB
         model = StepModel(profile, "overlap", datasheet_gathers(profile, ranks, bw, args.latency_us * 1e-6),
-                          link=f"{ranks} x {link.upper()} NVLink at {bw / 1e9:g} GB/s, datasheet")
+                          link=f"{ranks} x {link.upper()} NVLink at {bw / 1e9:g} GB/s, datasheet", compute_scale=scale)
     if report is not None:
         if ranks != report["world_size"]:
             raise InputError(f"--compare: the run had {report['world_size']} ranks, the prediction {ranks}: predict "

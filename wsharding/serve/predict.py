@@ -194,16 +194,23 @@ class StepModel:
     rule: str = "measured"
     gathers_s: tuple[float, ...] | None = None
     link: str = "measured"
+    #: Every measured compute time times this (a GPU not at hand: e.g. the ratio of two datasheet peaks).
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise InvalidArgument(f"rule: unknown {self.rule!r}; known: {', '.join(RULES)}")
+        if not (self.compute_scale > 0 and math.isfinite(self.compute_scale)):
+            raise InvalidArgument(f"compute scale: need a finite number > 0, got {self.compute_scale}")
+        if self.rule == "measured" and self.compute_scale != 1.0:
+            raise InvalidArgument("rule 'measured' takes the steps as measured, gathers included: a compute scale "
+                                  "needs the rule 'overlap' or 'serial' (gathers apart)")
         if self.rule == "measured" and self.gathers_s is not None:
             raise InvalidArgument("rule 'measured' takes the sharded steps as measured: priced gathers need the "
                                   "rule 'overlap' (a link with lookahead) or 'serial'")
 
     def seconds(self, variant: str, tokens: int, context: int) -> float:
-        rep = self.profile.step_seconds("replicated", tokens, context)
+        rep = self.profile.step_seconds("replicated", tokens, context) * self.compute_scale
         if variant == "replicated":
             return rep
         if self.rule == "measured":
@@ -211,14 +218,15 @@ class StepModel:
         gathers = list(self.gathers_s) if self.gathers_s is not None else self.profile.gathers()
         if self.rule == "serial":
             return rep + sum(gathers)
-        compute = self.profile.layer_compute(tokens)
+        compute = [c * self.compute_scale for c in self.profile.layer_compute(tokens)]
         return rep + sum(max(0.0, g - c) for g, c in zip(gathers, compute, strict=True))
 
     def describe(self) -> str:
+        scaled = "" if self.compute_scale == 1.0 else f"; measured compute x {self.compute_scale:g}"
         return {"measured": "each variant's steps as measured",
                 "serial": f"the replicated steps plus every gather ({self.link}), in series (one time-sliced GPU)",
                 "overlap": f"the replicated steps plus what of each gather ({self.link}) outlasts its layer's "
-                           "compute (lookahead over a link)"}[self.rule]
+                           "compute (lookahead over a link)"}[self.rule] + scaled
 
 
 def datasheet_gathers(profile: StepProfile, ranks: int, bandwidth: float, latency: float = 0.0) -> tuple[float, ...]:
