@@ -38,6 +38,7 @@ def test_compare_with_a_saved_cpu_report_is_labelled(capsys):
     rc = plan.main(args(["--serve", "--profile", SAVED, "--compare", SAVED, "--no-design", "--json"]))
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["label"] == "PREDICTED" and out["comparison"]["label"] == "PREDICTED"
+    assert out["replicated_lockstep"] is True  # a schema-2 run's engine stepped every rank in lockstep
     pt = out["comparison"]["rows_by_budget"][0]["replicated"]["points"][0]
     assert pt["goodput_error"] == (pt["goodput_predicted"] - pt["goodput_measured"]) / pt["goodput_measured"]
 

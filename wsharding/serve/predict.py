@@ -386,6 +386,9 @@ class Setting:
     warmup: int | None = None
     max_seqs: int | None = None
     max_concurrency: int | None = None
+    #: Replicated ranks in lockstep too (a per-step agreement and idle padding steps, as the engine of a
+    #: report of schema 2 ran them); a replicated deployment runs them free (the default).
+    replicated_lockstep: bool = False
 
     @property
     def max_context(self) -> int:
@@ -405,7 +408,8 @@ def predict_point(setting: Setting, variant: str, blocks: int, seconds: Callable
     for t in range(setting.trials):
         wl = setting.workload.with_(rate=rate, seed=setting.workload.seed * 1000 + t)
         reqs = [wl.for_rank(r, setting.vocab) for r in range(setting.ranks)]
-        rp = replay(reqs, blocks, seconds, lockstep=variant != "replicated", token_budget=setting.token_budget,
+        lockstep = variant != "replicated" or setting.replicated_lockstep
+        rp = replay(reqs, blocks, seconds, lockstep=lockstep, token_budget=setting.token_budget,
                     max_context=setting.max_context, max_seqs=setting.max_seqs, max_concurrency=setting.max_concurrency)
         m = trial_metrics(rp.records, setting.ranks, setting.warmup_requests, setting.slo)
         m.update(steps=rp.steps, idle_steps=rp.idle_steps, preemptions=rp.preemptions, peak_blocks=rp.peak_blocks)
@@ -497,6 +501,7 @@ def predict_serve(profile: StepProfile, model: StepModel, setting: Setting, shar
         row["rate_ratio"] = sh / rep if rep and sh is not None else None
         rows.append(row)
     return {"label": PREDICTED, "kind": "serve prediction", "profile_source": profile.source,
+            "replicated_lockstep": setting.replicated_lockstep,
             "profile_device": profile.device, "profile_notes": profile.notes, "preset": profile.preset,
             "ranks": setting.ranks, "rule": model.rule, "link": model.link, "step_model": model.describe(),
             "workload": setting.workload.as_dict(), "workload_text": setting.workload.describe(),
@@ -520,7 +525,8 @@ def format_prediction(pred: dict[str, Any]) -> str:
     lines = [f"{PREDICTED}: wsharding plan --serve -- {pred['preset']}, {pred['ranks']} ranks, not measured: the "
              "package's scheduler replayed on a virtual clock"]
     lines.append(f"  {PREDICTED} step times: {pred['step_model']}; profile: {pred['profile_source']} "
-                 f"({pred['profile_device']})")
+                 f"({pred['profile_device']}); sharded ranks in lockstep, replicated "
+                 + ("in lockstep too (as the run predicted)" if pred["replicated_lockstep"] else "free"))
     lines += [f"  NOTE (profile): {n}" for n in pred["profile_notes"]]
     lines.append(f"  workload: {pred['workload_text']}; {pred['trials']} trial(s), the first "
                  f"{pred['warmup_requests']} requests per rank left out; SLO: {pred['slo_text']}")
@@ -583,7 +589,9 @@ def compare_with_report(pred: dict[str, Any], report: dict[str, Any]) -> dict[st
 def predict_report(profile: StepProfile, model: StepModel, report: dict[str, Any]) -> dict[str, Any]:
     """The prediction of a saved ``bench serve`` run -- its workload, KV shares, rates, trials, warm-up,
     SLO and step sizes, its ranks -- with :func:`compare_with_report` beside it (``"comparison"``): what
-    the bench prints under its own answer. The run's budgets must be KV shares."""
+    the bench prints under its own answer. The run's budgets must be KV shares. Its replicated ranks ran
+    as its ``replicated_lockstep`` says; a report without the field is of the engine that ran every rank
+    in lockstep (schema 2)."""
     shares = [r["budget_spec"].get("kv_share") for r in report["rows_by_budget"]]
     if None in shares:
         raise InvalidArgument("predict a bench serve run: its budgets must be KV shares (--kv-share), the "
@@ -593,7 +601,8 @@ def predict_report(profile: StepProfile, model: StepModel, report: dict[str, Any
     setting = Setting(ranks=report["world_size"], workload=Workload.from_dict(report["workload"]),
                       token_budget=report["token_budget"], slo=SLO(**report["slo"]), vocab=profile.vocab,
                       trials=report["trials"], warmup=report["warmup_requests"], max_seqs=report.get("max_seqs"),
-                      max_concurrency=report.get("max_concurrency"))
+                      max_concurrency=report.get("max_concurrency"),
+                      replicated_lockstep=bool(report.get("replicated_lockstep", report.get("schema") == 2)))
     rates = [math.inf if r is None else r for r in report["rates"]]
     pred = predict_serve(profile, model, setting, shares, rates, search=False)
     pred["comparison"] = compare_with_report(pred, report)

@@ -4,7 +4,8 @@ the sharded model on these ranks, for :mod:`wsharding.serve.predict` to replay t
 Each variant is built once. For every (token bucket, context bucket) a serving step can have, a
 padding step of that shape is built and run (:func:`~wsharding.serve.step.build_step`, then
 ``forward_serve`` and the host's read of the next tokens, as the engine's step does): ``warmup``
-untimed, then the median of ``repeats`` timed. The sharded model also has each sharded layer's gather
+untimed, then the median of ``repeats`` timed (a step of padding alone costs what a decode step of
+its size does, so a step with a prefill chunk is priced as a decode step of its shape). The sharded model also has each sharded layer's gather
 and compute timed at the smallest and the largest token bucket
 (:func:`~wsharding.lab.tasks.serve.layer_times`). Every rank runs the same shapes in the same order, so
 the sharded steps' gathers pair.
