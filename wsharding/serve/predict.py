@@ -484,6 +484,13 @@ def budget_pools(profile: StepProfile, shares: Sequence[float], ranks: int | Non
     return out
 
 
+def swept_text(workload: Workload) -> str:
+    """The workload's words with its arrivals as a sweep replays them (at each rate, not its own)."""
+    kind = "Poisson" if workload.burstiness == 1 else f"gamma (burstiness {workload.burstiness:g})"
+    text = workload.with_(rate=math.inf).describe()
+    return text.replace("arrivals all at once", f"{kind} arrivals at each rate replayed")
+
+
 def predict_serve(profile: StepProfile, model: StepModel, setting: Setting, shares: Sequence[float],
                   rates: Sequence[float], *, search: bool = True, refine: int = 3,
                   pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -504,7 +511,7 @@ def predict_serve(profile: StepProfile, model: StepModel, setting: Setting, shar
             "replicated_lockstep": setting.replicated_lockstep,
             "profile_device": profile.device, "profile_notes": profile.notes, "preset": profile.preset,
             "ranks": setting.ranks, "rule": model.rule, "link": model.link, "step_model": model.describe(),
-            "workload": setting.workload.as_dict(), "workload_text": setting.workload.describe(),
+            "workload": setting.workload.as_dict(), "workload_text": swept_text(setting.workload),
             "token_budget": setting.token_budget, "trials": setting.trials, "warmup_requests": setting.warmup_requests,
             "slo": setting.slo.as_dict(), "slo_text": setting.slo.describe(), "rows_by_budget": rows}
 
@@ -528,6 +535,10 @@ def format_prediction(pred: dict[str, Any]) -> str:
                  f"({pred['profile_device']}); sharded ranks in lockstep, replicated "
                  + ("in lockstep too (as the run predicted)" if pred["replicated_lockstep"] else "free"))
     lines += [f"  NOTE (profile): {n}" for n in pred["profile_notes"]]
+    if pred["rule"] != "measured" and any("time-slice" in n for n in pred["profile_notes"]):
+        lines.append("  NOTE: the profile's compute was measured with the ranks taking turns on one GPU, so each "
+                     "step holds the other ranks' work too: on one GPU per rank it would be shorter "
+                     "(--compute-scale, e.g. 1/ranks per GPU, an estimate)")
     lines.append(f"  workload: {pred['workload_text']}; {pred['trials']} trial(s), the first "
                  f"{pred['warmup_requests']} requests per rank left out; SLO: {pred['slo_text']}")
     for row in pred["rows_by_budget"]:
@@ -578,7 +589,8 @@ def compare_with_report(pred: dict[str, Any], report: dict[str, Any]) -> dict[st
                 points.append({"rate": mp["rate"], **{f"{k}_predicted": pp[k] for k in meas},
                                **{f"{k}_measured": m for k, m in meas.items()},
                                **{f"{k}_error": _err(pp[k], m) for k, m in meas.items()}})
-            out[v] = {"sustained_predicted": prate, "sustained_measured": mrate,
+            out[v] = {"sustained_predicted": prate, "sustained_predicted_stopped": prow[v]["stopped"],
+                      "sustained_measured": mrate,
                       "sustained_measured_stopped": mrow["answer"].get("stopped", {}).get(v),
                       "sustained_error": _err(prate, mrate), "points": points}
         rows.append(out)
@@ -617,14 +629,20 @@ def format_comparison(cmp: dict[str, Any]) -> str:
     def num(x: float | None, fmt: str = ".2f") -> str:
         return "-" if x is None else f"{x:{fmt}}"
 
+    def bound(rate: float | None, stop: dict[str, Any] | None) -> str:
+        if rate is None:
+            return "none of the rates" if stop and stop["why"] == "missed the SLO" else "not established"
+        return ("at least " if stop is None else "") + f"{rate:.3g}/s"
+
     lines = [f"{PREDICTED} vs measured (bench serve report):"]
     lines += [f"  NOTE (measured): {n}" for n in cmp["measured_notes"]]
     for row in cmp["rows_by_budget"]:
         lines.append(f"  budget {row['budget_bytes'] / 2**20:,.2f} MiB per rank:")
         for v in VARIANTS:
             x = row[v]
-            lines.append(f"    {v:<10} sustained rate {PREDICTED} {num(x['sustained_predicted'], '.3g')}/s, measured "
-                         f"{num(x['sustained_measured'], '.3g')}/s, error {pct(x['sustained_error'])}")
+            lines.append(f"    {v:<10} sustained rate {PREDICTED} {bound(x['sustained_predicted'], x['sustained_predicted_stopped'])}"
+                         f", measured {bound(x['sustained_measured'], x['sustained_measured_stopped'])}, error "
+                         f"{pct(x['sustained_error'])}")
             for p in x["points"]:
                 lines.append(f"      rate {p['rate']:g}/s: met the SLO {num(p['attainment_predicted'], '.0%')} vs "
                              f"{num(p['attainment_measured'], '.0%')}, goodput {num(p['goodput_predicted'])} vs "
@@ -672,7 +690,7 @@ def design_prediction(slo: SLO, *, efficiency: float = 1.0, rates: Sequence[floa
               "sharded": cap["pool_bytes_sharded"] // (BLOCK_TOKENS * kv) - 1}
     setting = Setting(ranks=DESIGN_RANKS, workload=workload, token_budget=token_budget, slo=slo, vocab=32768)
     out: dict[str, Any] = {"label": PREDICTED, "preset": DESIGN_PRESET, "ranks": DESIGN_RANKS, "device": DESIGN_DEVICE,
-                           "efficiency": efficiency, "token_budget": token_budget, "workload_text": workload.describe().split(", arrivals")[0] + ", Poisson arrivals",
+                           "efficiency": efficiency, "token_budget": token_budget, "workload_text": swept_text(workload),
                            "pool_tokens": {v: b * BLOCK_TOKENS for v, b in blocks.items()},
                            "pool_ratio": blocks["sharded"] / blocks["replicated"],
                            "step_s_full": {v: seconds(v, token_budget, 0) for v in VARIANTS},
@@ -689,8 +707,8 @@ def design_text(d: dict[str, Any]) -> str:
     """The design's line, labelled PREDICTED."""
     ratio = "-" if d["rate_ratio"] is None else f"{d['rate_ratio']:.2f}x"
     return (f"  {PREDICTED}, not measured ({d['preset']} on {d['ranks']} x {d['device'].upper()}, cost model only: "
-            f"compute = roofline of the sharded GEMMs at {d['efficiency']:.0%} of peak, a lower bound; gathers over "
-            f"NVLink with lookahead): KV pool {d['pool_tokens']['replicated']:,} -> {d['pool_tokens']['sharded']:,} "
+            f"compute = roofline of the sharded GEMMs at {d['efficiency']:.0%} of peak, a lower bound, so the case "
+            f"least favourable to sharding; gathers over NVLink with lookahead): KV pool {d['pool_tokens']['replicated']:,} -> {d['pool_tokens']['sharded']:,} "
             f"tokens per GPU ({d['pool_ratio']:.2f}x); a {d['token_budget']}-token step "
             f"{1e3 * d['step_s_full']['replicated']:.2f} -> {1e3 * d['step_s_full']['sharded']:.2f} ms "
             f"({d['step_ratio_full']:.2f}x; the gathers hide from {d['breakeven_tokens']:,} tokens per step); "
