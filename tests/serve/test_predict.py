@@ -15,6 +15,7 @@ from wsharding.serve.predict import (
     Setting,
     StepModel,
     StepProfile,
+    counted_pool,
     design_prediction,
     design_text,
     format_prediction,
@@ -118,3 +119,14 @@ def test_design_line_k3_on_8_b200():
     assert PREDICTED in line and "kimi-k3-b200-fp8 on 8 x B200" in line
     assert d["label"] == PREDICTED and d["ranks"] == 8 and math.isclose(d["pool_ratio"], 3_303_776 / 1_620_960,
                                                                          rel_tol=1e-4)
+
+
+def test_profile_from_dict_and_pool_refusals():
+    p = profile()
+    assert StepProfile.from_dict(p.as_dict()) == p
+    with pytest.raises(ValueError, match="not a step profile"):
+        StepProfile.from_dict({"kind": "plan"})
+    with pytest.raises(ValueError, match="step profile: .*'steps'"):
+        StepProfile.from_dict({k: v for k, v in p.as_dict().items() if k != "steps"})
+    with pytest.raises(ValueError, match="at least one block"):
+        counted_pool(0)

@@ -153,7 +153,12 @@ class StepProfile:
         if d.get("kind") != "step profile":
             raise InvalidArgument("not a step profile (its 'kind' is not 'step profile'): give the JSON that "
                                   "wsharding plan --serve --profile measure wrote, or a bench serve report")
-        return cls(**{k: v for k, v in d.items() if k != "kind"})
+        fields = {k: v for k, v in d.items() if k != "kind"}
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise InvalidArgument(f"step profile: {e} -- write it again with wsharding plan --serve --profile measure "
+                                  "--json") from None
 
     @classmethod
     def from_serve_report(cls, report: dict[str, Any], source: str) -> StepProfile:
