@@ -114,7 +114,7 @@ def test_prediction_labelled_in_text_and_json():
 
 def test_design_line_k3_on_8_b200():
     tiny = Workload(requests=3, prompt=(16, 32), output=(2, 4))
-    d = design_prediction(SLO(ttft_ms=2000, tpot_ms=200), workload=tiny, rates=(1.0,), refine=0)
+    d = design_prediction(SLO(ttft_ms=2000, tpot_ms=200), workload=tiny, rates=(1.0,), refine=0, widen=1)
     line = design_text(d)
     assert PREDICTED in line and "kimi-k3-b200-fp8 on 8 x B200" in line
     assert d["label"] == PREDICTED and d["ranks"] == 8 and math.isclose(d["pool_ratio"], 3_303_776 / 1_620_960,
@@ -130,3 +130,15 @@ def test_profile_from_dict_and_pool_refusals():
         StepProfile.from_dict({k: v for k, v in p.as_dict().items() if k != "steps"})
     with pytest.raises(ValueError, match="at least one block"):
         counted_pool(0)
+
+
+def test_profile_measured_on_two_cpu_ranks(cluster_of):
+    from wsharding.lab.tasks.predict import profile_from_ranks, profile_rank
+
+    results = cluster_of(2).run(profile_rank, "tiny", token_budget=2, max_len=20, warmup=1, repeats=1)
+    p = StepProfile.from_dict(profile_from_ranks(results))
+    assert set(p.steps["replicated"]) == set(p.steps["sharded"]) == {"1x16", "1x32", "2x16", "2x32"}
+    assert p.steps["sharded"]["2x32"] == max(r["steps"]["sharded"]["2x32"] for r in results)  # lockstep: slowest
+    assert p.layer_ids() == [1, 2, 3] and all(g > 0 for g in p.gathers())
+    assert p.sizing["resident_bytes"]["sharded"] != p.sizing["resident_bytes"]["replicated"]
+    assert any("emulated" in n for n in p.notes)

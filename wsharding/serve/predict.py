@@ -667,7 +667,7 @@ DESIGN_WORKLOAD = Workload(requests=40, prompt=(1024, 2048), output=(128, 256))
 
 
 def design_prediction(slo: SLO, *, efficiency: float = 1.0, rates: Sequence[float] = (1.0,),
-                      workload: Workload = DESIGN_WORKLOAD, refine: int = 2) -> dict[str, Any]:
+                      workload: Workload = DESIGN_WORKLOAD, refine: int = 2, widen: int = 8) -> dict[str, Any]:
     """Each variant's sustained rate for :data:`DESIGN_PRESET` on :data:`DESIGN_RANKS`
     :data:`DESIGN_DEVICE` GPUs, from the cost model alone (nothing of it was measured): the pools are
     the preset's replicated KV pool and that pool plus the net saving (``Plan.kv_capacity``); a
@@ -702,7 +702,8 @@ def design_prediction(slo: SLO, *, efficiency: float = 1.0, rates: Sequence[floa
                            "breakeven_tokens": plan.breakeven_tokens}
     out["step_ratio_full"] = out["step_s_full"]["sharded"] / out["step_s_full"]["replicated"]
     for v in VARIANTS:
-        out[v] = sustained_rate(setting, v, blocks[v], lambda n, c, v=v: seconds(v, n, c), rates, refine=refine)
+        out[v] = sustained_rate(setting, v, blocks[v], lambda n, c, v=v: seconds(v, n, c), rates, refine=refine,
+                                widen=widen)
     rep, sh = out["replicated"]["sustained_rate"], out["sharded"]["sustained_rate"]
     out["rate_ratio"] = sh / rep if rep and sh is not None else None
     return out
