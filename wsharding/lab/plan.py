@@ -184,12 +184,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=number_list(float, 0.0, "requests/s", "1,4"), default=None,
                    help="rates per rank to replay first (default 1); the search widens and bisects from them")
     g.add_argument("--no-search", action="store_true", help="replay only the rates given")
-    g.add_argument("--prompt", type=_lengths, default=None, help="prompt lengths LOW:HIGH (default 8:24)")
-    g.add_argument("--output", type=_lengths, default=None, help="output lengths LOW:HIGH (default 4:16)")
-    g.add_argument("--requests", type=int_at_least(1), default=None, help="requests per rank (default 60)")
+    g.add_argument("--prompt", type=_lengths, default=None,
+                   help="prompt lengths LOW:HIGH (default 8:24 for a CPU profile, 64:512 for a GPU's)")
+    g.add_argument("--output", type=_lengths, default=None,
+                   help="output lengths LOW:HIGH (default 4:16 for a CPU profile, 64:256 for a GPU's)")
+    g.add_argument("--requests", type=int_at_least(1), default=None,
+                   help="requests per rank (default 60 for a CPU profile, 200 for a GPU's)")
     g.add_argument("--trials", type=int_at_least(1), default=1, help="replays per rate, other seeds (default 1)")
     g.add_argument("--warmup", type=int_at_least(0), default=None, help="requests per rank left out (default a tenth)")
-    g.add_argument("--token-budget", type=int_at_least(1), default=None, help="tokens per step (default the profile's)")
+    g.add_argument("--token-budget", type=int_at_least(1), default=None,
+                   help="tokens per step (default the profile's; measured: 64 on CPU, 512 on GPUs)")
     g.add_argument("--slo", type=_slo_arg, default=None,
                    help="ttft=MS,tpot=MS[,e2e=MS][,attainment=F] (default ttft=3000,tpot=300 for a CPU profile, "
                         "ttft=2000,tpot=200 else)")
@@ -277,8 +281,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
         report = read_serve_report(args.compare)
     if args.profile == "measure":
-        wl0 = Workload(prompt=args.prompt or (8, 24), output=args.output or (4, 16))
-        profile = measure_profile(args, args.token_budget or 64, wl0.max_len)
+        from wsharding.runtime import gpu_count
+
+        gpus = bool(gpu_count())  # the bench serve defaults of this machine
+        wl0 = Workload(prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
+                       output=args.output or ((64, 256) if gpus else (4, 16)))
+        profile = measure_profile(args, args.token_budget or (512 if gpus else 64), wl0.max_len)
     else:
         profile, _ = load_profile(args.profile)
     link = args.link or "measured"
@@ -309,9 +317,10 @@ def serve_main(args: argparse.Namespace) -> int:
         slo = SLO(**report["slo"])
         text = format_prediction(pred) + "\n" + format_comparison(pred["comparison"])
     else:
-        wl = Workload(requests=args.requests or 60, prompt=args.prompt or (8, 24), output=args.output or (4, 16),
-                      seed=args.seed)
-        slo = args.slo or (SLO(ttft_ms=3000, tpot_ms=300) if profile.device == "cpu" else SLO(ttft_ms=2000, tpot_ms=200))
+        cpu = profile.device == "cpu"
+        wl = Workload(requests=args.requests or (60 if cpu else 200), prompt=args.prompt or ((8, 24) if cpu else (64, 512)),
+                      output=args.output or ((4, 16) if cpu else (64, 256)), seed=args.seed)
+        slo = args.slo or (SLO(ttft_ms=3000, tpot_ms=300) if cpu else SLO(ttft_ms=2000, tpot_ms=200))
         setting = Setting(ranks=ranks, workload=wl, token_budget=args.token_budget or profile.token_budget, slo=slo,
                           vocab=profile.vocab, trials=args.trials, warmup=args.warmup)
         pred = predict_serve(profile, model, setting, args.kv_share or [0.05, 0.3], args.rate or [1.0],
