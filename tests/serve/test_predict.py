@@ -142,3 +142,14 @@ def test_profile_measured_on_two_cpu_ranks(cluster_of):
     assert p.layer_ids() == [1, 2, 3] and all(g > 0 for g in p.gathers())
     assert p.sizing["resident_bytes"]["sharded"] != p.sizing["resident_bytes"]["replicated"]
     assert any("emulated" in n for n in p.notes)
+
+
+def test_all_at_once_is_a_burst_not_a_rate():
+    p = profile()
+    wl = Workload(requests=4, prompt=(2, 6), output=(2, 3))
+    s = Setting(ranks=2, workload=wl, token_budget=4, slo=SLO(ttft_ms=1e6), vocab=192)
+    pred = predict_serve(p, StepModel(p, "measured"), s, [0.5], [math.inf], search=False)
+    v = pred["rows_by_budget"][0]["sharded"]
+    assert v["points"][0]["rate"] is None and v["all_at_once_sustained"] and v["sustained_rate"] is None
+    assert "all at once (a burst)" in format_prediction(pred)
+    json.loads(json.dumps(pred, allow_nan=False))  # no Infinity in the JSON

@@ -421,13 +421,13 @@ def predict_point(setting: Setting, variant: str, blocks: int, seconds: Callable
         trials.append(m)
     mean = statistics.fmean
     drain = mean(m["drain_share"] for m in trials)
-    return {"rate": rate, "attainment": mean(m["attainment"] for m in trials),
+    return {"rate": None if math.isinf(rate) else rate, "attainment": mean(m["attainment"] for m in trials),
             "goodput": mean(m["goodput"] for m in trials),
             "request_throughput": mean(m["request_throughput"] for m in trials),
             "ttft_ms_mean": mean(m["ttft_ms"]["mean"] for m in trials),
             "tpot_ms_mean": mean(m["tpot_ms"]["mean"] for m in trials if m["tpot_ms"]["mean"] is not None)
             if any(m["tpot_ms"]["mean"] is not None for m in trials) else None,
-            "drain_share": drain, "steady": is_steady(rate, drain),
+            "drain_share": drain, "steady": is_steady(None if math.isinf(rate) else rate, drain),
             "preemptions": sum(m["preemptions"] for m in trials), "idle_steps": sum(m["idle_steps"] for m in trials),
             "peak_blocks": max(m["peak_blocks"] for m in trials), "label": PREDICTED}
 
@@ -468,7 +468,12 @@ def sustained_rate(setting: Setting, variant: str, blocks: int, seconds: Callabl
             at(math.sqrt(best * stop["rate"]))
             best, stop = judge()
     xs = sorted(points)
-    return {"sustained_rate": best, "stopped": stop, "points": [points[x] for x in xs], "label": PREDICTED}
+    if stop is not None and math.isinf(stop["rate"]):
+        stop = {**stop, "rate": None}
+    # all at once is a declared burst, not a rate: sustained there is said as such, never as a number
+    return {"sustained_rate": None if best is not None and math.isinf(best) else best, "stopped": stop,
+            "all_at_once_sustained": best is not None and math.isinf(best),
+            "points": [points[x] for x in xs], "label": PREDICTED}
 
 
 def budget_pools(profile: StepProfile, shares: Sequence[float], ranks: int | None = None) -> list[dict[str, Any]]:
@@ -524,6 +529,10 @@ def predict_serve(profile: StepProfile, model: StepModel, setting: Setting, shar
 def bracket_text(v: dict[str, Any]) -> str:
     """``a..b/s``: the highest passing rate and the first failing one (or why the sweep stopped)."""
     best, stop = v["sustained_rate"], v["stopped"]
+    if v.get("all_at_once_sustained"):
+        return "all at once (a burst)"
+    if stop is not None and stop["rate"] is None:
+        stop = {**stop, "rate": math.inf}
     if stop is None:
         return f"at least {best:.3g}/s (every rate replayed passed)"
     if best is None:
@@ -551,7 +560,7 @@ def format_prediction(pred: dict[str, Any]) -> str:
                      f"{row['kv_share']:.0%}): KV pool replicated {row['pool_tokens']['replicated']:,} tokens, sharded "
                      f"{row['pool_tokens']['sharded']:,} (pool ratio {row['pool_ratio']:.2f}x)")
         for v in VARIANTS:
-            pts = ", ".join(f"{p['rate']:.3g}/s {p['attainment']:.0%}" + ("" if p["steady"] else " (not steady)")
+            pts = ", ".join(("all at once" if p["rate"] is None else f"{p['rate']:.3g}/s") + f" {p['attainment']:.0%}" + ("" if p["steady"] else " (not steady)")
                             for p in row[v]["points"])
             lines.append(f"    {PREDICTED} {v:<10} sustains {bracket_text(row[v])}; met the SLO: {pts}")
         ratio = row["rate_ratio"]
@@ -582,7 +591,7 @@ def compare_with_report(pred: dict[str, Any], report: dict[str, Any]) -> dict[st
             mrate = mrow["answer"]["max_rate"][v] if mrow["answer"].get("max_rate") else None
             prate = prow[v]["sustained_rate"]
             points = []
-            by_rate = {p["rate"]: p for p in prow[v]["points"]}
+            by_rate = {None if math.isinf(p["rate"]) else p["rate"]: p for p in prow[v]["points"]}
             for mp in mrow["points"]:
                 pp = by_rate.get(mp["rate"])
                 if pp is None:
@@ -649,7 +658,8 @@ def format_comparison(cmp: dict[str, Any]) -> str:
                          f", measured {bound(x['sustained_measured'], x['sustained_measured_stopped'])}, error "
                          f"{pct(x['sustained_error'])}")
             for p in x["points"]:
-                lines.append(f"      rate {p['rate']:g}/s: met the SLO {num(p['attainment_predicted'], '.0%')} vs "
+                at = "all at once" if p["rate"] is None else f"{p['rate']:g}/s"
+                lines.append(f"      rate {at}: met the SLO {num(p['attainment_predicted'], '.0%')} vs "
                              f"{num(p['attainment_measured'], '.0%')}, goodput {num(p['goodput_predicted'])} vs "
                              f"{num(p['goodput_measured'])} ({pct(p['goodput_error'])}), TTFT mean "
                              f"{num(p['ttft_ms_mean_predicted'], '.1f')} vs {num(p['ttft_ms_mean_measured'], '.1f')} ms "
