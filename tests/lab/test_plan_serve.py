@@ -1,4 +1,5 @@
-"""``wsharding plan --serve``: its argument errors, and a prediction from a saved CPU report beside it."""
+"""``wsharding plan --serve``: its argument errors, a prediction from a saved CPU report beside it, and the
+step-time profile measured on two CPU ranks (the rank task behind ``--profile measure``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from wsharding.lab import plan
 from wsharding.lab.cliargs import InputError
+from wsharding.lab.tasks.predict import profile_from_ranks, profile_rank
+from wsharding.serve.predict import StepProfile
 
 SAVED = "docs/measurements/cpu-2026-12-04/bench_serve_tiny-deep_2ranks_gloo.json"
 
@@ -48,3 +51,13 @@ def test_link_h200_prices_gathers_for_n_gpus(capsys):
                          "--kv-share", "0.3", "--rate", "20", "--no-search", "--requests", "8"]))
     text = capsys.readouterr().out
     assert rc == 0 and "4 x H200 NVLink at 450 GB/s, datasheet" in text and "4 ranks" in text
+
+
+def test_profile_measured_on_two_cpu_ranks(cluster_of):
+    results = cluster_of(2).run(profile_rank, "tiny", token_budget=2, max_len=20, warmup=1, repeats=1)
+    p = StepProfile.from_dict(profile_from_ranks(results))
+    assert set(p.steps["replicated"]) == set(p.steps["sharded"]) == {"1x16", "1x32", "2x16", "2x32"}
+    assert p.steps["sharded"]["2x32"] == max(r["steps"]["sharded"]["2x32"] for r in results)  # lockstep: slowest
+    assert p.layer_ids() == [1, 2, 3] and all(g > 0 for g in p.gathers())
+    assert p.sizing["resident_bytes"]["sharded"] != p.sizing["resident_bytes"]["replicated"]
+    assert any("emulated" in n for n in p.notes)

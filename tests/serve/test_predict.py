@@ -132,18 +132,6 @@ def test_profile_from_dict_and_pool_refusals():
         counted_pool(0)
 
 
-def test_profile_measured_on_two_cpu_ranks(cluster_of):
-    from wsharding.lab.tasks.predict import profile_from_ranks, profile_rank
-
-    results = cluster_of(2).run(profile_rank, "tiny", token_budget=2, max_len=20, warmup=1, repeats=1)
-    p = StepProfile.from_dict(profile_from_ranks(results))
-    assert set(p.steps["replicated"]) == set(p.steps["sharded"]) == {"1x16", "1x32", "2x16", "2x32"}
-    assert p.steps["sharded"]["2x32"] == max(r["steps"]["sharded"]["2x32"] for r in results)  # lockstep: slowest
-    assert p.layer_ids() == [1, 2, 3] and all(g > 0 for g in p.gathers())
-    assert p.sizing["resident_bytes"]["sharded"] != p.sizing["resident_bytes"]["replicated"]
-    assert any("emulated" in n for n in p.notes)
-
-
 def test_all_at_once_is_a_burst_not_a_rate():
     p = profile()
     wl = Workload(requests=4, prompt=(2, 6), output=(2, 3))
