@@ -35,7 +35,7 @@ from wsharding.empty_build import empty_parameters, materialize
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import check_scale_values
 from wsharding.linear.parameters import QuantScale
-from wsharding.memory import trim_host_heap
+from wsharding.memory import map_large_allocations, trim_host_heap
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
 
@@ -288,10 +288,18 @@ def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, b
     nothing to compare here: every row comes from the checkpoint (``keep_initial_weights=False``), and
     the check compares weights kept as built. ``keep_initial_weights=True`` is refused (see
     :func:`_refuse_kept_weights`); every other keyword goes to ``shard_blocks``.
+
+    On CPU ranks (glibc) the process's allocations of 64 KiB or more become mappings of their own,
+    for good, so that the load meets its bound in the resident set too ([Note: the CPU load path's
+    allocator]).
     """
     # Checked first (a generator of patterns is read once, here): an argument mistake is named before
     # the checkpoint is opened.
     _refuse_kept_weights(kwargs)
+    if comm.device.type == "cpu":
+        # [Note: the CPU load path's allocator] Before anything is built or read: every large
+        # allocation its own mapping, returned to the system when freed.
+        map_large_allocations()
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise InvalidArgument(f"model: a torch.nn.Module or a function that builds one, got {type(model).__name__}")
@@ -313,15 +321,27 @@ def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, b
 
     def load(ws: WeightSharding) -> dict[str, int]:
         _warn_built_whole(ws)
+        if comm.device.type == "cpu":  # [Note: the CPU load path's allocator]
+            ws.after_rows_freed = trim_host_heap
         materialize(built, comm.device)  # after setup: only the parameters that are not targets are left on meta
         return load_checkpoint(built, path, strict=strict)
 
     ws = shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
                       verify_replicas=verify_replicas, load=load, **kwargs)
     ws.model = model
-    # On CPU ranks the weights live in the host heap: the checkpoint's read buffers and the row shards that
-    # chunks replaced are free by now, but glibc keeps them resident until its heap is trimmed -- without
-    # this a rank's resident set stays at the load's high-water mark, up to R, not at the bytes it holds.
+    # [Note: the CPU load path's allocator]
+    # On CPU ranks the weights live in the host heap, and glibc's default allocator keeps what the load
+    # frees -- the checkpoint's read buffers, the row shards that chunks replaced -- resident in its heap:
+    # freeing a mapped block raises its mmap threshold (up to 32 MiB), so the next weights of that size
+    # come from the heap, and a heap gives memory back only from its top. A rank's resident set then
+    # followed the load's high-water mark, not the bytes it holds: cpu-blocks on 2 ranks peaked at
+    # 766-834 MiB during finalize for a bound of 640 MiB (`bench load`). So load_sharded first sets the
+    # process's mmap threshold (and trim threshold) to 64 KiB -- a setting of the whole process that
+    # stays, and that stops glibc from raising it again. That is not enough where the heap already
+    # holds free memory (a model built and freed earlier in the process): glibc serves new allocations
+    # from its free lists before it maps anything, so row shards land in the heap again and stay
+    # resident when freed. So finalize also trims the heap each time a layer's row shards are freed
+    # (``ws.after_rows_freed``), and load_sharded trims it once more at the end.
     ws.host_bytes_released = trim_host_heap() if comm.device.type == "cpu" else 0
     return ws
 

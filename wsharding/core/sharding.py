@@ -164,6 +164,10 @@ class WeightSharding:
         self.declared_blocks: dict[int, tuple[nn.Module, dict[tuple, list[Place]]]] = {}
         self.slots: SlotPool | None = None
         self.planner: WeightShardPlanner | None = None
+        #: Called in finalize each time a layer's row shards are freed (before its chunk is allocated):
+        #: on CPU ranks :func:`~wsharding.checkpoint.load_sharded` gives the freed memory back to the
+        #: system there, so that the next chunk does not add to the resident set.
+        self.after_rows_freed: Callable[[], object] | None = None
         if layers is not None:
             layers = list(layers)
             for i in self.sharded_range or range(len(layers)):
@@ -349,6 +353,8 @@ class WeightSharding:
         redistribution peak: notebook 04 §3).
         """
         def seen(stage: str, layer: int | None = None) -> None:
+            if stage == "rows packed" and self.after_rows_freed is not None:
+                self.after_rows_freed()
             if observe is not None:
                 observe(stage, layer)
 
