@@ -296,15 +296,30 @@ def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, b
     # Checked first (a generator of patterns is read once, here): an argument mistake is named before
     # the checkpoint is opened.
     _refuse_kept_weights(kwargs)
-    if comm.device.type == "cpu":
+    if getattr(getattr(comm, "device", None), "type", None) == "cpu":  # a wrong comm is named below
         # [Note: the CPU load path's allocator] Before anything is built or read: every large
         # allocation its own mapping, returned to the system when freed.
         map_large_allocations()
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise InvalidArgument(f"model: a torch.nn.Module or a function that builds one, got {type(model).__name__}")
-        with empty_parameters():
-            model = model()
+        build = model
+        try:
+            with empty_parameters():
+                model = build()
+        except (NotImplementedError, RuntimeError) as e:
+            if "meta" not in str(e):
+                raise
+            # torch's words name none of this call ("Cannot copy out of meta tensor", ".item() on meta"):
+            # the constructor moved or read a weight, which has no values on meta.
+            error = InvalidArgument(
+                f"model: {getattr(build, '__qualname__', type(build).__name__)} cannot build the model without its "
+                f"weights -- load_sharded calls it inside empty_parameters() (every parameter on meta, no values) and "
+                f"its constructor moves or reads a weight ({type(e).__name__}: {str(e).split(';')[0].splitlines()[0][:120]}). "
+                "Pass the model built with its weights instead (every rank holds them whole first: BuiltWholeWarning), "
+                "or build it with a constructor that only creates its parameters")
+            abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
+            raise error from e
         if not isinstance(model, nn.Module):
             raise InvalidArgument(f"model: the function passed as the model returned {type(model).__name__}, "
                                   "not a torch.nn.Module")

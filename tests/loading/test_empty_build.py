@@ -207,3 +207,20 @@ def test_on_cpu_load_sharded_gives_each_large_allocation_a_mapping_of_its_own(tm
     before = _mapped_bytes()
     block = torch.empty(1 << 20, dtype=torch.uint8)
     assert _mapped_bytes() - before >= block.numel()
+
+
+def test_a_constructor_that_moves_its_weights_gets_the_package_s_error_not_torch_s(tmp_path):
+    # ToyDecoder's constructor calls .to(device) on each layer: on meta, torch's "Cannot copy out of meta
+    # tensor" came out of load_sharded. The model built with its weights loads.
+    from tests.core.test_library_edges import Loopback
+    from wsharding.core.errors import InvalidArgument
+    from wsharding.models import ToyDecoder, decoder_config
+
+    cfg = decoder_config("tiny")
+    save_checkpoint(ToyDecoder(cfg, seed=0), tmp_path / "toy")
+    with pytest.raises(InvalidArgument, match=r"^model: test_a_constructor.*<lambda> cannot build the model without "
+                                              r"its weights .*\(NotImplementedError: Cannot copy out of meta tensor\)"):
+        load_sharded(lambda: ToyDecoder(cfg), tmp_path / "toy", "layers", ["attn.o_proj"], Loopback())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BuiltWholeWarning)
+        load_sharded(ToyDecoder(cfg, seed=1), tmp_path / "toy", "layers", ["attn.o_proj"], Loopback()).close()
