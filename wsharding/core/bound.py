@@ -53,6 +53,8 @@ Parameter (its metadata answers, ``w.data = w.data`` is a no-op; reads and edits
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -255,15 +257,73 @@ def guarded_class(cls: type) -> type:
     return _GUARDED[cls]
 
 
+def _state_dict_refusal(name: str, label: str) -> ShardingError:
+    return ShardingError(
+        f"load_state_dict: {name} ({label}) is sharded and bound to a slot; a copy into it would be overwritten by "
+        "the next gather. Load checkpoints before finalize (wsharding.checkpoint.load_checkpoint), or into the "
+        "unsharded model. Nothing of the model was changed")
+
+
 def _refuse_state_dict(target: ShardTarget):
     def hook(module, state_dict, prefix, *args, **kwargs):
         if prefix + "weight" in state_dict:
-            raise ShardingError(
-                f"load_state_dict: {prefix}weight ({target.label}) is sharded and bound to a slot; a copy into it "
-                "would be overwritten by the next gather. Load checkpoints before finalize "
-                "(wsharding.checkpoint.load_checkpoint), or into the unsharded model."
-            )
+            raise _state_dict_refusal(prefix + "weight", target.label)
     return hook
+
+
+# [Note: refused before anything changes]
+# ``model.half()`` walks the modules in order and converts each one's tensors: the guard of a bound
+# weight refuses when the walk reaches it, and every module before it -- an embedding, a norm, the
+# blocks left replicated -- stays converted: a model half in fp16 whose next step is off without a
+# word. ``model.load_state_dict(sd)`` likewise copies module by module until a sharded linear's hook
+# refuses. So both are checked at the call on the module the user called them on, before torch
+# changes anything: ``Module._apply`` (behind ``.to``, ``.half``, ``.float``, ``.double``,
+# ``.bfloat16``, ``.type``, ``.cuda``, ``.cpu``, ``.to_empty``, ``share_memory``) first applies its
+# conversion to each bound weight below it -- a conversion that is a no-op returns the weight itself,
+# any other is refused by the weight's own guard -- and ``load_state_dict`` first looks for a key of
+# a bound weight. Both are torch's methods wrapped once per process, at the first finalize; the
+# outermost ``_apply`` of a call (a thread-local flag) looks at its bound weights, nested ones do not.
+_OUTER = threading.local()
+_MODULE_PATCHES: list[tuple[str, Any]] = []
+
+
+def _bound_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in module.named_parameters() if getattr(type(p), "slot_bound", False)]
+
+
+def _checked_apply(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], Any], *args: Any, **kwargs: Any) -> Any:
+        if getattr(_OUTER, "applying", False):
+            return inner(self, fn, *args, **kwargs)
+        for _, p in _bound_parameters(self):  # [Note: refused before anything changes]
+            fn(p)  # the weight itself for a no-op conversion; refused (ShardingError) otherwise
+        _OUTER.applying = True
+        try:
+            return inner(self, fn, *args, **kwargs)
+        finally:
+            _OUTER.applying = False
+
+    return _apply
+
+
+def _checked_load_state_dict(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def load_state_dict(self: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        for name, p in _bound_parameters(self):  # [Note: refused before anything changes]
+            if name in state_dict:
+                raise _state_dict_refusal(name, p.__dict__.get("weight_shard_label", "a sharded weight"))
+        return inner(self, state_dict, *args, **kwargs)
+
+    return load_state_dict
+
+
+def _check_module_calls_first() -> None:
+    """Wrap ``nn.Module._apply`` and ``nn.Module.load_state_dict`` once ([Note: refused before anything changes])."""
+    if _MODULE_PATCHES:
+        return
+    for name, wrap in (("_apply", _checked_apply), ("load_state_dict", _checked_load_state_dict)):
+        inner = getattr(nn.Module, name)
+        _MODULE_PATCHES.append((name, inner))
+        setattr(nn.Module, name, functools.wraps(inner)(wrap(inner)))
 
 
 def bound_parameter(module: nn.Module) -> torch.Tensor | None:
@@ -305,6 +365,7 @@ def guard_bound_weight(target: ShardTarget, rank: int, reads: Callable[[], bool]
     target.module.__dict__["_weight_shard_bound"] = weakref.ref(p)  # not a registered attribute
     if not _REGISTRATION_HOOK:
         _REGISTRATION_HOOK.append(nn.modules.module.register_module_parameter_registration_hook(_refuse_new_weight))
+    _check_module_calls_first()
     if not getattr(target.module, "_weight_shard_state_dict_guard", False):
         target.module.register_load_state_dict_pre_hook(_refuse_state_dict(target))
         target.module._weight_shard_state_dict_guard = True
