@@ -65,6 +65,49 @@ def checkpoint_layout(model: nn.Module) -> Iterator[tuple[str, str, Any]]:
             yield name, name, None
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``model.state_dict()`` holds (persistent ones), by name; a buffer shared between
+    modules once, under its first name (as ``named_parameters`` names a tied parameter)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mname, m in model.named_modules():
+        for bname, b in m._buffers.items():
+            if b is None or bname in m._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out[f"{mname}.{bname}" if mname else bname] = b
+    return out
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Every other name of a tied parameter or persistent buffer (``head.weight`` tied to
+    ``embed.weight``) -> the name it is saved and loaded under (its first)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    named = [*model.named_parameters(remove_duplicate=False)]
+    for mname, m in model.named_modules(remove_duplicate=False):
+        named += [(f"{mname}.{n}" if mname else n, b) for n, b in m._buffers.items()
+                  if b is not None and n not in m._non_persistent_buffers_set]
+    for name, t in named:
+        if id(t) in first:
+            if first[id(t)] != name:
+                out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
+def _load_buffer(buf: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """A persistent buffer: the same shape; float to float converted as ``.to`` does, any other dtype
+    change refused (an int buffer holds indices or counts, which a conversion would change)."""
+    if tuple(tensor.shape) != tuple(buf.shape):
+        raise CheckpointError(f"buffer {name}: shape {list(tensor.shape)} does not match the buffer's {list(buf.shape)}")
+    if tensor.dtype != buf.dtype and not (tensor.dtype.is_floating_point and buf.dtype.is_floating_point):
+        raise CheckpointError(f"buffer {name}: the checkpoint's tensor is {tensor.dtype}, the buffer is {buf.dtype}: "
+                              "only float to float is converted")
+    buf.copy_(tensor)
+
+
 def _shard_piece(module: nn.Module, param: torch.Tensor, value: torch.Tensor, shard_id: Any) -> torch.Tensor:
     """The part of merged parameter ``param`` (its ``value``) that checkpoint sub-tensor ``shard_id`` holds."""
     blocks = {b[0]: b for b in module.row_sub_blocks()}
@@ -78,8 +121,9 @@ def _shard_piece(module: nn.Module, param: torch.Tensor, value: torch.Tensor, sh
 
 
 def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Write a replicated (tp 1) model's weights as a safetensors file, merged parameters split back
-    into their checkpoint tensors.
+    """Write a replicated (tp 1) model's weights and persistent buffers (everything its ``state_dict()``
+    holds, tied tensors once) as a safetensors file, merged parameters split back into their
+    checkpoint tensors.
 
     ``state_dict``: tensors to write instead of the parameters' own values. A sharded model (after
     finalize) holds none of its sharded weights whole -- each is a view of a gather slot -- so it is
@@ -107,6 +151,10 @@ def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str,
                 raise CheckpointError(f"{pname}: only models built with tp 1 can be saved as full checkpoints")
             p = _shard_piece(module, params[pname], p, shard_id)
         out[key] = p.contiguous().cpu()
+    # Persistent buffers are state too (what model.state_dict() holds besides the parameters): a round
+    # trip through the file keeps them, bit for bit.
+    for name, b in persistent_buffers(model).items():
+        out[name] = values.get(name, b).detach().contiguous().cpu()
     save_file(out, str(path))
 
 
@@ -157,9 +205,13 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
     through each parameter's weight loader, then (``process``) run the after-loading step of every
     linear that is not a sharding target.
 
-    Returns ``{"tensors", "row_shard_tensors", "bytes_read", "sharded_bytes_read", "skipped_tensors"}``:
-    sharded weights account for ``sharded_bytes_read``, exactly this rank's rows; ``skipped_tensors``
-    counts the checkpoint's tensors the model does not know, left unread (only with ``strict=False``).
+    Returns ``{"tensors", "row_shard_tensors", "bytes_read", "sharded_bytes_read", "skipped_tensors",
+    "buffers", "buffers_kept", "tied_tensors"}``: sharded weights account for ``sharded_bytes_read``,
+    exactly this rank's rows; ``skipped_tensors`` counts the checkpoint's tensors the model does not
+    know, left unread (only with ``strict=False``). Persistent buffers (what ``state_dict()`` holds
+    besides the parameters) are loaded too (``buffers``); one the checkpoint lacks is an error with
+    ``strict``, kept as built without (``buffers_kept``). A tied tensor's other name in the checkpoint
+    (``tied_tensors``) must hold the same bytes as its first, or the load is refused.
     Raises :class:`CheckpointError` naming the tensor when one is missing, unexpected (with
     ``strict``), misshapen or of a dtype that cannot be converted, and naming the index when a
     quantization scale is NaN, +-inf, negative, or 0 where its format has no zero
@@ -176,7 +228,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
     """
     params = dict(model.named_parameters())
     plan = list(checkpoint_layout(model))
-    counts = {"tensors": 0, "row_shard_tensors": 0, "bytes_read": 0, "sharded_bytes_read": 0, "skipped_tensors": 0}
+    buffers = persistent_buffers(model)
+    ties = tied_names(model)
+    counts = {"tensors": 0, "row_shard_tensors": 0, "bytes_read": 0, "sharded_bytes_read": 0, "skipped_tensors": 0,
+              "buffers": 0, "buffers_kept": 0, "tied_tensors": 0}
     try:
         ckpt = Checkpoint(path)
     except (SafetensorsError, OSError) as e:
@@ -191,7 +246,29 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
                 f"checkpoint {path} is missing tensor(s) {missing[:3]}{more} needed by the model; "
                 f"was it written for another model or preset?{lenient}"
             )
-        unexpected = sorted(keys - {k for k, _, _ in plan})
+        absent = [b for b in buffers if b not in keys]
+        if strict and absent:
+            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+            raise CheckpointError(
+                f"checkpoint {path} is missing persistent buffer(s) {absent[:3]}{more} of the model (its state_dict "
+                "holds them); pass strict=False to keep the values the model was built with")
+        counts["buffers_kept"] = len(absent)
+        # A tied tensor's other name (head.weight tied to embed.weight) is the model's too: the checkpoint's
+        # tensor under it must hold what the model loads under the first name, else one of the two would be
+        # ignored without a word (with strict=False, or as "unknown" with strict=True).
+        for alias in sorted(k for k in keys if k in ties):
+            first = ties[alias]
+            if first in keys:
+                a, b = ckpt.get(alias).read(), ckpt.get(first).read()
+                if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(-1).view(torch.uint8),
+                                                                              b.view(-1).view(torch.uint8)):
+                    raise CheckpointError(
+                        f"checkpoint {path}: {alias!r} and {first!r} are one tensor in the model (tied), and the "
+                        f"checkpoint holds different values for them ({a.dtype} {list(a.shape)} vs {b.dtype} "
+                        f"{list(b.shape)}): loading one would silently drop the other. Untie them in the model, or "
+                        "write a checkpoint where they agree")
+                counts["tied_tensors"] += 1
+        unexpected = sorted(keys - {k for k, _, _ in plan} - set(buffers) - set(ties))
         if strict and unexpected:
             more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
             raise CheckpointError(f"checkpoint {path} has tensor(s) the model does not know: {unexpected[:3]}{more}; "
@@ -233,6 +310,13 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
             except (ShardingError, CheckpointShapeError, SafetensorsError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"checkpoint tensor {key!r} (for parameter {pname}) cannot be loaded: {e}") from e
             counts["tensors"] += 1
+        for name, buf in buffers.items():
+            if name in keys:
+                try:
+                    _load_buffer(buf, ckpt.get(name).read().to(buf.device), name)
+                except (SafetensorsError, RuntimeError) as e:
+                    raise CheckpointError(f"checkpoint tensor {name!r} (for buffer {name}) cannot be loaded: {e}") from e
+                counts["buffers"] += 1
         counts["bytes_read"] = ckpt.bytes_read
     if process:
         process_weights(model)
