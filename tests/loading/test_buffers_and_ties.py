@@ -148,3 +148,23 @@ def test_a_tied_tensor_saved_under_both_names_with_the_same_bytes_loads(tmp_path
     counts = load_checkpoint(dst, tmp_path / "both.safetensors", strict=strict)
     assert counts["tied_tensors"] == 1 and counts["skipped_tensors"] == 0
     assert torch.equal(_out(dst), _out(src))
+
+
+# ---- a folder with both an index and model.safetensors ----------------------------------------------
+def test_a_folder_with_an_index_and_model_safetensors_is_read_as_transformers_reads_it(tmp_path):
+    # transformers' from_pretrained takes model.safetensors before model.safetensors.index.json; the index
+    # (with its shard) used to win here, so the same folder loaded another model than there.
+    import json
+
+    single, sharded = Buffered(seed=1), Buffered(seed=4)
+    save_checkpoint(single, tmp_path / "model.safetensors")
+    save_checkpoint(sharded, tmp_path / "model-00001-of-00001.safetensors")
+    keys = load_file(tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": dict.fromkeys(keys, "model-00001-of-00001.safetensors")}))
+    dst = Buffered(seed=2)
+    load_checkpoint(dst, tmp_path)
+    assert torch.equal(_out(dst), _out(single)) and not torch.equal(_out(dst), _out(sharded))
+    (tmp_path / "model.safetensors").unlink()  # the index alone: its files
+    load_checkpoint(dst, tmp_path)
+    assert torch.equal(_out(dst), _out(sharded))
