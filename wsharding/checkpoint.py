@@ -296,8 +296,15 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
                         # before the loader copies it and before any requant uses it: a NaN or inf scale
                         # came out of the requant as 1.0, silently ([Note: checkpoint scales are finite]
                         # in wsharding/linear/loading.py); checked here, on the CPU copy just read
+                        # and a finite one that overflows where it is applied: to the layer's FP8 weight, in
+                        # its compute dtype
+                        owner = model.get_submodule(pname.rpartition(".")[0])
+                        weight = getattr(owner, "weight", None)
+                        compute = getattr(owner, "params_dtype", torch.float32)
                         check_scale_values(tensor, key, zero_allowed=param.zero_allowed, dtype=param.dtype,
-                                           error=CheckpointError)
+                                           error=CheckpointError,
+                                           codes=weight.dtype if isinstance(weight, torch.Tensor) else None,
+                                           into=compute if compute.is_floating_point else torch.float32)
                     tensor = tensor.to(param.device)
                     if loader is None:
                         _default_loader(param, tensor, pname)
