@@ -81,7 +81,7 @@ _METADATA = frozenset(
     + [getattr(_T, n) for n in (
         "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
         "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "data_ptr",
-        "untyped_storage", "storage", "_typed_storage", "is_inference", "is_shared", "is_pinned", "requires_grad_",
+        "untyped_storage", "is_inference", "is_shared", "is_pinned", "requires_grad_",
         "_is_view", "is_same_size", "__len__", "__dir__", "__sizeof__", "is_conj", "is_neg", "_is_zerotensor")
         if hasattr(_T, n)]
     + [torch.numel, torch.is_floating_point, torch.is_complex, torch._has_compatible_shallow_copy_type])
@@ -163,13 +163,102 @@ def _refuse_use(t: torch.Tensor, func: Any, converted: torch.Tensor | None = Non
         "block); convert, initialize, re-parametrize or load the model before it is sharded")
 
 
+# [Note: storage-level reads of a bound weight]
+# ``w.untyped_storage()`` is metadata for most callers (its ``data_ptr``, ``nbytes``: safetensors and
+# transformers find shared tensors so), but the storage object also reads and copies the bytes --
+# ``tolist``, indexing, ``cpu``, ``clone``, pickling, ``torch.empty(0).set_(storage)`` -- and a bound
+# weight's storage is its slot: whichever layer was gathered last. So outside the forward the storage
+# comes back as a :class:`SlotStorage`: the same storage (torch keeps one Python object per storage,
+# so every view of the slot answers with it from then on), whose metadata answers and whose every
+# read, copy or edit of bytes is refused -- ``Tensor.set_`` with it as the source too (wrapped once
+# per process). Inside the forward (torch functions off: ``raw_access``) it reads as any storage.
+# ``storage()`` and ``_typed_storage()`` (deprecated TypedStorage views, which torch's serialization
+# writes byte for byte) are refused outright. A raw address (``data_ptr()`` into ctypes) is beyond
+# any guard: it is the caller's own memory access.
+_STORAGE_READS = frozenset(n for n in (
+    "__copy__", "__deepcopy__", "__delitem__", "__getitem__", "__getstate__", "__iter__", "__reduce__",
+    "__reduce_ex__", "__setitem__", "_byteswap", "_resize_with_addr_", "_set_cdata", "_set_from_file", "_share_cuda_",
+    "_share_fd_cpu_", "_share_filename_cpu_", "_swap_data_ptr_", "_to", "_write_file", "bfloat16", "bool", "byte",
+    "byteswap", "char", "clone", "complex_double", "complex_float", "copy_", "cpu", "cuda", "double", "fill_", "float",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "half", "hpu", "int", "long", "mps",
+    "pin_memory", "resize_", "share_memory_", "short", "to", "tolist", "type") if hasattr(torch.UntypedStorage, n))
+
+
+def _storage_refusal(what: str) -> ShardingError:
+    return ShardingError(
+        f"{what} of a sharded weight's storage outside its linear's forward: after finalize the storage is a "
+        "weight-sharding slot that every step refills with whichever layer uses it, so its bytes are another "
+        "layer's, not this weight. Its metadata (data_ptr, nbytes) answers; to read or save the weights, take "
+        "WeightSharding.full_state_dict(model) -- a collective: every rank of the shard group calls it")
+
+
+def _storage_method(name: str) -> Callable[..., Any]:
+    inner = getattr(torch.UntypedStorage, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._is_torch_function_enabled():
+            raise _storage_refusal(f"UntypedStorage.{name}")
+        return inner(self, *args, **kwargs)
+
+    return method
+
+
+def _storage_repr(self: Any) -> str:
+    return (f"SlotStorage(a weight-sharding slot's storage, {torch.UntypedStorage.nbytes(self)} bytes on "
+            f"{torch.UntypedStorage.device.__get__(self)}: its bytes are whichever layer was gathered last)")
+
+
+#: The storage of a bound weight outside its linear's forward ([Note: storage-level reads of a bound weight]).
+SlotStorage = type("SlotStorage", (torch.UntypedStorage,), {
+    **{n: _storage_method(n) for n in _STORAGE_READS}, "__repr__": _storage_repr, "__str__": _storage_repr,
+    "__format__": lambda self, spec: format(_storage_repr(self), spec), "__module__": __name__,
+    "__doc__": "A weight-sharding slot's storage: metadata answered, bytes refused outside the forward."})
+
+_TYPED_STORAGE = frozenset(getattr(_T, n) for n in ("storage", "_typed_storage") if hasattr(_T, n))
+_PLAIN_SET: list[Any] = []
+
+
+def _is_slot_storage(a: object) -> bool:
+    """A :class:`SlotStorage`, or a TypedStorage over one."""
+    return isinstance(a, SlotStorage) or isinstance(getattr(a, "_untyped_storage", None), SlotStorage)
+
+
+def _typed_storage(self: torch.Tensor) -> Any:
+    """``Tensor._typed_storage`` (torch's internal TypedStorage view, not dispatched to
+    ``__torch_function__``): refused outside the forward ([Note: storage-level reads of a bound weight])."""
+    if torch._C._is_torch_function_enabled() and not _readable(self):
+        raise _storage_refusal("Tensor._typed_storage()")
+    return torch.Tensor._typed_storage(self)
+
+
+def _refuse_slot_storage_source() -> None:
+    """Wrap ``torch.Tensor.set_`` once: a :class:`SlotStorage` as the source is refused outside the forward."""
+    if _PLAIN_SET:
+        return
+    inner = torch.Tensor.set_
+    _PLAIN_SET.append(inner)
+
+    @functools.wraps(inner)
+    def set_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch._C._is_torch_function_enabled() and any(map(_is_slot_storage, (*args, *kwargs.values()))):
+            raise _storage_refusal("Tensor.set_ from the storage")
+        return inner(self, *args, **kwargs)
+
+    torch.Tensor.set_ = set_  # type: ignore[method-assign]
+
+
 def _torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
     """[Note: reads of a bound weight]: metadata answered, a no-op conversion returned, a read inside
     the weight's own block run, the rest refused (never called inside a sharded linear's forward)."""
     kwargs = kwargs or {}
     if func in _METADATA:
         with raw_access():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func is _T.untyped_storage and type(out) is torch.UntypedStorage:
+            out.__class__ = SlotStorage  # [Note: storage-level reads of a bound weight]
+        return out
+    if func in _TYPED_STORAGE and not all(map(_readable, _bound_in(args, kwargs))):
+        raise _storage_refusal(f"Tensor.{func.__name__}()")
     bound = _bound_in(args, kwargs)
     if all(map(_readable, bound)) and not _is_edit(func):
         with raw_access():
@@ -207,7 +296,7 @@ def _set_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 #: version counter) with the same guard.
 SlotBoundData = type("SlotBoundData", (torch.Tensor,), {
     "__torch_function__": classmethod(_torch_function), "__repr__": _repr, "__format__": _format, "set_": _set_,
-    "slot_bound": True, "__module__": __name__,
+    "_typed_storage": _typed_storage, "slot_bound": True, "__module__": __name__,
     "__doc__": "The .data of a bound weight outside its linear's forward (see [Note: reads of a bound weight]).",
 })
 
@@ -250,6 +339,7 @@ def guarded_class(cls: type) -> type:
             "__repr__": _repr,
             "__format__": _format,
             "set_": _set_,
+            "_typed_storage": _typed_storage,
             "slot_bound": True,
             "__module__": __name__,
             "__doc__": f"A {cls.__name__} bound to a weight-sharding slot (see [Note: bound weights]).",
@@ -366,6 +456,7 @@ def guard_bound_weight(target: ShardTarget, rank: int, reads: Callable[[], bool]
     if not _REGISTRATION_HOOK:
         _REGISTRATION_HOOK.append(nn.modules.module.register_module_parameter_registration_hook(_refuse_new_weight))
     _check_module_calls_first()
+    _refuse_slot_storage_source()
     if not getattr(target.module, "_weight_shard_state_dict_guard", False):
         target.module.register_load_state_dict_pre_hook(_refuse_state_dict(target))
         target.module._weight_shard_state_dict_guard = True
