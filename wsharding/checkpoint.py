@@ -387,7 +387,7 @@ def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, b
     # Checked first (a generator of patterns is read once, here): an argument mistake is named before
     # the checkpoint is opened.
     _refuse_kept_weights(kwargs)
-    if getattr(getattr(comm, "device", None), "type", None) == "cpu":  # a wrong comm is named below
+    if isinstance(comm, Communicator) and comm.device.type == "cpu":  # a wrong comm is named below
         # [Note: the CPU load path's allocator] Before anything is built or read: every large
         # allocation its own mapping, returned to the system when freed.
         map_large_allocations()
