@@ -230,3 +230,15 @@ def test_the_digest_holds_nothing_after_the_call():
         items = value.values() if isinstance(value, dict) else [value]
         held += sum(t.untyped_storage().nbytes() for t in items if isinstance(t, torch.Tensor))
     assert held == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_the_digest_of_a_weight_on_a_gpu_is_its_digest_on_the_cpu(dtype):
+    # Read to the host in blocks of 8 MiB: a weight of three blocks and a tail, and one at an odd offset.
+    w = torch.randn((3 << 21) + 5, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert weight_digest(w.cuda()) == weight_digest(w)
+    assert weight_digest(w.cuda()[1:]) == weight_digest(w[1:])
+    flipped = w.clone()
+    flipped.view(torch.uint8)[-1] ^= 0x80
+    assert weight_digest(flipped.cuda()) != weight_digest(w)
