@@ -35,7 +35,7 @@ from wsharding.empty_build import empty_parameters, materialize
 from wsharding.linear.base import process_weights
 from wsharding.linear.loading import check_scale_values
 from wsharding.linear.parameters import QuantScale
-from wsharding.memory import trim_host_heap
+from wsharding.memory import map_large_allocations, trim_host_heap
 from wsharding.runtime import in_ci
 from wsharding.safetensors_file import Checkpoint, SafetensorsError
 
@@ -65,6 +65,49 @@ def checkpoint_layout(model: nn.Module) -> Iterator[tuple[str, str, Any]]:
             yield name, name, None
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``model.state_dict()`` holds (persistent ones), by name; a buffer shared between
+    modules once, under its first name (as ``named_parameters`` names a tied parameter)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mname, m in model.named_modules():
+        for bname, b in m._buffers.items():
+            if b is None or bname in m._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out[f"{mname}.{bname}" if mname else bname] = b
+    return out
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Every other name of a tied parameter or persistent buffer (``head.weight`` tied to
+    ``embed.weight``) -> the name it is saved and loaded under (its first)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    named = [*model.named_parameters(remove_duplicate=False)]
+    for mname, m in model.named_modules(remove_duplicate=False):
+        named += [(f"{mname}.{n}" if mname else n, b) for n, b in m._buffers.items()
+                  if b is not None and n not in m._non_persistent_buffers_set]
+    for name, t in named:
+        if id(t) in first:
+            if first[id(t)] != name:
+                out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
+def _load_buffer(buf: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """A persistent buffer: the same shape; float to float converted as ``.to`` does, any other dtype
+    change refused (an int buffer holds indices or counts, which a conversion would change)."""
+    if tuple(tensor.shape) != tuple(buf.shape):
+        raise CheckpointError(f"buffer {name}: shape {list(tensor.shape)} does not match the buffer's {list(buf.shape)}")
+    if tensor.dtype != buf.dtype and not (tensor.dtype.is_floating_point and buf.dtype.is_floating_point):
+        raise CheckpointError(f"buffer {name}: the checkpoint's tensor is {tensor.dtype}, the buffer is {buf.dtype}: "
+                              "only float to float is converted")
+    buf.copy_(tensor)
+
+
 def _shard_piece(module: nn.Module, param: torch.Tensor, value: torch.Tensor, shard_id: Any) -> torch.Tensor:
     """The part of merged parameter ``param`` (its ``value``) that checkpoint sub-tensor ``shard_id`` holds."""
     blocks = {b[0]: b for b in module.row_sub_blocks()}
@@ -78,8 +121,9 @@ def _shard_piece(module: nn.Module, param: torch.Tensor, value: torch.Tensor, sh
 
 
 def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Write a replicated (tp 1) model's weights as a safetensors file, merged parameters split back
-    into their checkpoint tensors.
+    """Write a replicated (tp 1) model's weights and persistent buffers (everything its ``state_dict()``
+    holds, tied tensors once) as a safetensors file, merged parameters split back into their
+    checkpoint tensors.
 
     ``state_dict``: tensors to write instead of the parameters' own values. A sharded model (after
     finalize) holds none of its sharded weights whole -- each is a view of a gather slot -- so it is
@@ -107,6 +151,10 @@ def save_checkpoint(model: nn.Module, path: str | Path, state_dict: Mapping[str,
                 raise CheckpointError(f"{pname}: only models built with tp 1 can be saved as full checkpoints")
             p = _shard_piece(module, params[pname], p, shard_id)
         out[key] = p.contiguous().cpu()
+    # Persistent buffers are state too (what model.state_dict() holds besides the parameters): a round
+    # trip through the file keeps them, bit for bit.
+    for name, b in persistent_buffers(model).items():
+        out[name] = values.get(name, b).detach().contiguous().cpu()
     save_file(out, str(path))
 
 
@@ -157,9 +205,13 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
     through each parameter's weight loader, then (``process``) run the after-loading step of every
     linear that is not a sharding target.
 
-    Returns ``{"tensors", "row_shard_tensors", "bytes_read", "sharded_bytes_read", "skipped_tensors"}``:
-    sharded weights account for ``sharded_bytes_read``, exactly this rank's rows; ``skipped_tensors``
-    counts the checkpoint's tensors the model does not know, left unread (only with ``strict=False``).
+    Returns ``{"tensors", "row_shard_tensors", "bytes_read", "sharded_bytes_read", "skipped_tensors",
+    "buffers", "buffers_kept", "tied_tensors"}``: sharded weights account for ``sharded_bytes_read``,
+    exactly this rank's rows; ``skipped_tensors`` counts the checkpoint's tensors the model does not
+    know, left unread (only with ``strict=False``). Persistent buffers (what ``state_dict()`` holds
+    besides the parameters) are loaded too (``buffers``); one the checkpoint lacks is an error with
+    ``strict``, kept as built without (``buffers_kept``). A tied tensor's other name in the checkpoint
+    (``tied_tensors``) must hold the same bytes as its first, or the load is refused.
     Raises :class:`CheckpointError` naming the tensor when one is missing, unexpected (with
     ``strict``), misshapen or of a dtype that cannot be converted, and naming the index when a
     quantization scale is NaN, +-inf, negative, or 0 where its format has no zero
@@ -176,7 +228,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
     """
     params = dict(model.named_parameters())
     plan = list(checkpoint_layout(model))
-    counts = {"tensors": 0, "row_shard_tensors": 0, "bytes_read": 0, "sharded_bytes_read": 0, "skipped_tensors": 0}
+    buffers = persistent_buffers(model)
+    ties = tied_names(model)
+    counts = {"tensors": 0, "row_shard_tensors": 0, "bytes_read": 0, "sharded_bytes_read": 0, "skipped_tensors": 0,
+              "buffers": 0, "buffers_kept": 0, "tied_tensors": 0}
     try:
         ckpt = Checkpoint(path)
     except (SafetensorsError, OSError) as e:
@@ -191,7 +246,29 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
                 f"checkpoint {path} is missing tensor(s) {missing[:3]}{more} needed by the model; "
                 f"was it written for another model or preset?{lenient}"
             )
-        unexpected = sorted(keys - {k for k, _, _ in plan})
+        absent = [b for b in buffers if b not in keys]
+        if strict and absent:
+            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+            raise CheckpointError(
+                f"checkpoint {path} is missing persistent buffer(s) {absent[:3]}{more} of the model (its state_dict "
+                "holds them); pass strict=False to keep the values the model was built with")
+        counts["buffers_kept"] = len(absent)
+        # A tied tensor's other name (head.weight tied to embed.weight) is the model's too: the checkpoint's
+        # tensor under it must hold what the model loads under the first name, else one of the two would be
+        # ignored without a word (with strict=False, or as "unknown" with strict=True).
+        for alias in sorted(k for k in keys if k in ties):
+            first = ties[alias]
+            if first in keys:
+                a, b = ckpt.get(alias).read(), ckpt.get(first).read()
+                if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(-1).view(torch.uint8),
+                                                                              b.view(-1).view(torch.uint8)):
+                    raise CheckpointError(
+                        f"checkpoint {path}: {alias!r} and {first!r} are one tensor in the model (tied), and the "
+                        f"checkpoint holds different values for them ({a.dtype} {list(a.shape)} vs {b.dtype} "
+                        f"{list(b.shape)}): loading one would silently drop the other. Untie them in the model, or "
+                        "write a checkpoint where they agree")
+                counts["tied_tensors"] += 1
+        unexpected = sorted(keys - {k for k, _, _ in plan} - set(buffers) - set(ties))
         if strict and unexpected:
             more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
             raise CheckpointError(f"checkpoint {path} has tensor(s) the model does not know: {unexpected[:3]}{more}; "
@@ -219,8 +296,15 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
                         # before the loader copies it and before any requant uses it: a NaN or inf scale
                         # came out of the requant as 1.0, silently ([Note: checkpoint scales are finite]
                         # in wsharding/linear/loading.py); checked here, on the CPU copy just read
+                        # and a finite one that overflows where it is applied: to the layer's FP8 weight, in
+                        # its compute dtype
+                        owner = model.get_submodule(pname.rpartition(".")[0])
+                        weight = getattr(owner, "weight", None)
+                        compute = getattr(owner, "params_dtype", torch.float32)
                         check_scale_values(tensor, key, zero_allowed=param.zero_allowed, dtype=param.dtype,
-                                           error=CheckpointError)
+                                           error=CheckpointError,
+                                           codes=weight.dtype if isinstance(weight, torch.Tensor) else None,
+                                           into=compute if compute.is_floating_point else torch.float32)
                     tensor = tensor.to(param.device)
                     if loader is None:
                         _default_loader(param, tensor, pname)
@@ -233,6 +317,13 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, strict: bool = True, 
             except (ShardingError, CheckpointShapeError, SafetensorsError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"checkpoint tensor {key!r} (for parameter {pname}) cannot be loaded: {e}") from e
             counts["tensors"] += 1
+        for name, buf in buffers.items():
+            if name in keys:
+                try:
+                    _load_buffer(buf, ckpt.get(name).read().to(buf.device), name)
+                except (SafetensorsError, RuntimeError) as e:
+                    raise CheckpointError(f"checkpoint tensor {name!r} (for buffer {name}) cannot be loaded: {e}") from e
+                counts["buffers"] += 1
         counts["bytes_read"] = ckpt.bytes_read
     if process:
         process_weights(model)
@@ -288,15 +379,38 @@ def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, b
     nothing to compare here: every row comes from the checkpoint (``keep_initial_weights=False``), and
     the check compares weights kept as built. ``keep_initial_weights=True`` is refused (see
     :func:`_refuse_kept_weights`); every other keyword goes to ``shard_blocks``.
+
+    On CPU ranks (glibc) the process's allocations of 64 KiB or more become mappings of their own,
+    for good, so that the load meets its bound in the resident set too ([Note: the CPU load path's
+    allocator]).
     """
     # Checked first (a generator of patterns is read once, here): an argument mistake is named before
     # the checkpoint is opened.
     _refuse_kept_weights(kwargs)
+    if isinstance(comm, Communicator) and comm.device.type == "cpu":  # a wrong comm is named below
+        # [Note: the CPU load path's allocator] Before anything is built or read: every large
+        # allocation its own mapping, returned to the system when freed.
+        map_large_allocations()
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise InvalidArgument(f"model: a torch.nn.Module or a function that builds one, got {type(model).__name__}")
-        with empty_parameters():
-            model = model()
+        build = model
+        try:
+            with empty_parameters():
+                model = build()
+        except (NotImplementedError, RuntimeError) as e:
+            if "meta" not in str(e):
+                raise
+            # torch's words name none of this call ("Cannot copy out of meta tensor", ".item() on meta"):
+            # the constructor moved or read a weight, which has no values on meta.
+            error = InvalidArgument(
+                f"model: {getattr(build, '__qualname__', type(build).__name__)} cannot build the model without its "
+                f"weights -- load_sharded calls it inside empty_parameters() (every parameter on meta, no values) and "
+                f"its constructor moves or reads a weight ({type(e).__name__}: {str(e).split(';')[0].splitlines()[0][:120]}). "
+                "Pass the model built with its weights instead (every rank holds them whole first: BuiltWholeWarning), "
+                "or build it with a constructor that only creates its parameters")
+            abandon_sharding(comm, f"rank {comm.rank} stopped before finalize: {error}")
+            raise error from e
         if not isinstance(model, nn.Module):
             raise InvalidArgument(f"model: the function passed as the model returned {type(model).__name__}, "
                                   "not a torch.nn.Module")
@@ -313,15 +427,27 @@ def load_sharded(model: nn.Module | Callable[[], nn.Module], path: str | Path, b
 
     def load(ws: WeightSharding) -> dict[str, int]:
         _warn_built_whole(ws)
+        if comm.device.type == "cpu":  # [Note: the CPU load path's allocator]
+            ws.after_rows_freed = trim_host_heap
         materialize(built, comm.device)  # after setup: only the parameters that are not targets are left on meta
         return load_checkpoint(built, path, strict=strict)
 
     ws = shard_blocks(model, blocks, patterns, comm, sharded_layers=layers, keep_initial_weights=False,
                       verify_replicas=verify_replicas, load=load, **kwargs)
     ws.model = model
-    # On CPU ranks the weights live in the host heap: the checkpoint's read buffers and the row shards that
-    # chunks replaced are free by now, but glibc keeps them resident until its heap is trimmed -- without
-    # this a rank's resident set stays at the load's high-water mark, up to R, not at the bytes it holds.
+    # [Note: the CPU load path's allocator]
+    # On CPU ranks the weights live in the host heap, and glibc's default allocator keeps what the load
+    # frees -- the checkpoint's read buffers, the row shards that chunks replaced -- resident in its heap:
+    # freeing a mapped block raises its mmap threshold (up to 32 MiB), so the next weights of that size
+    # come from the heap, and a heap gives memory back only from its top. A rank's resident set then
+    # followed the load's high-water mark, not the bytes it holds: cpu-blocks on 2 ranks peaked at
+    # 766-834 MiB during finalize for a bound of 640 MiB (`bench load`). So load_sharded first sets the
+    # process's mmap threshold (and trim threshold) to 64 KiB -- a setting of the whole process that
+    # stays, and that stops glibc from raising it again. That is not enough where the heap already
+    # holds free memory (a model built and freed earlier in the process): glibc serves new allocations
+    # from its free lists before it maps anything, so row shards land in the heap again and stay
+    # resident when freed. So finalize also trims the heap each time a layer's row shards are freed
+    # (``ws.after_rows_freed``), and load_sharded trims it once more at the end.
     ws.host_bytes_released = trim_host_heap() if comm.device.type == "cpu" else 0
     return ws
 

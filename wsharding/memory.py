@@ -132,14 +132,17 @@ class PeakMeter:
     """``with PeakMeter(device, held_bytes=...) as m: ...`` then ``m.result`` (a :class:`LoadPeak`)."""
 
     def __init__(self, device: torch.device | str, *, held_bytes: int = 0,
-                 outside_allocator: Callable[[], int] | None = None) -> None:
+                 outside_allocator: Callable[[], int] | None = None, map_host: bool = True) -> None:
         self.device = torch.device(device)
         self.held = int(held_bytes)
         self.outside = outside_allocator
+        #: On CPU ranks, map every large allocation on its own before measuring; False measures the
+        #: allocator as the work itself leaves it (what a caller who never set it gets).
+        self.map_host = map_host
         self.result: LoadPeak | None = None
 
     def __enter__(self) -> PeakMeter:
-        self._mapped = map_large_allocations() if self.device.type == "cpu" else False
+        self._mapped = map_large_allocations() if self.device.type == "cpu" and self.map_host else False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

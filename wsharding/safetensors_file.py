@@ -195,8 +195,10 @@ class Checkpoint:
     same: every tensor it lists is in the file it names, and every tensor of those files is listed --
     for that file. A tensor held by two files is refused as ambiguous rather than read from either:
     which copy a loader reads depends on the loader (the index's file, or the last file read), so
-    the same folder would load differently elsewhere. Without an index the folder's
-    ``model.safetensors`` is the only file read.
+    the same folder would load differently elsewhere. A folder's ``model.safetensors`` is read alone,
+    whether or not an index is there too: transformers' ``from_pretrained`` takes that file before
+    the index (``modeling_utils``: ``SAFE_WEIGHTS_NAME`` is tried first), and a folder must load here
+    as it loads there -- with the index, the two could hold different models.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -205,7 +207,11 @@ class Checkpoint:
         try:
             if p.is_dir():
                 index = p / INDEX_NAME
-                if index.exists():  # os.stat: answers for a FIFO too, which read_index then refuses
+                single = p / "model.safetensors"
+                if single.exists():  # before the index, as transformers' from_pretrained reads a folder
+                    files.append(SafetensorsFile(single))
+                    where = dict.fromkeys(files[0].keys(), files[0])  # one header: its names are unique
+                elif index.exists():  # os.stat: answers for a FIFO too, which read_index then refuses
                     weight_map = read_index(index)
                     names = sorted(set(weight_map.values()))
                     for name in names:
@@ -217,9 +223,6 @@ class Checkpoint:
                     for name in names:
                         files.append(SafetensorsFile(p / name))
                     where = _agree_with_index(index, weight_map, dict(zip(names, files, strict=True)))
-                elif (p / "model.safetensors").exists():
-                    files.append(SafetensorsFile(p / "model.safetensors"))
-                    where = dict.fromkeys(files[0].keys(), files[0])  # one header: its names are unique
                 else:
                     raise SafetensorsError(f"{p}: no model.safetensors or {INDEX_NAME} in this folder")
             else:

@@ -207,3 +207,16 @@ def test_chunk_alignment_pads_every_chunk_to_whole_pages():
     for wrong in (8, 3 << 20, "2M"):
         with pytest.raises(LayoutError, match="chunk_alignment.* a power of two >= alignment"):
             FlatLayout(specs, 2, chunk_alignment=wrong)
+
+
+@pytest.mark.parametrize("n", [8, 9, 10**6, 10**8])
+def test_repr_is_bounded_whatever_the_group_size(n):
+    # One line per rank: 18 s at N = 10**6, no answer at 10**8. Now the first and last four ranks.
+    lay = FlatLayout([("a", (n, 2), torch.float32), ("b", (n,), torch.bfloat16)], n)
+    text = repr(lay)
+    lines = text.splitlines()
+    assert len(lines) == 2 + 2 + 8 + (n > 8)
+    assert lines[4].startswith("  rank 0: bytes [0, ") and lines[-1].startswith(f"  rank {n - 1}: ")
+    assert len(text) < 1200
+    if n > 8:
+        assert f"... ranks 4 to {n - 5} ({n - 8} more)" in text

@@ -237,3 +237,39 @@ def test_a_bad_scale_in_one_rank_s_copy_is_named_on_the_other(cluster_of, tmp_pa
     assert time.monotonic() - start < 60
     assert kind1 == "CheckpointError" and "layers.3.attn.o_proj.weight_scale_inv[1, 0] is inf" in detail1, detail1
     assert kind0 == "ShardingError" and "rank(s) [1] cannot finalize" in detail0, detail0
+
+
+@pytest.mark.parametrize("variant, key, index", [
+    ("fp8_block", "layers.1.attn.q_proj.weight_scale_inv", (1, 1)),
+    ("fp8", "layers.1.attn.k_proj.weight_scale", ()),
+    ("fp8", "layers.1.attn.o_proj.input_scale", (0,)),
+])
+def test_a_finite_fp8_scale_that_overflows_when_applied_is_refused_like_an_infinite_one(tmp_path, monkeypatch,
+                                                                                         variant, key, index):
+    # 1e36 is a finite float32, but times an e4m3 code of 448 it is ~4.5e38: inf in float32 and bf16.
+    path, cfg = _checkpoint(tmp_path, variant, key, index, 1e36)
+    where = f"[{', '.join(map(str, index))}]" if index else ""
+    with pytest.raises(CheckpointError, match=re.escape(f"{key}{where} is 1e+36: finite, but applied to "
+                                                        "torch.float8_e4m3fn values (up to 448)")):
+        load_checkpoint(ToyDecoder(cfg, seed=1), path)
+    unchecked = _load_unchecked(monkeypatch, cfg, path)
+    if key.endswith("input_scale"):
+        o = unchecked.layers[1].attn.o_proj  # every activation x / 1e36 rounds to the code 0: a projection of zeros
+        assert (o(torch.randn(3, o.input_size, dtype=o.params_dtype)) == 0).all()
+    else:
+        lin = unchecked.layers[1].attn.qkv_proj
+        assert not torch.isfinite(lin.quant_method.dequantized_weight(lin)).all()
+
+
+def test_a_large_fp8_scale_that_fits_loads(tmp_path):
+    path, cfg = _checkpoint(tmp_path, "fp8", "layers.1.attn.k_proj.weight_scale", (), 1e30)
+    load_checkpoint(ToyDecoder(cfg, seed=1), path)
+
+
+def test_the_overflow_rule_in_the_compute_dtype():
+    # A per-tensor weight scale of 200: 200 * 448 = 89600 is more than float16 holds (65504), not bfloat16.
+    s = torch.tensor(200.0)
+    check_scale_values(s, "w", zero_allowed=False, codes=torch.float8_e4m3fn, into=torch.bfloat16)
+    with pytest.raises(Exception, match=r"w is 2e\+02: finite, but .* more than torch.float16 holds \(6.55e\+04\)"):
+        check_scale_values(s, "w", zero_allowed=False, codes=torch.float8_e4m3fn, into=torch.float16)
+    check_scale_values(torch.tensor(1e36), "int codes", zero_allowed=False, codes=torch.int8)  # not FP8: no rule

@@ -53,6 +53,8 @@ Parameter (its metadata answers, ``w.data = w.data`` is a no-op; reads and edits
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -79,7 +81,7 @@ _METADATA = frozenset(
     + [getattr(_T, n) for n in (
         "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
         "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "data_ptr",
-        "untyped_storage", "storage", "_typed_storage", "is_inference", "is_shared", "is_pinned", "requires_grad_",
+        "untyped_storage", "is_inference", "is_shared", "is_pinned", "requires_grad_",
         "_is_view", "is_same_size", "__len__", "__dir__", "__sizeof__", "is_conj", "is_neg", "_is_zerotensor")
         if hasattr(_T, n)]
     + [torch.numel, torch.is_floating_point, torch.is_complex, torch._has_compatible_shallow_copy_type])
@@ -161,13 +163,102 @@ def _refuse_use(t: torch.Tensor, func: Any, converted: torch.Tensor | None = Non
         "block); convert, initialize, re-parametrize or load the model before it is sharded")
 
 
+# [Note: storage-level reads of a bound weight]
+# ``w.untyped_storage()`` is metadata for most callers (its ``data_ptr``, ``nbytes``: safetensors and
+# transformers find shared tensors so), but the storage object also reads and copies the bytes --
+# ``tolist``, indexing, ``cpu``, ``clone``, pickling, ``torch.empty(0).set_(storage)`` -- and a bound
+# weight's storage is its slot: whichever layer was gathered last. So outside the forward the storage
+# comes back as a :class:`SlotStorage`: the same storage (torch keeps one Python object per storage,
+# so every view of the slot answers with it from then on), whose metadata answers and whose every
+# read, copy or edit of bytes is refused -- ``Tensor.set_`` with it as the source too (wrapped once
+# per process). Inside the forward (torch functions off: ``raw_access``) it reads as any storage.
+# ``storage()`` and ``_typed_storage()`` (deprecated TypedStorage views, which torch's serialization
+# writes byte for byte) are refused outright. A raw address (``data_ptr()`` into ctypes) is beyond
+# any guard: it is the caller's own memory access.
+_STORAGE_READS = frozenset(n for n in (
+    "__copy__", "__deepcopy__", "__delitem__", "__getitem__", "__getstate__", "__iter__", "__reduce__",
+    "__reduce_ex__", "__setitem__", "_byteswap", "_resize_with_addr_", "_set_cdata", "_set_from_file", "_share_cuda_",
+    "_share_fd_cpu_", "_share_filename_cpu_", "_swap_data_ptr_", "_to", "_write_file", "bfloat16", "bool", "byte",
+    "byteswap", "char", "clone", "complex_double", "complex_float", "copy_", "cpu", "cuda", "double", "fill_", "float",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "half", "hpu", "int", "long", "mps",
+    "pin_memory", "resize_", "share_memory_", "short", "to", "tolist", "type") if hasattr(torch.UntypedStorage, n))
+
+
+def _storage_refusal(what: str) -> ShardingError:
+    return ShardingError(
+        f"{what} of a sharded weight's storage outside its linear's forward: after finalize the storage is a "
+        "weight-sharding slot that every step refills with whichever layer uses it, so its bytes are another "
+        "layer's, not this weight. Its metadata (data_ptr, nbytes) answers; to read or save the weights, take "
+        "WeightSharding.full_state_dict(model) -- a collective: every rank of the shard group calls it")
+
+
+def _storage_method(name: str) -> Callable[..., Any]:
+    inner = getattr(torch.UntypedStorage, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._is_torch_function_enabled():
+            raise _storage_refusal(f"UntypedStorage.{name}")
+        return inner(self, *args, **kwargs)
+
+    return method
+
+
+def _storage_repr(self: Any) -> str:
+    return (f"SlotStorage(a weight-sharding slot's storage, {torch.UntypedStorage.nbytes(self)} bytes on "
+            f"{torch.UntypedStorage.device.__get__(self)}: its bytes are whichever layer was gathered last)")
+
+
+#: The storage of a bound weight outside its linear's forward ([Note: storage-level reads of a bound weight]).
+SlotStorage = type("SlotStorage", (torch.UntypedStorage,), {
+    **{n: _storage_method(n) for n in _STORAGE_READS}, "__repr__": _storage_repr, "__str__": _storage_repr,
+    "__format__": lambda self, spec: format(_storage_repr(self), spec), "__module__": __name__,
+    "__doc__": "A weight-sharding slot's storage: metadata answered, bytes refused outside the forward."})
+
+_TYPED_STORAGE = frozenset(getattr(_T, n) for n in ("storage", "_typed_storage") if hasattr(_T, n))
+_PLAIN_SET: list[Any] = []
+
+
+def _is_slot_storage(a: object) -> bool:
+    """A :class:`SlotStorage`, or a TypedStorage over one."""
+    return isinstance(a, SlotStorage) or isinstance(getattr(a, "_untyped_storage", None), SlotStorage)
+
+
+def _typed_storage(self: torch.Tensor) -> Any:
+    """``Tensor._typed_storage`` (torch's internal TypedStorage view, not dispatched to
+    ``__torch_function__``): refused outside the forward ([Note: storage-level reads of a bound weight])."""
+    if torch._C._is_torch_function_enabled() and not _readable(self):
+        raise _storage_refusal("Tensor._typed_storage()")
+    return torch.Tensor._typed_storage(self)
+
+
+def _refuse_slot_storage_source() -> None:
+    """Wrap ``torch.Tensor.set_`` once: a :class:`SlotStorage` as the source is refused outside the forward."""
+    if _PLAIN_SET:
+        return
+    inner = torch.Tensor.set_
+    _PLAIN_SET.append(inner)
+
+    @functools.wraps(inner)
+    def set_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch._C._is_torch_function_enabled() and any(map(_is_slot_storage, (*args, *kwargs.values()))):
+            raise _storage_refusal("Tensor.set_ from the storage")
+        return inner(self, *args, **kwargs)
+
+    torch.Tensor.set_ = set_  # type: ignore[method-assign]
+
+
 def _torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
     """[Note: reads of a bound weight]: metadata answered, a no-op conversion returned, a read inside
     the weight's own block run, the rest refused (never called inside a sharded linear's forward)."""
     kwargs = kwargs or {}
     if func in _METADATA:
         with raw_access():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func is _T.untyped_storage and type(out) is torch.UntypedStorage:
+            out.__class__ = SlotStorage  # [Note: storage-level reads of a bound weight]
+        return out
+    if func in _TYPED_STORAGE and not all(map(_readable, _bound_in(args, kwargs))):
+        raise _storage_refusal(f"Tensor.{func.__name__}()")
     bound = _bound_in(args, kwargs)
     if all(map(_readable, bound)) and not _is_edit(func):
         with raw_access():
@@ -205,7 +296,7 @@ def _set_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 #: version counter) with the same guard.
 SlotBoundData = type("SlotBoundData", (torch.Tensor,), {
     "__torch_function__": classmethod(_torch_function), "__repr__": _repr, "__format__": _format, "set_": _set_,
-    "slot_bound": True, "__module__": __name__,
+    "_typed_storage": _typed_storage, "slot_bound": True, "__module__": __name__,
     "__doc__": "The .data of a bound weight outside its linear's forward (see [Note: reads of a bound weight]).",
 })
 
@@ -248,6 +339,7 @@ def guarded_class(cls: type) -> type:
             "__repr__": _repr,
             "__format__": _format,
             "set_": _set_,
+            "_typed_storage": _typed_storage,
             "slot_bound": True,
             "__module__": __name__,
             "__doc__": f"A {cls.__name__} bound to a weight-sharding slot (see [Note: bound weights]).",
@@ -255,15 +347,73 @@ def guarded_class(cls: type) -> type:
     return _GUARDED[cls]
 
 
+def _state_dict_refusal(name: str, label: str) -> ShardingError:
+    return ShardingError(
+        f"load_state_dict: {name} ({label}) is sharded and bound to a slot; a copy into it would be overwritten by "
+        "the next gather. Load checkpoints before finalize (wsharding.checkpoint.load_checkpoint), or into the "
+        "unsharded model. Nothing of the model was changed")
+
+
 def _refuse_state_dict(target: ShardTarget):
     def hook(module, state_dict, prefix, *args, **kwargs):
         if prefix + "weight" in state_dict:
-            raise ShardingError(
-                f"load_state_dict: {prefix}weight ({target.label}) is sharded and bound to a slot; a copy into it "
-                "would be overwritten by the next gather. Load checkpoints before finalize "
-                "(wsharding.checkpoint.load_checkpoint), or into the unsharded model."
-            )
+            raise _state_dict_refusal(prefix + "weight", target.label)
     return hook
+
+
+# [Note: refused before anything changes]
+# ``model.half()`` walks the modules in order and converts each one's tensors: the guard of a bound
+# weight refuses when the walk reaches it, and every module before it -- an embedding, a norm, the
+# blocks left replicated -- stays converted: a model half in fp16 whose next step is off without a
+# word. ``model.load_state_dict(sd)`` likewise copies module by module until a sharded linear's hook
+# refuses. So both are checked at the call on the module the user called them on, before torch
+# changes anything: ``Module._apply`` (behind ``.to``, ``.half``, ``.float``, ``.double``,
+# ``.bfloat16``, ``.type``, ``.cuda``, ``.cpu``, ``.to_empty``, ``share_memory``) first applies its
+# conversion to each bound weight below it -- a conversion that is a no-op returns the weight itself,
+# any other is refused by the weight's own guard -- and ``load_state_dict`` first looks for a key of
+# a bound weight. Both are torch's methods wrapped once per process, at the first finalize; the
+# outermost ``_apply`` of a call (a thread-local flag) looks at its bound weights, nested ones do not.
+_OUTER = threading.local()
+_MODULE_PATCHES: list[tuple[str, Any]] = []
+
+
+def _bound_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in module.named_parameters() if getattr(type(p), "slot_bound", False)]
+
+
+def _checked_apply(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], Any], *args: Any, **kwargs: Any) -> Any:
+        if getattr(_OUTER, "applying", False):
+            return inner(self, fn, *args, **kwargs)
+        for _, p in _bound_parameters(self):  # [Note: refused before anything changes]
+            fn(p)  # the weight itself for a no-op conversion; refused (ShardingError) otherwise
+        _OUTER.applying = True
+        try:
+            return inner(self, fn, *args, **kwargs)
+        finally:
+            _OUTER.applying = False
+
+    return _apply
+
+
+def _checked_load_state_dict(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def load_state_dict(self: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        for name, p in _bound_parameters(self):  # [Note: refused before anything changes]
+            if name in state_dict:
+                raise _state_dict_refusal(name, p.__dict__.get("weight_shard_label", "a sharded weight"))
+        return inner(self, state_dict, *args, **kwargs)
+
+    return load_state_dict
+
+
+def _check_module_calls_first() -> None:
+    """Wrap ``nn.Module._apply`` and ``nn.Module.load_state_dict`` once ([Note: refused before anything changes])."""
+    if _MODULE_PATCHES:
+        return
+    for name, wrap in (("_apply", _checked_apply), ("load_state_dict", _checked_load_state_dict)):
+        inner = getattr(nn.Module, name)
+        _MODULE_PATCHES.append((name, inner))
+        setattr(nn.Module, name, functools.wraps(inner)(wrap(inner)))
 
 
 def bound_parameter(module: nn.Module) -> torch.Tensor | None:
@@ -305,6 +455,8 @@ def guard_bound_weight(target: ShardTarget, rank: int, reads: Callable[[], bool]
     target.module.__dict__["_weight_shard_bound"] = weakref.ref(p)  # not a registered attribute
     if not _REGISTRATION_HOOK:
         _REGISTRATION_HOOK.append(nn.modules.module.register_module_parameter_registration_hook(_refuse_new_weight))
+    _check_module_calls_first()
+    _refuse_slot_storage_source()
     if not getattr(target.module, "_weight_shard_state_dict_guard", False):
         target.module.register_load_state_dict_pre_hook(_refuse_state_dict(target))
         target.module._weight_shard_state_dict_guard = True

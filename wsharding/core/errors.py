@@ -78,6 +78,17 @@ def require_int(value: object, name: str, *, minimum: int | None = 0, maximum: i
     return number
 
 
+def require_bool(value: object, name: str, *, where: str = "") -> bool:
+    """``value`` when it is a ``bool``; else :class:`InvalidType` naming ``name``. A switch is True or
+    False: ``"no"`` or ``"false"`` is a non-empty string, and taken as a truth value it means on."""
+    if not isinstance(value, bool):
+        prefix = f"{where}: " if where else ""
+        kind = ("a str: any non-empty text is true, 'no' included" if isinstance(value, str)
+                else f"a {type(value).__name__}")
+        raise InvalidType(f"{prefix}{name}: expected True or False, got {value!r} ({kind}); pass a bool")
+    return value
+
+
 def _kind(value: object) -> str:
     """What ``value`` is, said so that the user sees why it is not taken as a whole number."""
     if isinstance(value, bool):

@@ -83,7 +83,7 @@ import torch
 from wsharding.core.backpressure import StepBackpressure
 from wsharding.core.comm import CommError, Communicator, PreparedGather
 from wsharding.core.edits import BoundVersions, refuse_edits, version_of
-from wsharding.core.errors import InvalidArgument, ShardingError
+from wsharding.core.errors import InvalidArgument, ShardingError, require_bool
 from wsharding.core.layout import FlatLayout
 from wsharding.core.schedule import GatherSchedule, ScheduledGather, lookahead_schedule, slot_name
 from wsharding.core.slots import SlotPool
@@ -258,7 +258,7 @@ class WeightShardPlanner:
         self.misses = 0
         #: Schedule policies attached (:class:`~wsharding.core.plugins.PlannerPlugin`), in order.
         self.plugins: list[Any] = []
-        self._lookahead = lookahead
+        self._lookahead = require_bool(lookahead, "lookahead")
         self._schedule_fn: ScheduleFn | None = None
         self._schedules: dict[tuple[int, int | None, bool], _Plan] = {}
         self._taken: set[int] = set()  # layers whose gather of this step was issued ahead of it
@@ -285,7 +285,7 @@ class WeightShardPlanner:
     @lookahead.setter
     def lookahead(self, on: bool) -> None:
         self._between_steps("lookahead")
-        self._lookahead = bool(on)
+        self._lookahead = require_bool(on, "lookahead")
 
     def add_plugin(self, plugin: Any) -> None:
         """Attach a schedule policy: from the next step on, every schedule goes through its ``shape``.

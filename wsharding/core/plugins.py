@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeVar
 
+from wsharding.core.errors import InvalidType
 from wsharding.core.schedule import GatherSchedule
 
 if TYPE_CHECKING:
@@ -49,3 +50,20 @@ class PlannerPlugin:
 
     def close(self, planner: WeightShardPlanner) -> None:
         """The sharding closes (the planner has joined every gather in flight)."""
+
+
+def check_plugins(plugins: object) -> list[PlannerPlugin]:
+    """``plugins`` as a list when it is a list or tuple of :class:`PlannerPlugin`; else
+    :class:`~wsharding.core.errors.InvalidType` naming what was given (one plug-in passed alone is
+    the usual slip: ``plugins=[NextStepPrefetch()]``)."""
+    if isinstance(plugins, PlannerPlugin):
+        name = type(plugins).__name__
+        raise InvalidType(f"plugins: expected a list of planner plug-ins, got one {name}; pass plugins=[{name}()]")
+    if not isinstance(plugins, (list, tuple)):
+        raise InvalidType(f"plugins: expected a list of planner plug-ins, got {type(plugins).__name__}; pass a list "
+                          "such as [NextStepPrefetch()] (wsharding.accel.next_step), or leave it out")
+    wrong = [type(p).__name__ for p in plugins if not isinstance(p, PlannerPlugin)]
+    if wrong:
+        raise InvalidType(f"plugins: {', '.join(wrong)} is not a planner plug-in (a PlannerPlugin of "
+                          "wsharding.core.plugins, such as NextStepPrefetch)")
+    return list(plugins)

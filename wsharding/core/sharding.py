@@ -32,10 +32,11 @@ from wsharding.core.comm import CommError, Communicator
 from wsharding.core.contract import rebind_tensor
 from wsharding.core.declare import ShardDecision, ShardingSkipWarning, layer_indices, target_name, validate_target
 from wsharding.core.edits import refuse_edits
+from wsharding.core.errors import require_bool
 from wsharding.core.guards import BoundWeightGuards
 from wsharding.core.layout import FlatLayout
 from wsharding.core.planner import NOT_COPIED, ShardedLayer, WeightShardPlanner
-from wsharding.core.plugins import PlannerPlugin
+from wsharding.core.plugins import PlannerPlugin, check_plugins
 from wsharding.core.redistribute import agree_or_raise, redistribute_layer, set_weight_data
 from wsharding.core.replicas import weight_digest
 from wsharding.core.resident import resident_formula
@@ -139,11 +140,11 @@ class WeightSharding:
         #: binding's mapped layer views), else plain slots. Asked before anything is declared: a
         #: mapped chunk must be whole pages.
         self.slot_policy: SlotPolicy = comm.slot_policy(map_own_chunk) or plain_slot_policy(comm, map_own_chunk)
-        self.lookahead = lookahead
-        self.plugins = list(plugins)
-        self.trace = trace
-        self.keep_initial_weights = keep_initial_weights
-        self.verify_replicas = verify_replicas
+        self.lookahead = require_bool(lookahead, "lookahead")
+        self.plugins = check_plugins(plugins)
+        self.trace = require_bool(trace, "trace")
+        self.keep_initial_weights = require_bool(keep_initial_weights, "keep_initial_weights")
+        self.verify_replicas = require_bool(verify_replicas, "verify_replicas")
         indices = layer_indices(sharded_layers)
         self.sharded_range = None if indices is None else set(indices)
         self.stage = "declared"
@@ -164,6 +165,10 @@ class WeightSharding:
         self.declared_blocks: dict[int, tuple[nn.Module, dict[tuple, list[Place]]]] = {}
         self.slots: SlotPool | None = None
         self.planner: WeightShardPlanner | None = None
+        #: Called in finalize each time a layer's row shards are freed (before its chunk is allocated):
+        #: on CPU ranks :func:`~wsharding.checkpoint.load_sharded` gives the freed memory back to the
+        #: system there, so that the next chunk does not add to the resident set.
+        self.after_rows_freed: Callable[[], object] | None = None
         if layers is not None:
             layers = list(layers)
             for i in self.sharded_range or range(len(layers)):
@@ -230,6 +235,15 @@ class WeightSharding:
             warnings.warn(f"layer {layer_id}: {len(left)} weight{'s' * (len(left) > 1)} left replicated, rows not "
                           f"divisible by the group size {self.comm.world_size}: {', '.join(left)}",
                           ShardingSkipWarning, stacklevel=3)
+        for t in chosen:
+            if t.module.weight.is_inference():
+                # Finalize tracks in-place edits of every bound weight by its version counter, which an
+                # inference tensor does not keep: refused here, before anything of the layer changes.
+                raise ShardingError(
+                    f"layer {layer_id} {t.name}.weight on rank {self.comm.rank} is an inference tensor (the model was "
+                    "built under torch.inference_mode()), and a sharded weight needs the version counter that "
+                    "inference tensors do not keep. Build the model outside torch.inference_mode() (torch.no_grad() "
+                    "is enough); running the sharded model under inference_mode is fine")
         for t in chosen:
             # A weight tied between two layers (or one block at two places of the list) would be shrunk,
             # bound to a slot and gathered once per place: each sharded layer needs weights of its own.
@@ -349,6 +363,8 @@ class WeightSharding:
         redistribution peak: notebook 04 §3).
         """
         def seen(stage: str, layer: int | None = None) -> None:
+            if stage == "rows packed" and self.after_rows_freed is not None:
+                self.after_rows_freed()
             if observe is not None:
                 observe(stage, layer)
 

@@ -75,7 +75,8 @@ def pad_or_narrow(loaded: torch.Tensor, dim: int, start: int, size: int) -> torc
 # becomes NaN, every other product 0, whatever the input), and a weight_scale of 0 says a whole
 # projection is zero, which a quantizer writes only for a weight it read empty: a damaged export.
 def check_scale_values(values: torch.Tensor, name: str, *, zero_allowed: bool, dtype: torch.dtype | None = None,
-                       error: type[WshardingError] = InvalidArgument) -> None:
+                       error: type[WshardingError] = InvalidArgument, codes: torch.dtype | None = None,
+                       into: torch.dtype = torch.float32) -> None:
     """Refuse a quantization scale ``values`` (checkpoint tensor ``name``) that holds NaN, +-inf, a
     negative value, or 0 where ``zero_allowed`` is False, naming the index of the first such value
     (row-major) and how many more there are ([Note: checkpoint scales are finite]).
@@ -83,6 +84,12 @@ def check_scale_values(values: torch.Tensor, name: str, *, zero_allowed: bool, d
     ``dtype``: the parameter's dtype, when the loader converts the tensor to it: the converted values
     are checked, since they are what the model computes with (a float64 1e300 is inf in float32).
     ``error``: the class raised (:func:`wsharding.checkpoint.load_checkpoint` passes ``CheckpointError``).
+
+    ``codes``: the FP8 dtype of the values the scale multiplies (the layer's weight), ``into``: the
+    dtype the products are computed in. A finite scale whose largest product -- the code's largest
+    value times the scale rounded up to a power of two, as the UE8M0 requant may round it -- is not
+    finite in ``into`` is refused like an infinite one: applied, it makes the same inf
+    ([Note: checkpoint scales are finite]).
     """
     seen = values
     if dtype is not None and dtype.is_floating_point and dtype != values.dtype:
@@ -92,6 +99,22 @@ def check_scale_values(values: torch.Tensor, name: str, *, zero_allowed: bool, d
     if seen.element_size() == 1:
         seen = seen.float()  # FP8 scales (e8m0, e4m3): read as float32, which holds every one of their values
     bad = ~torch.isfinite(seen) | (seen < 0 if zero_allowed else seen <= 0)
+    if not bool(bad.any()) and codes is not None and codes.is_floating_point and codes.itemsize == 1:
+        # float64 holds every product exactly enough: 2**128 * 448 is far inside its range
+        m, e = torch.frexp(seen.double())
+        rounded = torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e))
+        limit = min(torch.finfo(into).max, torch.finfo(torch.float32).max)
+        over = rounded * torch.finfo(codes).max > limit
+        if bool(over.any()):
+            at = tuple(over.nonzero()[0].tolist())
+            index = f"[{', '.join(map(str, at))}]" if at else ""
+            count = int(over.sum())
+            more = f"; {count - 1} more of its {seen.numel()} values overflow too" if count > 1 else ""
+            raise error(
+                f"{name}{index} is {_shortest(seen[at])}: finite, but applied to {codes} values (up to "
+                f"{torch.finfo(codes).max:g}) it gives more than {into} holds ({limit:.4g}) -- inf, as a non-finite "
+                f"scale would{more}. Loaded, it would silently turn the weights it scales into +-inf. Re-export "
+                "the checkpoint, and check the quantizer that wrote it")
     if not bool(bad.any()):
         return
     at = tuple(bad.nonzero()[0].tolist())  # nonzero lists indices in row-major order: the first bad value

@@ -91,7 +91,8 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
         def peak_now(base: int = base, out0: int = out0) -> int:
             return torch.cuda.max_memory_allocated(dev) - base + outside() - out0 if cuda else 0
 
-        with PeakMeter(dev, outside_allocator=outside) as meter:
+        # map_host=False: on CPU ranks the allocator as load_sharded itself leaves it, not as a meter sets it
+        with PeakMeter(dev, outside_allocator=outside, map_host=False) as meter:
             checkpoint_module.materialize = _measuring(inner, seen)
             checkpoint_module.load_checkpoint = _reading(inner_read, seen, peak_now)
             try:
@@ -126,7 +127,8 @@ def load_peak_rank(ctx: RankContext, preset: str, path: str, tokens: int, comm: 
         if not cuda:
             # the resident set, not the package's count: what the rank's process really keeps (the meter
             # maps every large allocation on its own, so freed weights leave the resident set)
-            host = {"rss_after_load": rss_bytes() - rss0, "trimmed": ws.host_bytes_released}
+            host = {"rss_after_load": rss_bytes() - rss0, "trimmed": ws.host_bytes_released,
+                    "load_rss_peak": meter.result.host_peak_bytes, "peak_exact": meter.result.host_exact}
             with torch.no_grad():
                 model(x)  # touches the slots' pages, which stay untouched until their first gather
             host["rss_steady"] = rss_bytes() - rss0
@@ -186,12 +188,19 @@ def format_table(results: list[dict[str, Any]], preset: str, tokens: int) -> str
                          f"| +{(b['forward_peak'] - b['steady']) / MiB:.1f}")
     if r0["meta"]["host"] is not None:
         lines.append("  host memory on meta, MiB per rank (the resident set above the rank's own before the build; "
-                     "large allocations mapped one by one):")
+                     "large allocations mapped one by one by load_sharded):")
         for r in results:
             b, h = r["meta"], r["meta"]["host"]
             lines.append(f"  {r['rank']:>4} | held {(b['resident'] + b['rest']) / MiB:.1f} | resident set after the "
                          f"load {h['rss_after_load'] / MiB:.1f} (slots untouched), after a forward "
                          f"{h['rss_steady'] / MiB:.1f} | heap trim gave back {h['trimmed'] / MiB:.1f}")
+        lines.append("  the whole load on meta, finalize included: peak of the resident set above the rank's own "
+                     "before the build, MiB per rank (glibc's allocator as load_sharded leaves it):")
+        for r in results:
+            b, h = r["meta"], r["meta"]["host"]
+            lines.append(f"  {r['rank']:>4} | peak {h['load_rss_peak'] / MiB:.1f} | bound {b['bound'] / MiB:.1f} | "
+                         f"{'within' if h['load_rss_peak'] <= b['bound'] else 'ABOVE'} the bound"
+                         + ("" if h["peak_exact"] else " (the process's lifetime peak: its mark could not be reset)"))
         h = r0["meta"]["host"]
         lines.append(f"  a forward's transient (rank 0): +{h['forward_transient'] / MiB:.1f} MiB of resident set, "
                      f"{h['forward_transient'] / h['largest_layer']:.2f} x the largest layer "
