@@ -39,12 +39,12 @@ def parse_report(text: str, path: str | os.PathLike[str]) -> Any:
     """The JSON of ``text``, refused in one line when it is not JSON, holds NaN or an infinity (a
     figure of no value), or nests deeper than :data:`MAX_DEPTH`."""
     def constant(name: str) -> float:
-        raise ValueError(f"holds {name}, which is no figure")
+        raise InvalidArgument(f"holds {name}, which is no figure")
 
     def number(literal: str) -> float:
         x = float(literal)
         if not math.isfinite(x):
-            raise ValueError(f"holds the number {literal[:20]}, too large for a float")
+            raise InvalidArgument(f"holds the number {literal[:20]}, too large for a float")
         return x
 
     try:
