@@ -63,6 +63,7 @@ FLOORS: dict[str, int] = {
     "wsharding.checkpoint": 7,
     "wsharding.models": 8,
     "wsharding.serve": 9,
+    "wsharding.engines": 9,
     "wsharding": 10,  # the package face: re-exports only
     # ---- the teaching layer ----
     "wsharding.lab": 20,

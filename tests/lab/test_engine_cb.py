@@ -1,0 +1,84 @@
+"""A sharded tiny Llama served by transformers' continuous batching on 2 CPU ranks (gloo) whose loads
+differ: every request's tokens equal the replicated engine's bit for bit, on every rank; an idle rank
+runs dummy steps exactly while its peer works; a rank that fails makes every rank raise.
+
+Without the adapter (transformers' own ``generate_batch`` on the sharded model) the busier rank's
+forward waits in a gather its idle peer never joins, and the engine returns truncated outputs after
+the collective timeout: ``test_without_the_adapter_the_engine_truncates`` shows it, briefly."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from wsharding.lab.tasks.engine import engine_equal, engine_failure  # noqa: E402
+
+
+def check_equal(results, counts, new_tokens):
+    for r in results:
+        assert r["emulation"]
+        assert len(r["tokens"]) == counts[r["rank"]]
+        assert r["equal"] == [True] * counts[r["rank"]], (r["tokens"], r["expected"])
+        assert all(len(t) == new_tokens[r["rank"]] for t in r["tokens"])
+        c = r["counters"]
+        # every rank made the same number of agreements, and stepped (for real or as a dummy) in the same rounds
+        assert c["rounds"] == results[0]["counters"]["rounds"]
+        assert c["steps"] + c["idle_steps"] == results[0]["counters"]["steps"] + results[0]["counters"]["idle_steps"]
+        # one gather per sharded layer per forward, the dummy forwards included: the ranks issued the same gathers
+        assert r["gathers_total"] == results[0]["gathers_total"]
+
+
+def test_three_prompts_against_one(cluster_of):
+    """3 prompts of 10 new tokens against 1 of 4 (the load on which the engine alone truncates)."""
+    counts, new = [3, 1], [10, 4]
+    results = engine_equal_run(cluster_of, counts, new)
+    check_equal(results, counts, new)
+    busy, light = (r["counters"] for r in results)
+    # the light rank ran a dummy step in every round its peer computed and it did not (the busy rank may have
+    # run one too, if its peer's request reached the engine first)
+    assert light["idle_steps"] >= busy["steps"] - light["steps"] > 0
+
+
+def engine_equal_run(cluster_of, counts, new, **kwargs):
+    return cluster_of(2).run(engine_equal, counts, new, **kwargs)
+
+
+def test_one_rank_with_no_request(cluster_of):
+    counts, new = [2, 0], [5, 5]
+    results = engine_equal_run(cluster_of, counts, new)
+    check_equal(results, counts, new)
+    idle = results[1]["counters"]
+    assert idle["steps"] == 0 and idle["idle_steps"] == results[0]["counters"]["steps"] > 0
+
+
+def test_arrivals_over_time(cluster_of):
+    """Requests added through add_request while the engines run: rounds where nobody works (nobody steps)
+    alternate with rounds where one or both do."""
+    counts, new = [3, 2], [6, 6]
+    results = engine_equal_run(cluster_of, counts, new, arrivals_s=[0.0, 0.2, 0.4])
+    check_equal(results, counts, new)
+    assert all(r["counters"]["quiet_rounds"] > 0 for r in results)
+
+
+def test_a_failed_rank_fails_every_rank(cluster_of):
+    """Rank 1's first decoder layer raises in its third forward: both ranks raise (none returns the
+    tokens generated so far as outputs), rank 0 naming rank 1."""
+    results = cluster_of(2).run(engine_failure, 1)
+    for r in results:
+        assert r["outputs"] is None, r
+        assert r["raised"] == "RequestFailed"
+    assert "fault injected in forward 3" in results[1]["message"]
+    assert "rank(s) 1 of the shard group failed" in results[0]["message"]
+
+
+def test_without_the_adapter_the_engine_truncates(cluster_of):
+    """The guard's reason: the engine alone, 3 prompts of 10 tokens against 1 of 4, gathers timing out after
+    2 s. Rank 1 finishes; rank 0's fifth forward waits for rank 1 in a gather, fails, and generate_batch hands
+    back its requests cut short, with an error string and no exception."""
+    from wsharding.lab.tasks.engine import engine_unaligned
+
+    busy, light = cluster_of(2).run(engine_unaligned)
+    assert light["errors"] == [None] and [len(t) for t in light["tokens"]] == [4]
+    assert all(e is not None for e in busy["errors"]), busy
+    assert all(len(t) < 10 for t in busy["tokens"])
