@@ -82,3 +82,21 @@ def test_without_the_adapter_the_engine_truncates(cluster_of):
     assert light["errors"] == [None] and [len(t) for t in light["tokens"]] == [4]
     assert all(e is not None for e in busy["errors"]), busy
     assert all(len(t) < 10 for t in busy["tokens"])
+
+
+def test_example_script_runs(cluster_of, capsys):
+    """examples/serve_transformers.py's main on the session's 2 CPU ranks: tokens equal, labelled emulated,
+    every rank's rounds and both variants' serving metrics printed."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "serve_transformers.py"
+    spec = importlib.util.spec_from_file_location("serve_transformers_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--requests", "3"], cluster=cluster_of(2)) == 0
+    out = capsys.readouterr().out
+    assert "every request's tokens equal to the replicated engine's: yes" in out
+    assert "NOTE: emulated" in out
+    assert out.count(" rounds, ") == 2
+    assert "   sharded: KV pool [32, 32] blocks of 16 tokens" in out and "replicated: KV pool" in out

@@ -23,10 +23,11 @@ from wsharding.lab.tasks.loading import HF_LLAMA_PATTERNS, build_llama, tiny_lla
 from wsharding.serve.workload import Workload
 
 
-def engine_configs(max_new_tokens: int, compile_level: int = 0, num_blocks: int = 32, page_size: int = 16,
-                   max_batch_tokens: int = 64) -> tuple[Any, Any]:
+def engine_configs(max_new_tokens: int, compile_level: int = 0, num_blocks: int | None = 32, page_size: int = 16,
+                   max_batch_tokens: int | None = 64) -> tuple[Any, Any]:
     """A greedy ``GenerationConfig`` and a ``ContinuousBatchingConfig`` of fixed sizes (the same on every
-    rank and for the replicated twin, so that both engines batch alike)."""
+    rank and for the replicated twin, so that both engines batch alike); ``num_blocks`` / ``max_batch_tokens``
+    None: the engine sizes its KV pool from the memory left (sharded, more is left)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -58,8 +59,8 @@ def sharded_llama(ctx: RankContext, *, seed: int = 0, layers: int = 2, group_siz
         timeout = timedelta(seconds=gather_timeout_s)
         comm = TorchDistComm(dist.new_group(list(range(ctx.world_size)), timeout=timeout), timeout=timeout)
     config = tiny_llama_config(num_hidden_layers=layers)
-    reference = build_llama(config, seed)
-    model = build_llama(config, seed)
+    reference = build_llama(config, seed).to(ctx.device)
+    model = build_llama(config, seed).to(ctx.device)
     ws = shard_blocks(model, "model.layers", list(HF_LLAMA_PATTERNS), comm, **shard_kwargs)
     return reference, model, ws
 
@@ -151,7 +152,7 @@ def engine_failure(ctx: RankContext, fail_rank: int, at_forward: int = 3, counts
 
 
 def engine_serve(ctx: RankContext, workload: Workload, *, sharded: bool = True, compile_level: int = 0,
-                 num_blocks: int = 32, page_size: int = 16, max_batch_tokens: int = 64,
+                 num_blocks: int | None = 32, page_size: int = 16, max_batch_tokens: int | None = 64,
                  layers: int = 2) -> dict[str, Any]:
     """Serve this rank's requests of ``workload`` (arrivals at their times, through ``add_request``) with
     transformers' engine, on the sharded model (aligned) or on the replicated one (each rank alone), and
@@ -212,3 +213,48 @@ def engine_serve(ctx: RankContext, workload: Workload, *, sharded: bool = True, 
             "records": records, "tokens": {f"r{r.rid}": outputs[f"r{r.rid}"].generated_tokens for r in requests},
             "num_blocks": resolved.num_blocks, "page_size": resolved.page_size,
             "counters": engine.counters.as_dict() if engine is not None else None}
+
+
+def run_engine_trial(cluster: Any, workload: Workload, slo: Any = None, *, warmup: int = 0,
+                     **serve_kwargs: Any) -> dict[str, Any]:
+    """The same workload served by transformers' engine twice on ``cluster``'s ranks -- the sharded model
+    (aligned) and the replicated one -- with :func:`~wsharding.serve.metrics.trial_metrics` of each (the
+    fields the package's own scheduler reports), whether every request's tokens are equal, and the sharded
+    run's round counters per rank. A tiny Llama on CPU ranks runs in a few seconds (emulated: say so)."""
+    from wsharding.serve.metrics import trial_metrics
+
+    runs = {v: cluster.run(engine_serve, workload, sharded=v == "sharded", **serve_kwargs)
+            for v in ("sharded", "replicated")}
+    ranks = len(runs["sharded"])
+    out: dict[str, Any] = {"ranks": ranks, "emulation": runs["sharded"][0]["emulation"],
+                           "workload": workload.describe(), "tokens_equal": all(
+                               s["tokens"] == r["tokens"] for s, r in zip(runs["sharded"], runs["replicated"],
+                                                                          strict=True)),
+                           "counters": [r["counters"] for r in runs["sharded"]]}
+    for variant, results in runs.items():
+        records = [rec for r in results for rec in r["records"]]
+        out[variant] = {"metrics": trial_metrics(records, ranks, warmup, slo), "records": records,
+                        "num_blocks": [r["num_blocks"] for r in results], "page_size": results[0]["page_size"]}
+    return out
+
+
+def agreement_cost(ctx: RankContext, rounds: int = 200) -> dict[str, Any]:
+    """The per-round agreement alone ([Note: one agreement per engine round] in
+    :mod:`wsharding.engines.transformers_cb`): ``rounds`` all-reduces back to back after a barrier, so that
+    no peer is late; microseconds per round (host clock), the median of 5 batches of ``rounds // 5``."""
+    import statistics
+
+    import torch.distributed as dist
+
+    from wsharding.engines.transformers_cb import StepAgreement
+
+    agreement = StepAgreement(shard_comm_for(ctx, "torch"))
+    per = max(1, rounds // 5)
+    batches = []
+    for _ in range(5):
+        dist.barrier(agreement.group)
+        t = time.perf_counter()
+        for _ in range(per):
+            agreement.reduce(False, True, False)
+        batches.append((time.perf_counter() - t) / per * 1e6)
+    return {"rank": ctx.rank, "us_per_round": statistics.median(batches), "emulation": ctx.emulation}
