@@ -49,6 +49,7 @@ FLOORS: dict[str, int] = {
     "wsharding.core.edits": 4,
     "wsharding.core.backpressure": 4,
     "wsharding.core.plugins": 4,
+    "wsharding.core.graph_ops": 5,
     "wsharding.core.ties": 6,
     "wsharding.core.declare": 6,
     "wsharding.linear": 5,

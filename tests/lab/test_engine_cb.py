@@ -100,3 +100,17 @@ def test_example_script_runs(cluster_of, capsys):
     assert "NOTE: emulated" in out
     assert out.count(" rounds, ") == 2
     assert "   sharded: KV pool [32, 32] blocks of 16 tokens" in out and "replicated: KV pool" in out
+
+
+@pytest.mark.parametrize("graph_ops", [True, False])
+def test_compiled_sharded_model_is_one_graph(cluster_of, graph_ops):
+    """torch.compile (aot_eager: functionalization included, no C++ build) of the sharded Llama: one graph with
+    no break in the layer loop, as the replicated model, and logits equal to it bit for bit. Without the graph ops
+    ([Note: the planner's calls as graph ops]) every block breaks the graph: the 2 layers give 5 breaks, 6 graphs (4 layers: 7, 8)."""
+    from wsharding.lab.tasks.engine import compile_counts
+
+    for r in cluster_of(2).run(compile_counts, layers=2, lengths=(5,), graph_ops=graph_ops):
+        assert r["replicated"]["explain_graphs"] == 1 and r["replicated"]["explain_breaks"] == 0
+        want = (1, 0) if graph_ops else (6, 5)
+        assert (r["sharded"]["explain_graphs"], r["sharded"]["explain_breaks"]) == want
+        assert r["equal_compiled"] == [True] and r["equal_eager"] == [True]

@@ -258,3 +258,43 @@ def agreement_cost(ctx: RankContext, rounds: int = 200) -> dict[str, Any]:
             agreement.reduce(False, True, False)
         batches.append((time.perf_counter() - t) / per * 1e6)
     return {"rank": ctx.rank, "us_per_round": statistics.median(batches), "emulation": ctx.emulation}
+
+
+def compile_counts(ctx: RankContext, layers: int = 4, backend: str = "aot_eager", lengths: Sequence[int] = (5, 3, 7),
+                   graph_ops: bool = True) -> dict[str, Any]:
+    """torch.compile on the sharded tiny Llama against the replicated one: ``torch._dynamo.explain``'s graphs
+    and graph breaks of one forward of each, the graphs compiled over forwards of ``lengths`` tokens (dynamo's
+    ``unique_graphs``, recompiles included), and whether the compiled sharded logits equal the compiled
+    replicated ones and the eager replicated ones bit for bit. ``graph_ops=False``: the planner's calls traced
+    as Python ([Note: the planner's calls as graph ops] in ``wsharding/core/graph_ops.py``), to show the breaks."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    from wsharding.core import graph_ops as ops
+
+    reference, model, ws = sharded_llama(ctx, layers=layers)
+    ops.enabled = graph_ops
+    out: dict[str, Any] = {"rank": ctx.rank, "layers": layers, "backend": backend, "emulation": ctx.emulation}
+    try:
+        ids = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(97 * ctx.rank + n))
+               for n in lengths]
+        compiled = {}
+        with torch.no_grad():
+            for name, m in (("replicated", reference), ("sharded", model)):
+                dynamo.reset()
+                e = dynamo.explain(m)(input_ids=ids[0], use_cache=False)
+                dynamo.reset()
+                counters.clear()
+                c = torch.compile(m, backend=backend)
+                compiled[name] = [c(input_ids=x, use_cache=False).logits for x in ids]
+                out[name] = {"explain_graphs": e.graph_count, "explain_breaks": e.graph_break_count,
+                             "unique_graphs": counters["stats"]["unique_graphs"],
+                             "break_reasons": sorted({k.splitlines()[0] for k in counters["graph_break"]})}
+            eager = [reference(input_ids=x, use_cache=False).logits for x in ids]
+        out["equal_compiled"] = [bool(torch.equal(a, b)) for a, b in zip(compiled["sharded"], compiled["replicated"],
+                                                                          strict=True)]
+        out["equal_eager"] = [bool(torch.equal(a, b)) for a, b in zip(compiled["sharded"], eager, strict=True)]
+    finally:
+        ops.enabled = True
+        dynamo.reset()
+    return out
