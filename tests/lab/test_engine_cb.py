@@ -102,6 +102,29 @@ def test_example_script_runs(cluster_of, capsys):
     assert "   sharded: KV pool [32, 32] blocks of 16 tokens" in out and "replicated: KV pool" in out
 
 
+def test_engine_rows_for_the_notebook(cluster_of):
+    """run_engine_trial + engine_rows, as notebook 07 calls them beside the package's own scheduler: every
+    request's tokens equal, every record in trial_metrics' fields, one row per variant."""
+    from wsharding.lab.tasks.engine import engine_rows, run_engine_trial
+    from wsharding.serve.metrics import SLO
+    from wsharding.serve.workload import Workload
+
+    workload = Workload(requests=3, prompt=(4, 8), output=(2, 6), rate=50.0)
+    trial = run_engine_trial(cluster_of(2), workload, SLO(ttft_ms=5000, tpot_ms=1000))
+    assert trial["tokens_equal"] and trial["emulation"]
+    for variant in ("sharded", "replicated"):
+        records = trial[variant]["records"]
+        assert sorted((r["rank"], r["rid"]) for r in records) == [(k, i) for k in range(2) for i in range(3)]
+        for r in records:
+            assert set(r) == {"rid", "rank", "arrival_s", "sent_s", "token_s", "prompt_tokens", "output_tokens",
+                              "preempted"}
+            assert len(r["token_s"]) == r["output_tokens"] and r["token_s"] == sorted(r["token_s"])
+            assert r["sent_s"] <= r["token_s"][0]
+    rows = engine_rows(trial)
+    assert [r["variant"] for r in rows] == ["sharded", "replicated"]
+    assert all(r["kv_blocks_per_rank"] == [32, 32] and r["emulated"] for r in rows)
+
+
 @pytest.mark.parametrize("graph_ops", [True, False])
 def test_compiled_sharded_model_is_one_graph(cluster_of, graph_ops):
     """torch.compile (aot_eager: functionalization included, no C++ build) of the sharded Llama: one graph with
@@ -114,3 +137,20 @@ def test_compiled_sharded_model_is_one_graph(cluster_of, graph_ops):
         want = (1, 0) if graph_ops else (6, 5)
         assert (r["sharded"]["explain_graphs"], r["sharded"]["explain_breaks"]) == want
         assert r["equal_compiled"] == [True] and r["equal_eager"] == [True]
+
+
+def test_asynchronous_batching_is_refused():
+    """On one rank (no collective): the engine's asynchronous batching prepares the next batch while one
+    computes, outside the agreement -- refused by name, before anything runs."""
+    from types import SimpleNamespace
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from wsharding.core.errors import Unsupported
+    from wsharding.engines.transformers_cb import AlignedEngine
+    from wsharding.lab.tasks.loading import build_llama, tiny_llama_config
+
+    model = build_llama(tiny_llama_config(), 0)
+    with pytest.raises(Unsupported, match=r"asynchronous batching .* use_async_batching=False"):
+        AlignedEngine(model, SimpleNamespace(rank=0, world_size=1),
+                      cb_config=ContinuousBatchingConfig(use_async_batching=True, num_blocks=8, max_batch_tokens=32))

@@ -34,6 +34,7 @@ while the current one computes, which the agreement does not cover.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import weakref
@@ -116,7 +117,10 @@ class StepAgreement:
     @classmethod
     def of(cls, comm: Any) -> StepAgreement:
         """The agreement of ``comm``'s shard group, made at the first call (every rank of the group)."""
-        made = cls._made.get(comm)
+        try:
+            made = cls._made.get(comm)
+        except TypeError:  # a communicator that takes no weak reference: a new agreement every time
+            return cls(comm)
         if made is None:
             made = cls._made[comm] = cls(comm)
         return made
@@ -172,7 +176,7 @@ class AlignedEngine:
             raise InvalidArgument(f"idle_poll_s: need seconds > 0, got {idle_poll_s}")
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        cfg = ContinuousBatchingConfig() if cb_config is None else cb_config
+        cfg = ContinuousBatchingConfig() if cb_config is None else copy.deepcopy(cb_config)
         if cfg.use_cuda_graph is None:
             cfg.use_cuda_graph = False
         if cfg.use_async_batching is None:

@@ -298,3 +298,54 @@ def compile_counts(ctx: RankContext, layers: int = 4, backend: str = "aot_eager"
         ops.enabled = True
         dynamo.reset()
     return out
+
+
+def engine_rows(trial: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`run_engine_trial`'s result as table rows (one per variant) in the fields of the package's own
+    scheduler's report: KV pool blocks per rank, TTFT / TPOT p50 (ms), output tokens/s per rank, goodput
+    (requests/s per rank, when an SLO was given) and whether the tokens equal the other variant's."""
+    rows = []
+    for variant in ("sharded", "replicated"):
+        m = trial[variant]["metrics"]
+        rows.append({"engine": "transformers continuous batching", "variant": variant,
+                     "kv_blocks_per_rank": trial[variant]["num_blocks"], "page_size": trial[variant]["page_size"],
+                     "ttft_p50_ms": m["ttft_ms"]["p50"], "tpot_p50_ms": m["tpot_ms"]["p50"],
+                     "output_tok_s_per_rank": m["output_throughput"], "goodput": m.get("goodput"),
+                     "preempted": m["preempted"], "tokens_equal": trial["tokens_equal"],
+                     "emulated": bool(trial["emulation"])})
+    return rows
+
+
+def engine_compile_counts(ctx: RankContext, counts: Sequence[int] = (3, 1), new_tokens: Sequence[int] = (10, 4),
+                          compile_level: int = 1) -> dict[str, Any]:
+    """The engine's compiled path (``default_compile_level``) on the sharded model (aligned) and on the
+    replicated one: dynamo's graph breaks by reason and ``unique_graphs`` of each run, and whether every token
+    is equal. Slow on CPU (inductor builds C++): a measurement, not a test."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    reference, model, ws = sharded_llama(ctx)
+    prompts = prompts_for(ctx.rank, counts[ctx.rank], reference.config.vocab_size)
+    n = new_tokens[ctx.rank]
+    gen, cb = engine_configs(n, compile_level)
+    out: dict[str, Any] = {"rank": ctx.rank, "emulation": ctx.emulation, "layers": reference.config.num_hidden_layers}
+
+    def snapshot() -> dict[str, Any]:
+        reasons: dict[str, int] = {}
+        for k, v in counters["graph_break"].items():
+            first = k.splitlines()[0][:120]
+            reasons[first] = reasons.get(first, 0) + v
+        return {"graph_breaks": sum(counters["graph_break"].values()), "by_reason": reasons,
+                "unique_graphs": counters["stats"]["unique_graphs"]}
+
+    dynamo.reset()
+    counters.clear()
+    outputs, engine = generate(model, ws.comm, prompts, max_new_tokens=n, generation_config=gen, cb_config=cb)
+    out["sharded"] = {**snapshot(), "counters": engine.counters.as_dict()}
+    dynamo.reset()
+    counters.clear()
+    expected = replicated_tokens(reference, prompts, n, compile_level)
+    out["replicated"] = snapshot()
+    out["equal"] = [o.generated_tokens == e for o, e in zip(outputs.values(), expected, strict=True)]
+    dynamo.reset()
+    return out
