@@ -25,6 +25,10 @@ engine then marks every request of every rank failed, and this module turns a fa
 an error (:class:`RequestFailed`): the engine's ``generate_batch`` logs the failure and returns the
 truncated outputs as results, which :func:`generate` never does.
 
+The engine's compiled path (``default_compile_level``) runs the sharded model as one graph per
+forward but for the breaks the replicated model has too (the paged cache's update is not compiled)
+and the step's start and end: [Note: the planner's calls as graph ops] in ``wsharding/core/graph_ops.py``.
+
 The engine's internals this module reaches are checked when an :class:`AlignedEngine` is made
 (:data:`ENGINE_INTERNALS`), so that another transformers version fails there, by name, instead of
 somewhere in its loop. CUDA graphs and asynchronous batching of the engine are refused: a captured

@@ -261,7 +261,7 @@ def agreement_cost(ctx: RankContext, rounds: int = 200) -> dict[str, Any]:
 
 
 def compile_counts(ctx: RankContext, layers: int = 4, backend: str = "aot_eager", lengths: Sequence[int] = (5, 3, 7),
-                   graph_ops: bool = True) -> dict[str, Any]:
+                   graph_ops: bool = True, explain_only: bool = False) -> dict[str, Any]:
     """torch.compile on the sharded tiny Llama against the replicated one: ``torch._dynamo.explain``'s graphs
     and graph breaks of one forward of each, the graphs compiled over forwards of ``lengths`` tokens (dynamo's
     ``unique_graphs``, recompiles included), and whether the compiled sharded logits equal the compiled
@@ -281,8 +281,13 @@ def compile_counts(ctx: RankContext, layers: int = 4, backend: str = "aot_eager"
         compiled = {}
         with torch.no_grad():
             for name, m in (("replicated", reference), ("sharded", model)):
+                if explain_only and name == "replicated":
+                    continue
                 dynamo.reset()
                 e = dynamo.explain(m)(input_ids=ids[0], use_cache=False)
+                if explain_only:
+                    out[name] = {"explain_graphs": e.graph_count, "explain_breaks": e.graph_break_count}
+                    return out
                 dynamo.reset()
                 counters.clear()
                 c = torch.compile(m, backend=backend)
