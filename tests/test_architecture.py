@@ -49,6 +49,7 @@ FLOORS: dict[str, int] = {
     "wsharding.core.edits": 4,
     "wsharding.core.backpressure": 4,
     "wsharding.core.plugins": 4,
+    "wsharding.core.graph_ops": 5,
     "wsharding.core.ties": 6,
     "wsharding.core.declare": 6,
     "wsharding.linear": 5,
@@ -63,6 +64,7 @@ FLOORS: dict[str, int] = {
     "wsharding.checkpoint": 7,
     "wsharding.models": 8,
     "wsharding.serve": 9,
+    "wsharding.engines": 9,
     "wsharding": 10,  # the package face: re-exports only
     # ---- the teaching layer ----
     "wsharding.lab": 20,

@@ -46,7 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsharding.core import graph_ops
 from wsharding.core.bound import raw_access
+from wsharding.core.graph_ops import ensure_in_graph, register_planner
 from wsharding.core.rowloaders import ShardingError, ShardTarget
 
 
@@ -122,11 +124,16 @@ class BoundWeightGuards:
         ensure, layer = (ws.planner.ensure, target.layer) if ws is not None and ws.planner is not None else (None, 0)
         compute = raw_access  # [Note: reads of a bound weight]: the weight is readable inside the forward only
 
+        key = register_planner(ws.planner) if ensure is not None else 0
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             if grad_enabled():
                 refuse(module, target, args, kwargs)
             if ensure is not None:
-                ensure(layer)
+                if graph_ops.enabled and torch.compiler.is_compiling():  # [Note: the planner's calls as graph ops]
+                    ensure_in_graph(key, layer, args, kwargs)
+                else:
+                    ensure(layer)
             with compute():
                 return inner(*args, **kwargs)
 

@@ -25,9 +25,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from wsharding.core import graph_ops
 from wsharding.core.comm import Communicator
 from wsharding.core.contract import ParallelLinear
 from wsharding.core.declare import UnmatchedPatternWarning, close_names, layer_indices
+from wsharding.core.graph_ops import compiled_block, register_planner
 from wsharding.core.planner import WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.schedule import check_depth
@@ -291,9 +293,13 @@ class PlannedBlockForward:
         self.active = True
         inner = block.forward  # the bound method of the class, or the earlier wrapper
 
+        key = register_planner(planner)
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not self.active:  # removed while someone else's wrapper sat on top of ours
                 return inner(*args, **kwargs)
+            if graph_ops.enabled and torch.compiler.is_compiling():
+                return compiled_block(inner, key, layer, args, kwargs)
             planner.block_start(layer)  # looked up per call: a timer (bench's PlannerCallTimer) may wrap it
             try:
                 out = inner(*args, **kwargs)
