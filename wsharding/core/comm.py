@@ -118,6 +118,11 @@ class Communicator:
     library: Any = None
     #: What a backend only emulates (several ranks time-slicing one GPU), for reports to label timings; "": nothing.
     emulation: str = ""
+    #: The torch.distributed process group of the shard group (the torch backend's); None: the standard
+    #: group of ``world_size`` consecutive ranks (the whole world where it is one group).
+    group: Any = None
+    #: How long a collective of this group may wait before it fails (the torch backend's); None: torch's default.
+    timeout: Any = None
 
     def slot_policy(self, map_own_chunk: bool | str = "auto") -> Any:
         """How a sharding on this communicator lays out its slots: None, plain slots (the sharding's

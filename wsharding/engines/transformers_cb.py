@@ -107,12 +107,12 @@ class StepAgreement:
             if not dist.is_initialized():
                 raise EngineError("the engine's agreement needs torch.distributed: start the ranks with a RankCluster "
                                   "or torchrun (wsharding.init_from_env())")
-            group = getattr(comm, "group", None)
+            group = comm.group
             if group is not None:
                 ranks = dist.get_process_group_ranks(group)
             else:
                 ranks = shard_group_of(dist.get_rank(), dist.get_world_size(), self.size)
-            timeout = getattr(comm, "timeout", None)
+            timeout = comm.timeout
             kwargs = {"timeout": timeout} if timeout is not None else {}
             self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
         self.buffer = torch.zeros(3, dtype=torch.int64)
