@@ -16,6 +16,7 @@ import torch
 
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
+from wsharding.core.errors import WshardingError
 from wsharding.core.runner import shard_blocks
 from wsharding.core.torch_backend import TorchDistComm
 from wsharding.engines.transformers_cb import AlignedEngine, EngineError, generate
@@ -121,6 +122,10 @@ def engine_unaligned(ctx: RankContext, counts: Sequence[int] = (3, 1), new_token
             "errors": [o.error for o in outputs.values()]}
 
 
+class InjectedFault(WshardingError, RuntimeError):
+    """The fault :class:`FailAt` raises: a rank's forward failing on purpose."""
+
+
 class FailAt:
     """A forward pre-hook that raises in the ``at``-th forward of the block it is on (a fault injected
     on one rank)."""
@@ -131,7 +136,7 @@ class FailAt:
     def __call__(self, _mod: Any, _args: Any) -> None:
         self.calls += 1
         if self.calls == self.at:
-            raise RuntimeError(f"fault injected in forward {self.at}")
+            raise InjectedFault(f"fault injected in forward {self.at}")
 
 
 def engine_failure(ctx: RankContext, fail_rank: int, at_forward: int = 3, counts: Sequence[int] = (2, 2),
