@@ -125,5 +125,5 @@ def read_saved_report(path: str | os.PathLike) -> Any:
     names), read with :func:`read_regular_file`: a FIFO whose name matched the glob hung the reader,
     and a report is at most :data:`MAX_REPORT_BYTES`."""
     raw = read_regular_file(path, "saved report", max_bytes=MAX_REPORT_BYTES,
-                            todo="remove it, or pass a JSON report a wsharding command wrote")
+                            todo="pass a JSON report a wsharding command wrote")
     return json.loads(raw)

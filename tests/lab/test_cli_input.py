@@ -57,6 +57,14 @@ BAD = [
     (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["demo", "--timed-steps", "0"], "argument --timed-steps: must be at least 1, got 0"),
     (["demo", "--figures-from", "/no/such/report.json"], "--figures-from /no/such/report.json does not exist"),
+    # a share is a fraction: refused while parsing, not after the ranks started and built a model
+    (["bench", "serve", "--kv-share", "0.05,2"], "argument --kv-share: '2': every value must be less than 1"),
+    (["bench", "serve", "--kv-share", "1"], "argument --kv-share: '1': every value must be less than 1"),
+    # a missing saved report is not a file to remove
+    (["bench", "serve", "--from-json", "/no/such/serve.json"],
+     "saved report /no/such/serve.json does not exist (No such file or directory); pass a JSON report"),
+    (["plan", "--model", "README.md"], "model file README.md: a model description is a .json, .yaml or .yml file, "
+                                       "not .md"),
     (["bench", "allgather", "--sizes", "abc"], "argument --sizes: 'abc' is not a number of MiB"),
     (["bench", "allgather", "--sizes", "1,-4"], "argument --sizes: '-4': every value must be more than 0 MiB"),
     (["bench", "allgather", "--ranks", "0"], "argument --ranks: must be at least 1, got 0"),

@@ -275,6 +275,10 @@ def load_model_file(path: str | Path) -> ModelSpec:
         raise CostModelError(f"model file {path}: not a JSON/YAML model description (a binary file: byte "
                              f"{e.object[e.start]:#04x} at offset {e.start} is not UTF-8 text); {_MODEL_TODO}") from None
     yaml_file = path.suffix.lower() in (".yaml", ".yml")
+    if not yaml_file and path.suffix.lower() != ".json":
+        # read by its suffix: README.md read as JSON said "not valid md", as if md were a model format
+        raise CostModelError(f"model file {path}: a model description is a .json, .yaml or .yml file, not "
+                             f"{path.suffix or 'a file without a suffix'}; {_MODEL_TODO}")
     try:
         if yaml_file:
             import yaml

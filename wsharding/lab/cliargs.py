@@ -123,9 +123,11 @@ def checked_number(kind: type, low: float, high: float | None = None, *, why: st
     return parse
 
 
-def number_list(kind: type, low: float, unit: str, example: str) -> Callable[[str], list]:
+def number_list(kind: type, low: float, unit: str, example: str,
+                below: float | None = None) -> Callable[[str], list]:
     """An argparse ``type`` for a comma-separated list of ``kind`` values, each > ``low``
-    (``kind`` int: >= ``low``)."""
+    (``kind`` int: >= ``low``) and, given ``below``, each < ``below`` (a fraction: checked here, before
+    any rank starts)."""
 
     def parse(text: str) -> list:
         out = []
@@ -144,6 +146,8 @@ def number_list(kind: type, low: float, unit: str, example: str) -> Callable[[st
             if v < low or (kind is float and v <= low):
                 bound = f"at least {low}" if kind is int else f"more than {low:g}"
                 raise argparse.ArgumentTypeError(f"{part!r}: every value must be {bound} {unit}")
+            if below is not None and v >= below:
+                raise argparse.ArgumentTypeError(f"{part!r}: every value must be less than {below:g}")
             out.append(v)
         if not out:
             raise argparse.ArgumentTypeError(f"give at least one value in {unit} (example: {example})")

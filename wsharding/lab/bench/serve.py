@@ -174,7 +174,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks (default: every GPU -- two on a single GPU where NCCL >= 2.30 -- or 2 CPU ranks)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model (default k3-like on GPUs, tiny-deep on CPU)")
     p.add_argument("--layers", type=int_at_least(2), default=None, help="layers (default: the preset's)")
-    p.add_argument("--kv-share", type=number_list(float, 0.0, "fraction", "0.05,0.2,0.6"), default=None,
+    p.add_argument("--kv-share", type=number_list(float, 0.0, "fraction", "0.05,0.2,0.6", below=1.0), default=None,
                    help="budgets in which the replicated KV pool is this share of the budget; a comma list sweeps "
                         "the crossover (default on GPUs 0.05,0.5: one where the replicated pool limits, one where it "
                         "does not; on CPU ranks budgets of 0.25 and 1.5 times the workload's KV demand)")

@@ -519,7 +519,7 @@ def read_saved_report_text(path: str | os.PathLike[str]) -> str:
     from wsharding.io_checks import MAX_REPORT_BYTES, read_regular_file
 
     raw = read_regular_file(path, "saved report", max_bytes=MAX_REPORT_BYTES,
-                            todo="remove it, or pass a JSON report a wsharding command wrote")
+                            todo="pass a JSON report a wsharding command wrote")
     return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
 
 
