@@ -580,7 +580,10 @@ def pair_sweep(setting: Setting, blocks: dict[str, int], seconds: dict[str, Seco
             added = False
             for b in got.values():
                 if b["kind"] == "bracketed" and math.isfinite(b["fails_at"]):
-                    mid = math.sqrt(b["sustained"] * b["fails_at"])
+                    # the geometric mean, to 3 significant digits: a rate a sweep could name
+                    mid = float(f"{math.sqrt(b['sustained'] * b['fails_at']):.3g}")
+                    if not b["sustained"] < mid < b["fails_at"]:
+                        continue
                     added |= mid not in points
                     at(mid)
             if not added:
@@ -591,9 +594,11 @@ def pair_sweep(setting: Setting, blocks: dict[str, int], seconds: dict[str, Seco
 
 
 def rate_ratio(brackets: dict[str, dict[str, Any]]) -> float | None:
-    """Sharded over replicated sustained rate where both are rates (None otherwise)."""
-    rep, sh = brackets["replicated"]["sustained"], brackets["sharded"]["sustained"]
-    return sh / rep if rep and sh is not None else None
+    """Sharded over replicated sustained rate where both are bracketed (a pass and a fail; None
+    otherwise: an open side, "at least" or "not established", is no rate to divide)."""
+    if any(brackets[v]["kind"] != "bracketed" for v in VARIANTS):
+        return None
+    return brackets["sharded"]["sustained"] / brackets["replicated"]["sustained"]
 
 
 def budget_pools(profile: StepProfile, shares: Sequence[float], ranks: int | None = None) -> list[dict[str, Any]]:
@@ -673,7 +678,7 @@ def format_prediction(pred: dict[str, Any]) -> str:
             lines.append(f"    {PREDICTED} {v:<10} {bracket_text(row['brackets'][v])}")
         ratio = row["rate_ratio"]
         lines.append(f"    {PREDICTED} sustained-rate ratio sharded/replicated: "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} (pool ratio {row['pool_ratio']:.2f}x)")
+                     f"{'- (not both bracketed)' if ratio is None else f'{ratio:.2f}x'} (pool ratio {row['pool_ratio']:.2f}x)")
     return "\n".join(lines)
 
 
