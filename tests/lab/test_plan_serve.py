@@ -91,3 +91,18 @@ def test_profile_measured_on_two_cpu_ranks(cluster_of):
     assert p.layer_ids() == [1, 2, 3] and all(g > 0 for g in p.gathers())
     assert p.sizing["resident_bytes"]["sharded"] != p.sizing["resident_bytes"]["replicated"]
     assert any("emulated" in n for n in p.notes)
+
+
+def test_predict_report_refuses_what_it_cannot_replay():
+    from wsharding.serve.predict import StepModel, predict_report
+
+    report = read_serve_report(SAVED)
+    profile = StepProfile.from_serve_report(report, "own steps")
+    model = StepModel(profile, "measured")
+    trace = {**report, "workload": {**report["workload"], "source": "ShareGPT V3"}}
+    with pytest.raises(ValueError, match="lengths came from ShareGPT V3, whose pairs the report does not keep"):
+        predict_report(profile, model, trace)  # without it: other requests than the run's, compared as its own
+    with pytest.raises(ValueError, match="without an SLO"):
+        predict_report(profile, model, {**report, "slo": None})
+    with pytest.raises(ValueError, match="attended over 96 tokens"):
+        predict_report(profile, model, {**report, "max_context": 96})

@@ -202,3 +202,15 @@ def test_old_format_report_gives_its_steps_only_checked_and_labelled():
     del raw["sizing"]["sharded"]["resident_bytes"]
     with pytest.raises(ProfileRefused, match="field sizing.sharded.resident_bytes is missing"):
         StepProfile.from_old_report_steps(raw, OLD)
+
+
+def test_rate_ratio_only_of_two_brackets():
+    from wsharding.serve.predict import rate_ratio
+
+    def b(kind, sustained):
+        return {"kind": kind, "sustained": sustained}
+
+    assert rate_ratio({"replicated": b("bracketed", 2.0), "sharded": b("bracketed", 8.0)}) == 4.0
+    # "at least 5/s" on both sides is no ratio of 1.00x: the sweep did not reach either limit
+    assert rate_ratio({"replicated": b("at least", 5.0), "sharded": b("at least", 5.0)}) is None
+    assert rate_ratio({"replicated": b("bracketed", 2.0), "sharded": b("not established", 4.0)}) is None
