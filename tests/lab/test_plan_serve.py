@@ -106,3 +106,19 @@ def test_predict_report_refuses_what_it_cannot_replay():
         predict_report(profile, model, {**report, "slo": None})
     with pytest.raises(ValueError, match="attended over 96 tokens"):
         predict_report(profile, model, {**report, "max_context": 96})
+
+
+def test_bench_serve_predict_says_why_it_made_none():
+    # said in the text, not raised: a run without an SLO is still printed and saved
+    assert predicted_text({**read_serve_report(SAVED), "slo": None}).startswith(
+        "PREDICTED: not made -- predict a bench serve run: it was run without an SLO")
+
+
+def test_bench_serve_from_json_predict_prints_it_under_the_report(capsys):
+    from wsharding.lab.bench import serve as bench_serve
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    assert bench_serve.main(parser.parse_args(["--from-json", SAVED, "--predict", "--json", ""])) == 0
+    out = capsys.readouterr().out
+    assert out.index("ANSWER") < out.index("PREDICTED from this run's own measured steps")

@@ -237,7 +237,10 @@ def predicted_text(report: dict[str, Any]) -> str:
     from wsharding.serve.predict import StepModel, StepProfile, format_comparison, predict_report
 
     profile = StepProfile.from_serve_report(report, "this run's own measured steps")
-    pred = predict_report(profile, StepModel(profile, "measured"), report)
+    try:
+        pred = predict_report(profile, StepModel(profile, "measured"), report)
+    except InvalidArgument as e:  # said, not raised: the run's report is printed and saved all the same
+        return f"PREDICTED: not made -- {e}"
     return ("PREDICTED from this run's own measured steps (mean step time per token bucket over its points; the "
             "scheduler replayed on a virtual clock, replicated ranks free, sharded ranks aligned):\n"
             + format_comparison(pred["comparison"]))
@@ -268,11 +271,11 @@ def main(args: argparse.Namespace) -> int:
         saved = [read_serve_report(path) for path in args.from_json]
         report = saved[0] if len(saved) == 1 else merge_saved(saved, args.from_json)
         print(format_table(report))
-        if args.predict:
-            print(predicted_text(report))
         if args.json:
             check_output_path(args.json + ".json", "--json")
             _save(report, args.json)
+        if args.predict:
+            print(predicted_text(report))
         return 0
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
@@ -317,10 +320,10 @@ def main(args: argparse.Namespace) -> int:
         reserve_bytes=None if args.reserve_mib is None else int(args.reserve_mib * 2**20), comm=args.comm,
         layers=args.layers, seed=args.seed, plain=args.plain, check=not args.no_check, progress="wsharding bench serve")
     print(format_table(report))
-    if args.predict:
-        print(predicted_text(report))
     if args.json:
         _save(report, args.json)
+    if args.predict:
+        print(predicted_text(report))
     if report["differ"]:
         raise ServeMismatch("the sharded model's replay of the replicated run generated other tokens: "
                             + "; ".join(f"rank {d['rank']} requests {d['requests']}" for d in report["differ"]))
