@@ -34,4 +34,4 @@ def test_gpu_profile_and_prediction_of_a_run():
         pred = predict_report(profile, StepModel(profile, rule), report)
         print("\n" + format_comparison(pred["comparison"]))
         assert pred["label"] == PREDICTED
-        assert [p["rate"] for p in pred["comparison"]["rows_by_budget"][0]["sharded"]["points"]] == [20.0, 80.0]
+        assert [p["rate"] for p in pred["comparison"]["rows_by_budget"][0]["points"]] == [20.0, 80.0]

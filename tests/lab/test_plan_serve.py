@@ -1,5 +1,6 @@
-"""``wsharding plan --serve``: its argument errors, a prediction from a saved CPU report beside it, and the
-step-time profile measured on two CPU ranks (the rank task behind ``--profile measure``)."""
+"""``wsharding plan --serve``: its argument errors, a prediction from a saved CPU report (schema 3) beside
+it, judged as the bench judges; an old-format report's step times only; ``bench serve --predict``'s text;
+and the step-time profile measured on two CPU ranks (the rank task behind ``--profile measure``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import json
 import pytest
 
 from wsharding.lab import plan
+from wsharding.lab.bench.serve import predicted_text
+from wsharding.lab.bench.serve_report import read_serve_report
 from wsharding.lab.cliargs import InputError
 from wsharding.lab.tasks.predict import profile_from_ranks, profile_rank
-from wsharding.serve.predict import StepProfile
+from wsharding.serve.predict import ProfileRefused, StepProfile
 
-SAVED = "docs/measurements/cpu-2026-12-04/bench_serve_tiny-deep_2ranks_gloo.json"
+SAVED = "docs/measurements/cpu-2026-12-05/bench_serve_tiny-deep_2ranks_gloo_sweep.json"  # schema 3
+OLD = "docs/measurements/cpu-2026-12-04/bench_serve_tiny-deep_2ranks_gloo.json"  # schema 2
 
 
 def args(argv: list[str]) -> argparse.Namespace:
@@ -41,16 +45,42 @@ def test_compare_with_a_saved_cpu_report_is_labelled(capsys):
     rc = plan.main(args(["--serve", "--profile", SAVED, "--compare", SAVED, "--no-design", "--json"]))
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["label"] == "PREDICTED" and out["comparison"]["label"] == "PREDICTED"
-    assert out["replicated_lockstep"] is True  # a schema-2 run's engine stepped every rank in lockstep
-    pt = out["comparison"]["rows_by_budget"][0]["replicated"]["points"][0]
+    report = read_serve_report(SAVED)
+    for prow, mrow, crow in zip(out["rows_by_budget"], report["rows_by_budget"], out["comparison"]["rows_by_budget"],
+                                strict=True):
+        # the run's own pools and rates; the measured side is the report's answer, computed again
+        assert prow["pool_blocks"] == {v: mrow[v]["pool_blocks"] for v in ("replicated", "sharded")}
+        assert [p["rate"] for p in prow["points"]] == report["rates"]
+        for v in ("replicated", "sharded"):
+            assert crow[v]["measured"] == mrow["answer"]["brackets"][v]
+    pt = out["comparison"]["rows_by_budget"][0]["points"][1]["replicated"]
     assert pt["goodput_error"] == (pt["goodput_predicted"] - pt["goodput_measured"]) / pt["goodput_measured"]
 
 
-def test_link_h200_prices_gathers_for_n_gpus(capsys):
-    rc = plan.main(args(["--serve", "--profile", SAVED, "--link", "h200", "--ranks", "4", "--no-design",
+def test_compare_refuses_an_old_format_report():
+    with pytest.raises(ValueError, match="old-format serve report .schema 2.*not judged as a pair"):
+        plan.main(args(["--serve", "--profile", SAVED, "--compare", OLD, "--no-design"]))
+
+
+def test_old_format_report_gives_step_times_only(capsys, tmp_path):
+    rc = plan.main(args(["--serve", "--profile", OLD, "--link", "h200", "--ranks", "4", "--no-design",
                          "--kv-share", "0.3", "--rate", "20", "--no-search", "--requests", "8"]))
     text = capsys.readouterr().out
     assert rc == 0 and "4 x H200 NVLink at 450 GB/s, datasheet" in text and "4 ranks" in text
+    assert "steps of an old-format report (schema 2)" in text
+    raw = json.load(open(OLD))
+    raw["kv_bytes_per_token"] = -3
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps(raw))
+    with pytest.raises(ProfileRefused, match="field kv_bytes_per_token is -3"):
+        plan.main(args(["--serve", "--profile", str(bad), "--no-design", "--no-search", "--requests", "8"]))
+
+
+def test_bench_serve_predict_prints_the_run_predicted_beside_it():
+    text = predicted_text(read_serve_report(SAVED))
+    assert text.startswith("PREDICTED from this run's own measured steps")
+    assert "replicated PREDICTED sustains 2/s, fails at 4/s; measured sustains 2/s, fails at 4/s; sustained rate " \
+           "error +0%" in text
 
 
 def test_profile_measured_on_two_cpu_ranks(cluster_of):
@@ -61,3 +91,34 @@ def test_profile_measured_on_two_cpu_ranks(cluster_of):
     assert p.layer_ids() == [1, 2, 3] and all(g > 0 for g in p.gathers())
     assert p.sizing["resident_bytes"]["sharded"] != p.sizing["resident_bytes"]["replicated"]
     assert any("emulated" in n for n in p.notes)
+
+
+def test_predict_report_refuses_what_it_cannot_replay():
+    from wsharding.serve.predict import StepModel, predict_report
+
+    report = read_serve_report(SAVED)
+    profile = StepProfile.from_serve_report(report, "own steps")
+    model = StepModel(profile, "measured")
+    trace = {**report, "workload": {**report["workload"], "source": "ShareGPT V3"}}
+    with pytest.raises(ValueError, match="lengths came from ShareGPT V3, whose pairs the report does not keep"):
+        predict_report(profile, model, trace)  # without it: other requests than the run's, compared as its own
+    with pytest.raises(ValueError, match="without an SLO"):
+        predict_report(profile, model, {**report, "slo": None})
+    with pytest.raises(ValueError, match="attended over 96 tokens"):
+        predict_report(profile, model, {**report, "max_context": 96})
+
+
+def test_bench_serve_predict_says_why_it_made_none():
+    # said in the text, not raised: a run without an SLO is still printed and saved
+    assert predicted_text({**read_serve_report(SAVED), "slo": None}).startswith(
+        "PREDICTED: not made -- predict a bench serve run: it was run without an SLO")
+
+
+def test_bench_serve_from_json_predict_prints_it_under_the_report(capsys):
+    from wsharding.lab.bench import serve as bench_serve
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    assert bench_serve.main(parser.parse_args(["--from-json", SAVED, "--predict", "--json", ""])) == 0
+    out = capsys.readouterr().out
+    assert out.index("ANSWER") < out.index("PREDICTED from this run's own measured steps")

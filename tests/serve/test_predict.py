@@ -1,5 +1,6 @@
-"""The serving prediction: the Scheduler replayed on a virtual clock (exact times by hand), lockstep
-of sharded ranks, the step-time profile's refusals and rules, and every figure labelled PREDICTED."""
+"""The serving prediction: the Scheduler replayed on a virtual clock (exact times by hand), sharded
+ranks aligned and replicated ranks free as the engine runs them, a point judged as a pair as the bench
+judges it, the step-time profile's refusals and rules, and every figure labelled PREDICTED."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import math
 
 import pytest
 
-from wsharding.serve.metrics import SLO, request_metrics, trial_metrics
+from wsharding.serve.metrics import SLO, bracket, pair_metrics, pair_steady, request_metrics, trial_metrics
 from wsharding.serve.predict import (
     PREDICTED,
     ProfileMissing,
+    ProfileRefused,
     Setting,
     StepModel,
     StepProfile,
@@ -19,6 +21,7 @@ from wsharding.serve.predict import (
     design_prediction,
     design_text,
     format_prediction,
+    predict_pair,
     predict_serve,
     replay,
 )
@@ -29,7 +32,7 @@ def test_replay_constant_step_reproduces_hand_computed_latencies():
     # budget 4 tokens a step, each step 1 s. t=0: r0 (3-token prompt) prefills whole, its first token at
     # 1 s. t=1: r0 decodes and r1 (arrived 0.25) prefills: tokens at 2 s (r0 done). t=2: r1 decodes: 3 s.
     r0, r1 = Request(0, 0, 0.0, (1, 2, 3), 2), Request(1, 0, 0.25, (4, 5), 2)
-    rp = replay([[r0, r1]], 8, lambda n, c: 1.0, lockstep=False, token_budget=4, max_context=32)
+    rp = replay([[r0, r1]], 8, lambda n, c: 1.0, aligned=False, token_budget=4, max_context=32)
     assert [r["token_s"] for r in rp.records] == [[1.0, 2.0], [2.0, 3.0]]
     assert [request_metrics(r)["ttft_ms"] for r in rp.records] == [1000.0, 1750.0]
     assert [request_metrics(r)["tpot_ms"] for r in rp.records] == [1000.0, 1000.0]
@@ -39,22 +42,32 @@ def test_replay_constant_step_reproduces_hand_computed_latencies():
     assert m["attainment"] == 0.5 and m["duration_s"] == 3.0 and rp.steps == 3
 
 
-def test_lockstep_step_lasts_the_slowest_ranks():
+def test_aligned_step_lasts_the_slowest_ranks():
     # a step costs 0.25 s per bucket token: rank 0 prefills 4 tokens (1 s), rank 1 one token (0.25 s)
     a, b = Request(0, 0, 0.0, (1, 2, 3, 4), 2), Request(0, 1, 0.0, (5,), 2)
-    lock = replay([[a], [b]], 8, lambda n, c: 0.25 * n, lockstep=True, token_budget=4, max_context=32)
-    free = replay([[a], [b]], 8, lambda n, c: 0.25 * n, lockstep=False, token_budget=4, max_context=32)
+    lock = replay([[a], [b]], 8, lambda n, c: 0.25 * n, aligned=True, token_budget=4, max_context=32)
+    free = replay([[a], [b]], 8, lambda n, c: 0.25 * n, aligned=False, token_budget=4, max_context=32)
     assert [r["token_s"] for r in lock.records] == [[1.0, 1.25], [1.0, 1.25]]
     assert [r["token_s"] for r in free.records] == [[1.0, 1.25], [0.25, 0.5]]
 
 
-def test_lockstep_idle_ranks_run_padding_steps_until_an_arrival():
+def test_aligned_idle_ranks_run_padding_steps_until_an_arrival():
     # padding steps of 0.25 s at 0, 0.25, 0.5; the arrival at 0.6 is seen at 0.75 (as the engine's loop)
     r = Request(0, 0, 0.6, (1,), 1)
-    rp = replay([[r]], 4, lambda n, c: 0.25, lockstep=True, token_budget=4, max_context=16)
+    rp = replay([[r]], 4, lambda n, c: 0.25, aligned=True, token_budget=4, max_context=16)
     assert rp.idle_steps == 3 and rp.records[0]["token_s"] == [1.0]
-    free = replay([[r]], 4, lambda n, c: 0.25, lockstep=False, token_budget=4, max_context=16)
+    free = replay([[r]], 4, lambda n, c: 0.25, aligned=False, token_budget=4, max_context=16)
     assert free.idle_steps == 0 and free.records[0]["token_s"] == [0.85]
+
+
+def test_aligned_rank_with_nothing_scheduled_counts_an_idle_step():
+    # t=0: rank 0 prefills 4 tokens (1 s); rank 1's request arrives at 0.6, so its rank runs an idle step.
+    # t=1: rank 0 decodes, rank 1 prefills its one token: 0.25 s. Free, rank 1 would start at 0.6.
+    a, b = Request(0, 0, 0.0, (1, 2, 3, 4), 2), Request(0, 1, 0.6, (5,), 1)
+    al = replay([[a], [b]], 8, lambda n, c: 0.25 * n, aligned=True, token_budget=4, max_context=32)
+    free = replay([[a], [b]], 8, lambda n, c: 0.25 * n, aligned=False, token_budget=4, max_context=32)
+    assert al.idle_steps == 1 and [r["token_s"] for r in al.records] == [[1.0, 1.25], [1.25]]
+    assert free.idle_steps == 0 and [r["token_s"] for r in free.records] == [[1.0, 1.25], [0.85]]
 
 
 def profile(**over) -> StepProfile:
@@ -101,15 +114,19 @@ def test_prediction_labelled_in_text_and_json():
     pred = predict_serve(p, StepModel(p, "measured"), s, [0.5], [10.0], refine=1)
     row = pred["rows_by_budget"][0]
     assert pred["label"] == PREDICTED and row["label"] == PREDICTED
-    assert all(pt["label"] == PREDICTED for v in ("replicated", "sharded") for pt in row[v]["points"])
+    assert all(pt["label"] == PREDICTED and pt[v]["label"] == PREDICTED for v in ("replicated", "sharded")
+               for pt in row["points"])
     assert row["pool_blocks"]["sharded"] > row["pool_blocks"]["replicated"]
     text = format_prediction(pred)
     assert text.startswith(PREDICTED)
     assert all(PREDICTED in line for line in text.splitlines() if "sustain" in line or "KV pool" in line)
     json.dumps(pred)  # JSON-ready
-    for v in ("replicated", "sharded"):  # a bracket: the best passing rate below the first failing one
-        best, stop = row[v]["sustained_rate"], row[v]["stopped"]
-        assert best is None or stop is None or best < stop["rate"]
+    rates = [pt["rate"] for pt in row["points"]]
+    steady = [pt["steady"] for pt in row["points"]]
+    for v in ("replicated", "sharded"):  # the bench's bracket over every pair replayed, steadiness the pair's
+        want = bracket(rates, [pt[v]["attainment"] for pt in row["points"]], 0.9, steady)
+        got = row["brackets"][v]
+        assert (got["sustained"], got["fails_at"], got["kind"]) == (want["sustained"], want["fails_at"], want["kind"])
 
 
 def test_design_line_k3_on_8_b200():
@@ -137,7 +154,63 @@ def test_all_at_once_is_a_burst_not_a_rate():
     wl = Workload(requests=4, prompt=(2, 6), output=(2, 3))
     s = Setting(ranks=2, workload=wl, token_budget=4, slo=SLO(ttft_ms=1e6), vocab=192)
     pred = predict_serve(p, StepModel(p, "measured"), s, [0.5], [math.inf], search=False)
-    v = pred["rows_by_budget"][0]["sharded"]
-    assert v["points"][0]["rate"] is None and v["all_at_once_sustained"] and v["sustained_rate"] is None
-    assert "all at once (a burst)" in format_prediction(pred)
+    row = pred["rows_by_budget"][0]
+    b = row["brackets"]["sharded"]
+    assert row["points"][0]["rate"] is None and b["all_at_once"] and b["sustained"] is None
+    assert "all at once (a burst" in format_prediction(pred)
     json.loads(json.dumps(pred, allow_nan=False))  # no Infinity in the JSON
+
+
+def test_a_point_is_judged_as_a_pair_on_the_same_arrivals():
+    # the same rescaled arrivals for both variants, judged together: goodput over their common
+    # arrival window (not each variant's own drain), steadiness of the pair
+    p = profile()
+    wl = Workload(requests=8, prompt=(2, 6), output=(2, 4))
+    s = Setting(ranks=2, workload=wl, token_budget=4, slo=SLO(ttft_ms=30, tpot_ms=20), vocab=192, warmup=1)
+    blocks = {"replicated": 2, "sharded": 6}
+    secs = {v: (lambda n, c, v=v: StepModel(p, "measured").seconds(v, n, c)) for v in ("replicated", "sharded")}
+    got = predict_pair(s, blocks, secs, 40.0)
+    reqs = [wl.with_(rate=40.0, seed=0).for_rank(r, 192) for r in range(2)]
+    assert reqs[0][-1].arrival_s == 8 / 40.0  # rescaled: the realised rate is the label
+    runs = {v: replay(reqs, blocks[v], secs[v], aligned=v == "sharded", token_budget=4, max_context=32)
+            for v in blocks}
+    want = pair_metrics({v: r.records for v, r in runs.items()}, 2, 1, s.slo)
+    for v in blocks:
+        assert got[v]["goodput"] == want[v]["goodput"] and got[v]["attainment"] == want[v]["attainment"]
+        assert got[v]["goodput_own_window"] == want[v]["goodput_own_window"]
+        assert got[v]["idle_steps"] == runs[v].idle_steps
+    assert runs["replicated"].idle_steps == 0 and runs["sharded"].idle_steps > 0  # free vs aligned
+    assert got["replicated"]["goodput"] != got["replicated"]["goodput_own_window"]  # the window matters here
+    assert got["steady"] == pair_steady(40.0, {v: got[v]["drain_share"] for v in blocks},
+                                        {v: got[v]["attainment"] for v in blocks}, 0.9)
+
+
+OLD = "docs/measurements/cpu-2026-12-04/bench_serve_tiny-deep_2ranks_gloo.json"
+
+
+def test_old_format_report_gives_its_steps_only_checked_and_labelled():
+    raw = json.load(open(OLD))
+    p = StepProfile.from_old_report_steps(raw, OLD)
+    assert p.source.startswith("steps of an old-format report (schema 2)") and p.notes == [p.source.rsplit(": ", 1)[0]]
+    assert set(p.steps) == {"replicated", "sharded"} and all(x > 0 for t in p.steps.values() for x in t.values())
+    pt = raw["rows_by_budget"][0]["points"][0]["sharded"]["step_ms_by_bucket"]
+    k = next(iter(pt))
+    for bad, words in ((-1.0, "a finite number > 0"), ("x", "a number is needed"), (None, "a number is needed")):
+        pt[k]["mean_ms"] = bad
+        with pytest.raises(ProfileRefused, match=f"field rows_by_budget\\[0\\].points\\[0\\].sharded.step_ms_by_bucket.{k}.mean_ms .*{words}"):
+            StepProfile.from_old_report_steps(raw, OLD)
+    del raw["sizing"]["sharded"]["resident_bytes"]
+    with pytest.raises(ProfileRefused, match="field sizing.sharded.resident_bytes is missing"):
+        StepProfile.from_old_report_steps(raw, OLD)
+
+
+def test_rate_ratio_only_of_two_brackets():
+    from wsharding.serve.predict import rate_ratio
+
+    def b(kind, sustained):
+        return {"kind": kind, "sustained": sustained}
+
+    assert rate_ratio({"replicated": b("bracketed", 2.0), "sharded": b("bracketed", 8.0)}) == 4.0
+    # "at least 5/s" on both sides is no ratio of 1.00x: the sweep did not reach either limit
+    assert rate_ratio({"replicated": b("at least", 5.0), "sharded": b("at least", 5.0)}) is None
+    assert rate_ratio({"replicated": b("bracketed", 2.0), "sharded": b("not established", 4.0)}) is None

@@ -209,6 +209,7 @@ def load_profile(path: str) -> tuple[Any, dict[str, Any] | None]:
     also the report, under today's rules)."""
     from wsharding.io_checks import read_saved_report
     from wsharding.lab.bench.serve_report import read_serve_report
+    from wsharding.lab.bench.serve_schema import SCHEMA
     from wsharding.serve.predict import StepProfile
 
     try:
@@ -218,8 +219,11 @@ def load_profile(path: str) -> tuple[Any, dict[str, Any] | None]:
     if isinstance(raw, dict) and raw.get("kind") == "serve prediction" and "profile" in raw:
         raw = raw["profile"]  # a prediction's JSON carries the profile it was made from
     if isinstance(raw, dict) and raw.get("bench") == "serve":
-        report = read_serve_report(path)
-        return StepProfile.from_serve_report(report, f"bench serve report {path}"), report
+        if raw.get("schema") == SCHEMA:  # checked whole, its answers computed again
+            report = read_serve_report(path)
+            return StepProfile.from_serve_report(report, f"bench serve report {path}"), report
+        # an old-format report: its measured step times only, each checked; its answer is never read
+        return StepProfile.from_old_report_steps(raw, path), None
     if not isinstance(raw, dict) or raw.get("kind") != "step profile":
         raise InputError(f"--profile {path}: neither a step profile nor a bench serve report: give the JSON that "
                          "wsharding plan --serve --profile measure --json wrote, or one of bench serve --json")

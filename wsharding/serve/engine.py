@@ -71,7 +71,10 @@ class ServeRun:
         return len(self.step_tokens)
 
 
-def _record(seq: Sequence) -> dict[str, Any]:
+def record(seq: Sequence) -> dict[str, Any]:
+    """One finished request's record: when it arrived and was sent, its lengths, the time each token
+    reached the host, its preemptions (what :mod:`~wsharding.serve.metrics` reads; a replay of the
+    scheduler writes the same)."""
     r = seq.request
     return {"rid": r.rid, "rank": r.rank, "arrival_s": r.arrival_s, "sent_s": seq.sent_s, "prompt_tokens": len(r.prompt),
             "output_tokens": len(seq.generated), "token_s": list(seq.token_s), "preempted": seq.preempted}
@@ -157,7 +160,7 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
     run.wall_s = clock() - t0
     done = sorted(sched.finished, key=lambda s: s.request.rid)
     run.outputs = {s.request.rid: s.generated for s in done}
-    run.records = [_record(s) for s in done]
+    run.records = [record(s) for s in done]
     run.preemptions = sched.preemptions
     run.recomputed_tokens = sched.recomputed_tokens
     run.waited_for_memory = len(sched.waited_for_memory)

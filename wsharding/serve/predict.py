@@ -11,13 +11,18 @@ The parts, in reading order:
 * :class:`StepModel` -- a step's seconds for a variant and a shape: the profile's own, or the
   replicated step plus the gathers as the schedule exposes them (:data:`RULES`), the gathers measured
   or priced by the cost model for N GPUs over a named link.
-* :func:`replay` -- the Scheduler, per rank, on a virtual clock. Sharded ranks step in lockstep (every
-  rank joins every gather, so a step lasts as long as the slowest rank's; an idle rank runs a padding
-  step of one token); replicated ranks run free (an idle one waits for its next arrival). Per-request
-  records come out in the engine's format, so :func:`~wsharding.serve.metrics.trial_metrics` and
-  :func:`~wsharding.serve.metrics.sweep_answer` judge them as they judge a measured run.
+* :func:`replay` -- the Scheduler, per rank, on a virtual clock, the ranks run as
+  :func:`~wsharding.serve.engine.serve` runs them: sharded ranks aligned (every rank joins every
+  gather, so a step lasts as long as the slowest rank's; an idle rank runs an idle step of one padding
+  token, counted); replicated ranks free (an idle one waits for its next arrival, no step). A step's
+  shape is :func:`~wsharding.serve.step.step_buckets`, a request's record the engine's
+  :func:`~wsharding.serve.engine.record`.
+* :func:`predict_pair` / :func:`pair_sweep` -- both variants on the same rescaled arrivals, judged as
+  ``bench serve`` judges a point and a sweep: :func:`~wsharding.serve.metrics.pair_metrics` (goodput
+  over the common window), :func:`~wsharding.serve.metrics.pair_steady`,
+  :func:`~wsharding.serve.metrics.bracket` -- so "sustains X, fails at Y" means the same in both.
 * :func:`predict_serve` -- per budget, each variant's pool (:func:`~wsharding.serve.budget.pool_blocks`
-  of its resident bytes) and its highest sustained rate, bracketed by a passing and a failing rate.
+  of its resident bytes) and its bracketed sustained rate.
 * :func:`compare_with_report` -- a prediction beside a measured ``bench serve`` report, with the error
   of each figure.
 
@@ -38,10 +43,10 @@ from wsharding.core.units import align_up
 from wsharding.costmodel.plan import gather_seconds
 from wsharding.serve.blocks import BLOCK_TOKENS, BlockPool
 from wsharding.serve.budget import budget_for_share, pool_blocks
-from wsharding.serve.metrics import SLO, is_steady, sweep_answer, trial_metrics
-from wsharding.serve.scheduler import Scheduled, Scheduler, check_servable
-from wsharding.serve.scheduler import Sequence as Seq
-from wsharding.serve.step import bucket, context_buckets, token_buckets
+from wsharding.serve.engine import record
+from wsharding.serve.metrics import SLO, bracket, bracket_text, pair_metrics, pair_steady, regime
+from wsharding.serve.scheduler import Scheduler, check_servable
+from wsharding.serve.step import context_buckets, step_buckets, token_buckets
 from wsharding.serve.workload import Request, Workload
 
 #: The label of every predicted figure, in text and JSON.
@@ -65,6 +70,10 @@ RULES = ("measured", "serial", "overlap")
 
 class ProfileMissing(InvalidArgument):
     """The step profile holds no time for a step shape the replay needs."""
+
+
+class ProfileRefused(InvalidArgument):
+    """Step times read from a report that does not hold them whole (a field missing, not a finite positive number)."""
 
 
 def _key(tokens: int, context: int | None) -> str:
@@ -168,7 +177,7 @@ class StepProfile:
         acc: dict[str, dict[str, list[float]]] = {}
         for row in report["rows_by_budget"]:
             for p in row["points"]:
-                for v in report["variants"]:
+                for v in VARIANTS:
                     for k, c in p[v]["step_ms_by_bucket"].items():
                         a = acc.setdefault(v, {}).setdefault(_key(int(k), None), [0.0, 0])
                         a[0] += c["mean_ms"] * c["steps"] / 1e3
@@ -180,7 +189,7 @@ class StepProfile:
                    "compute_s": None if lt["compute_us"] is None else lt["compute_us"] / 1e6}
                   for lt in report.get("layer_times", [])]
         s = report["sizing"]
-        sizing = {"resident_bytes": {v: s[v]["resident_bytes"] for v in report["variants"]},
+        sizing = {"resident_bytes": {v: s[v]["resident_bytes"] for v in VARIANTS},
                   "reserve_bytes": s["replicated"]["reserve_bytes"], "kv_bytes_per_token": report["kv_bytes_per_token"]}
         from wsharding.models import decoder_config
 
@@ -188,6 +197,92 @@ class StepProfile:
                    vocab=decoder_config(report["preset"]).vocab, token_budget=report["token_budget"],
                    max_context=report["max_context"], steps=steps, sizing=sizing, layers=layers,
                    notes=list(report.get("notes", [])))
+
+
+    @classmethod
+    def from_old_report_steps(cls, report: Any, path: str) -> StepProfile:
+        """The step times of a ``bench serve`` report of an earlier schema, and nothing else of it: its
+        steps were measured, but its answer was not judged as a pair, so no figure of its answer is read.
+        Only the fields a profile takes are read, each checked (present, of its type, finite and
+        positive), a bad one refused in one line naming it; the profile says where it came from."""
+        def bad(field: str, what: str) -> ProfileRefused:
+            return ProfileRefused(f"--profile {path}: field {field} {what}; an old-format report gives step times "
+                                  "only when they are whole: pass it unchanged, or run wsharding bench serve again")
+
+        def get(obj: Any, key: str, field: str) -> Any:
+            if not isinstance(obj, dict) or key not in obj:
+                raise bad(field, "is missing")
+            return obj[key]
+
+        def num(obj: Any, key: str, field: str, *, integer: bool = False, zero: bool = False,
+                none: bool = False) -> Any:
+            x = get(obj, key, field)
+            if x is None and none:
+                return None
+            if isinstance(x, bool) or not isinstance(x, int if integer else (int, float)):
+                raise bad(field, f"is {str(x)[:30]!r}, {'a whole number' if integer else 'a number'} is needed")
+            if not math.isfinite(x) or x < 0 or (x == 0 and not zero):
+                raise bad(field, f"is {x}, a finite number {'>= 0' if zero else '> 0'} is needed")
+            return x
+
+        if not isinstance(report, dict) or report.get("bench") != "serve":
+            raise ProfileRefused(f"--profile {path}: not a report of wsharding bench serve")
+        for key in ("device", "preset"):
+            if not isinstance(get(report, key, key), str):
+                raise bad(key, "is not a string")
+        ranks = num(report, "world_size", "world_size", integer=True)
+        token_budget = num(report, "token_budget", "token_budget", integer=True)
+        max_context = num(report, "max_context", "max_context", integer=True)
+        per_token = num(report, "kv_bytes_per_token", "kv_bytes_per_token", integer=True)
+        sizing = get(report, "sizing", "sizing")
+        resident = {v: num(get(sizing, v, f"sizing.{v}"), "resident_bytes", f"sizing.{v}.resident_bytes", integer=True)
+                    for v in VARIANTS}
+        reserve = num(get(sizing, "replicated", "sizing.replicated"), "reserve_bytes",
+                      "sizing.replicated.reserve_bytes", integer=True, zero=True)
+        acc: dict[str, dict[str, list[float]]] = {}
+        rows = get(report, "rows_by_budget", "rows_by_budget")
+        for b, row in enumerate(rows if isinstance(rows, list) else []):
+            points = get(row, "points", f"rows_by_budget[{b}].points")
+            for i, p in enumerate(points if isinstance(points, list) else []):
+                for v in VARIANTS:
+                    w = f"rows_by_budget[{b}].points[{i}].{v}.step_ms_by_bucket"
+                    table = get(get(p, v, f"rows_by_budget[{b}].points[{i}].{v}"), "step_ms_by_bucket", w)
+                    if not isinstance(table, dict):
+                        raise bad(w, "is not an object")
+                    for k, c in table.items():
+                        if not (isinstance(k, str) and k.isdigit() and int(k) >= 1):
+                            raise bad(f"{w}.{str(k)[:20]}", "is not a token bucket (a whole number of tokens)")
+                        a = acc.setdefault(v, {}).setdefault(_key(int(k), None), [0.0, 0])
+                        n = num(c, "steps", f"{w}.{k}.steps", integer=True)
+                        a[0] += num(c, "mean_ms", f"{w}.{k}.mean_ms") * n / 1e3
+                        a[1] += n
+        if set(acc) != set(VARIANTS):
+            raise bad("rows_by_budget", "holds no step times of both variants")
+        layers = []
+        lts = report.get("layer_times", [])
+        for i, lt in enumerate(lts if isinstance(lts, list) else []):
+            w = f"layer_times[{i}]"
+            layers.append({"layer": num(lt, "layer", f"{w}.layer", integer=True, zero=True),
+                           "tokens": num(lt, "tokens", f"{w}.tokens", integer=True),
+                           "width": num(lt, "width", f"{w}.width", integer=True),
+                           "payload_bytes": num(lt, "payload_bytes", f"{w}.payload_bytes", integer=True),
+                           "layout_bytes": num(lt, "layout_bytes", f"{w}.layout_bytes", integer=True),
+                           **{f"{k}_s": None if (x := num(lt, f"{k}_us", f"{w}.{k}_us", zero=True, none=True)) is None
+                              else x / 1e6 for k in ("gather", "compute")}})
+        from wsharding.models import decoder_config
+
+        try:
+            vocab = decoder_config(report["preset"]).vocab
+        except (KeyError, ValueError):
+            raise bad("preset", f"is {report['preset'][:40]!r}, no decoder preset of this version") from None
+        schema = report.get("schema")
+        label = (f"steps of an old-format report ({'no schema' if schema is None else f'schema {schema}'}): its step "
+                 "times only; its answer was not judged as a pair and is not read")
+        return cls(source=f"{label}: {path}", device=report["device"], ranks=ranks, preset=report["preset"], vocab=vocab,
+                   token_budget=token_budget, max_context=max_context,
+                   steps={v: {k: s_ / n for k, (s_, n) in t.items()} for v, t in acc.items()},
+                   sizing={"resident_bytes": resident, "reserve_bytes": reserve, "kv_bytes_per_token": per_token},
+                   layers=layers, notes=[label])
 
 
 @dataclass(frozen=True)
@@ -282,19 +377,6 @@ def counted_pool(blocks: int) -> BlockPool:
     return BlockPool(_CountedStorage(blocks))  # type: ignore[arg-type]
 
 
-def step_shape(scheduled: Sequence[Scheduled], sizes: list[int], widths: list[int]) -> tuple[int, int]:
-    """(token bucket, context bucket) of a step, by :func:`~wsharding.serve.step.build_step`'s rule: its
-    tokens rounded up to a bucket (a step of nothing is one padding token), its longest context likewise."""
-    tokens = sum(s.count for s in scheduled)
-    return bucket(max(tokens, 1), sizes), bucket(max((s.start + s.count for s in scheduled), default=1), widths)
-
-
-def _record(seq: Seq) -> dict[str, Any]:
-    r = seq.request
-    return {"rid": r.rid, "rank": r.rank, "arrival_s": r.arrival_s, "sent_s": seq.sent_s, "prompt_tokens": len(r.prompt),
-            "output_tokens": len(seq.generated), "token_s": list(seq.token_s), "preempted": seq.preempted}
-
-
 class ReplayStalled(WshardingError, RuntimeError):
     """The replay ran ``max_steps`` steps and some rank still had work."""
 
@@ -309,19 +391,21 @@ class Replay:
     preemptions: int
     peak_blocks: int
     clock_s: float
+    waited_for_memory: int = 0
 
 
-def replay(requests: Sequence[list[Request]], blocks: int, seconds: Callable[[int, int], float], *, lockstep: bool,
+def replay(requests: Sequence[list[Request]], blocks: int, seconds: Callable[[int, int], float], *, aligned: bool,
            token_budget: int, max_context: int, max_seqs: int | None = None, max_concurrency: int | None = None,
            max_steps: int = 2_000_000) -> Replay:
     """Serve every rank's ``requests`` with a pool of ``blocks`` blocks each on a virtual clock, a step
-    of shape (tokens, context) lasting ``seconds(tokens, context)``.
+    of shape (tokens, context) (:func:`~wsharding.serve.step.step_buckets`) lasting ``seconds(tokens, context)``.
 
-    As the engine: a step is scheduled at the clock's time, its tokens reach the host when it ends, the
-    next starts then. ``lockstep`` (sharded ranks): every rank runs every step, a rank with nothing
-    scheduled a one-token padding step, and the step lasts the slowest rank's; while no rank has
-    anything scheduled the ranks run padding steps until the next arrival. Otherwise (replicated) each
-    rank runs on its own and waits idle for its next arrival."""
+    As :func:`~wsharding.serve.engine.serve` runs them: a step is scheduled at the clock's time, its
+    tokens reach the host when it ends, the next starts then. ``aligned`` (sharded ranks): every rank
+    runs every step, a rank with nothing scheduled an idle step of one padding token, the step lasts
+    the slowest rank's, and the ranks stop together when none has work left -- so while no rank has
+    anything scheduled they run idle steps until the next arrival. Otherwise (replicated, free) each
+    rank runs on its own, waits for its next arrival with no step, and stops when its own work is done."""
     sizes, widths = token_buckets(token_budget), context_buckets(max_context)
     scheds = []
     for reqs in requests:
@@ -331,9 +415,9 @@ def replay(requests: Sequence[list[Request]], blocks: int, seconds: Callable[[in
                                 max_concurrency=max_concurrency))
     steps = idle = peak = 0
     end = 0.0
-    if lockstep:
+    if aligned:
         t = 0.0
-        pad = seconds(1, widths[0])
+        pad = seconds(*step_buckets([], sizes, widths))
         while any(s.has_work() for s in scheds):
             plans = [s.schedule(t) for s in scheds]
             peak = max(peak, *(s.pool.used_blocks for s in scheds))
@@ -344,12 +428,13 @@ def replay(requests: Sequence[list[Request]], blocks: int, seconds: Callable[[in
                 n = max(1, math.ceil((min(nxt) - t) / pad))
                 t += n * pad
                 steps += n
-                idle += n
+                idle += n * len(scheds)  # every rank ran them
                 continue
-            t += max(seconds(*step_shape(p, sizes, widths)) for p in plans)
+            t += max(seconds(*step_buckets(p, sizes, widths)) for p in plans)
             for s, p in zip(scheds, plans, strict=True):
                 s.step_done(p, [0] * sum(x.samples for x in p), t)
             steps += 1
+            idle += sum(not p for p in plans)
             if steps > max_steps:
                 raise ReplayStalled(f"replay: still working after {max_steps} steps")
         end = t
@@ -364,17 +449,18 @@ def replay(requests: Sequence[list[Request]], blocks: int, seconds: Callable[[in
                         raise ReplayStalled(f"replay: a rank could schedule nothing at {t:.6f} s with work left")
                     t = s.pending[0].arrival_s
                     continue
-                t += seconds(*step_shape(p, sizes, widths))
+                t += seconds(*step_buckets(p, sizes, widths))
                 s.step_done(p, [0] * sum(x.samples for x in p), t)
                 steps += 1
                 if steps > max_steps:
                     raise ReplayStalled(f"replay: still working after {max_steps} steps")
             end = max(end, t)
-    records = [_record(q) for s in scheds for q in sorted(s.finished, key=lambda q: q.request.rid)]
-    return Replay(records, steps, idle, sum(s.preemptions for s in scheds), peak, end)
+    records = [record(q) for s in scheds for q in sorted(s.finished, key=lambda q: q.request.rid)]
+    return Replay(records, steps, idle, sum(s.preemptions for s in scheds), peak, end,
+                  sum(len(s.waited_for_memory) for s in scheds))
 
 
-# ---- the prediction ------------------------------------------------------------------------------------
+# ---- the prediction, judged as the bench judges a run ---------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -391,9 +477,6 @@ class Setting:
     warmup: int | None = None
     max_seqs: int | None = None
     max_concurrency: int | None = None
-    #: Replicated ranks in lockstep too (a per-step agreement and idle padding steps, as the engine of a
-    #: report of schema 2 ran them); a replicated deployment runs them free (the default).
-    replicated_lockstep: bool = False
 
     @property
     def max_context(self) -> int:
@@ -404,76 +487,118 @@ class Setting:
         return self.workload.requests // 10 if self.warmup is None else self.warmup
 
 
-def predict_point(setting: Setting, variant: str, blocks: int, seconds: Callable[[int, int], float],
-                  rate: float) -> dict[str, Any]:
-    """One variant at one rate: each trial replayed and judged by
-    :func:`~wsharding.serve.metrics.trial_metrics`; the attainment, goodput and drain share are their
-    means over trials, ``steady`` the rule of :func:`~wsharding.serve.metrics.is_steady`."""
-    trials = []
+Seconds = Callable[[int, int], float]
+
+
+def predict_pair(setting: Setting, blocks: dict[str, int], seconds: dict[str, Seconds], rate: float) -> dict[str, Any]:
+    """Both variants at one rate, judged as ``bench serve`` judges a point: per trial both replay the
+    **same arrivals** (the workload's, rescaled to the rate; trial t's seed as the bench draws it),
+    replicated ranks free and sharded ranks aligned, and :func:`~wsharding.serve.metrics.pair_metrics`
+    judges them together (goodput over the arrival window common to both); the figures are means over
+    trials, ``steady`` is :func:`~wsharding.serve.metrics.pair_steady` of those means, ``regime`` the
+    replicated variant's (:func:`~wsharding.serve.metrics.regime`)."""
+    per: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for t in range(setting.trials):
         wl = setting.workload.with_(rate=rate, seed=setting.workload.seed * 1000 + t)
         reqs = [wl.for_rank(r, setting.vocab) for r in range(setting.ranks)]
-        lockstep = variant != "replicated" or setting.replicated_lockstep
-        rp = replay(reqs, blocks, seconds, lockstep=lockstep, token_budget=setting.token_budget,
-                    max_context=setting.max_context, max_seqs=setting.max_seqs, max_concurrency=setting.max_concurrency)
-        m = trial_metrics(rp.records, setting.ranks, setting.warmup_requests, setting.slo)
-        m.update(steps=rp.steps, idle_steps=rp.idle_steps, preemptions=rp.preemptions, peak_blocks=rp.peak_blocks)
-        trials.append(m)
+        runs = {v: replay(reqs, blocks[v], seconds[v], aligned=v != "replicated", token_budget=setting.token_budget,
+                          max_context=setting.max_context, max_seqs=setting.max_seqs,
+                          max_concurrency=setting.max_concurrency) for v in VARIANTS}
+        pair = pair_metrics({v: runs[v].records for v in VARIANTS}, setting.ranks, setting.warmup_requests, setting.slo)
+        for v in VARIANTS:
+            rp = runs[v]
+            pair[v].update(steps=rp.steps, idle_steps=rp.idle_steps, preemptions=rp.preemptions,
+                           peak_blocks=rp.peak_blocks, waited_for_memory=rp.waited_for_memory)
+            per[v].append(pair[v])
     mean = statistics.fmean
-    drain = mean(m["drain_share"] for m in trials)
-    return {"rate": None if math.isinf(rate) else rate, "attainment": mean(m["attainment"] for m in trials),
-            "goodput": mean(m["goodput"] for m in trials),
-            "request_throughput": mean(m["request_throughput"] for m in trials),
-            "ttft_ms_mean": mean(m["ttft_ms"]["mean"] for m in trials),
-            "tpot_ms_mean": mean(m["tpot_ms"]["mean"] for m in trials if m["tpot_ms"]["mean"] is not None)
-            if any(m["tpot_ms"]["mean"] is not None for m in trials) else None,
-            "drain_share": drain, "steady": is_steady(None if math.isinf(rate) else rate, drain),
-            "preemptions": sum(m["preemptions"] for m in trials), "idle_steps": sum(m["idle_steps"] for m in trials),
-            "peak_blocks": max(m["peak_blocks"] for m in trials), "label": PREDICTED}
+    label = None if math.isinf(rate) else rate
+    out: dict[str, Any] = {"rate": label, "label": PREDICTED}
+    for v in VARIANTS:
+        ms = per[v]
+        tpots = [m["tpot_ms"]["mean"] for m in ms if m["tpot_ms"]["mean"] is not None]
+        out[v] = {"attainment": mean(m["attainment"] for m in ms), "goodput": mean(m["goodput"] for m in ms),
+                  "goodput_own_window": mean(m["goodput_own_window"] for m in ms),
+                  "request_throughput": mean(m["request_throughput"] for m in ms),
+                  "ttft_ms_mean": mean(m["ttft_ms"]["mean"] for m in ms), "tpot_ms_mean": mean(tpots) if tpots else None,
+                  "drain_share": mean(m["drain_share"] for m in ms),
+                  **{k: mean(m[k] for m in ms) for k in ("preemptions", "waited_for_memory", "idle_steps")},
+                  "peak_blocks": max(m["peak_blocks"] for m in ms), "label": PREDICTED}
+    out["steady"] = pair_steady(label, {v: out[v]["drain_share"] for v in VARIANTS},
+                                {v: out[v]["attainment"] for v in VARIANTS}, setting.slo.attainment)
+    out["regime"] = regime(out["replicated"]["preemptions"], out["replicated"]["waited_for_memory"])
+    return out
 
 
-def sustained_rate(setting: Setting, variant: str, blocks: int, seconds: Callable[[int, int], float],
-                   rates: Sequence[float], *, search: bool = True, refine: int = 3,
-                   widen: int = 8) -> dict[str, Any]:
-    """The highest rate ``variant`` sustains (:func:`~wsharding.serve.metrics.sweep_answer` over the
-    rates replayed) and the bracket around it. ``rates``: the sweep. ``search``: beyond it, double
-    above the highest while every rate passes, halve below the lowest while it fails (``widen`` times at
-    most), then bisect between the best passing and the first failing rate ``refine`` times."""
+def _json_bracket(b: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`~wsharding.serve.metrics.bracket` as a report holds it: all at once (infinite) is the
+    rate None, and a sustained burst is said as such (``all_at_once``), never as a number."""
+    b = {**b, "all_at_once": b["sustained"] is not None and math.isinf(b["sustained"]), "label": PREDICTED}
+    for key in ("sustained", "fails_at"):
+        if b[key] is not None and math.isinf(b[key]):
+            b[key] = None
+    if b["stopped"] is not None and math.isinf(b["stopped"]["rate"]):
+        b["stopped"] = {**b["stopped"], "rate": None}
+    return b
+
+
+def pair_sweep(setting: Setting, blocks: dict[str, int], seconds: dict[str, Seconds], rates: Sequence[float], *,
+               search: bool = True, refine: int = 3, widen: int = 8) -> dict[str, Any]:
+    """Each variant's answer over a sweep of pairs (:func:`predict_pair`), as the bench answers:
+    :func:`~wsharding.serve.metrics.bracket` over every rate replayed, each point's steadiness that of
+    the pair. ``search``: beyond ``rates``, double above the highest while a variant passed every rate,
+    halve below the lowest while one failed it (``widen`` times at most), then bisect between each
+    variant's sustained and failing rate ``refine`` times -- every added rate replays both variants."""
     points: dict[float, dict[str, Any]] = {}
-
-    def judge() -> tuple[float | None, dict[str, Any] | None]:
-        xs = sorted(points)
-        return sweep_answer(xs, [points[x]["attainment"] for x in xs], setting.slo.attainment,
-                            [points[x]["steady"] for x in xs])
+    target = setting.slo.attainment
 
     def at(rate: float) -> None:
         if rate not in points:
-            points[rate] = predict_point(setting, variant, blocks, seconds, rate)
+            points[rate] = predict_pair(setting, blocks, seconds, rate)
+
+    def judge() -> dict[str, dict[str, Any]]:
+        xs = sorted(points)
+        steady = [points[x]["steady"] for x in xs]
+        return {v: bracket(xs, [points[x][v]["attainment"] for x in xs], target, steady) for v in VARIANTS}
 
     for r in rates:
         at(float(r))
-    best, stop = judge()
+    got = judge()
     if search:
         for _ in range(widen):
-            if stop is None:
-                at(max(points) * 2)
-            elif best is None and stop["why"] == "missed the SLO":
-                at(min(points) / 2)
-            else:
+            kinds = {b["kind"] for b in got.values()}
+            hi, lo = max(points), min(points)
+            grow = "at least" in kinds and math.isfinite(hi)
+            shrink = "below the lowest" in kinds and math.isfinite(lo)
+            if not (grow or shrink):
                 break
-            best, stop = judge()
+            if grow:
+                at(hi * 2)
+            if shrink:
+                at(lo / 2)
+            got = judge()
         for _ in range(refine):
-            if best is None or stop is None:
+            added = False
+            for b in got.values():
+                if b["kind"] == "bracketed" and math.isfinite(b["fails_at"]):
+                    # the geometric mean, to 3 significant digits: a rate a sweep could name
+                    mid = float(f"{math.sqrt(b['sustained'] * b['fails_at']):.3g}")
+                    if not b["sustained"] < mid < b["fails_at"]:
+                        continue
+                    added |= mid not in points
+                    at(mid)
+            if not added:
                 break
-            at(math.sqrt(best * stop["rate"]))
-            best, stop = judge()
-    xs = sorted(points)
-    if stop is not None and math.isinf(stop["rate"]):
-        stop = {**stop, "rate": None}
-    # all at once is a declared burst, not a rate: sustained there is said as such, never as a number
-    return {"sustained_rate": None if best is not None and math.isinf(best) else best, "stopped": stop,
-            "all_at_once_sustained": best is not None and math.isinf(best),
-            "points": [points[x] for x in xs], "label": PREDICTED}
+            got = judge()
+    return {"points": [points[x] for x in sorted(points)], "brackets": {v: _json_bracket(b) for v, b in got.items()},
+            "label": PREDICTED}
+
+
+def rate_ratio(brackets: dict[str, dict[str, Any]]) -> float | None:
+    """Sharded over replicated sustained rate where both are bracketed (a pass and a fail; None
+    otherwise: an open side, "at least" or "not established", is no rate to divide)."""
+    if any(brackets[v]["kind"] != "bracketed" for v in VARIANTS):
+        return None
+    return brackets["sharded"]["sustained"] / brackets["replicated"]["sustained"]
 
 
 def budget_pools(profile: StepProfile, shares: Sequence[float], ranks: int | None = None) -> list[dict[str, Any]]:
@@ -498,27 +623,24 @@ def swept_text(workload: Workload) -> str:
     """The workload's words with its arrivals as a sweep replays them (at each rate, not its own)."""
     kind = "Poisson" if workload.burstiness == 1 else f"gamma (burstiness {workload.burstiness:g})"
     text = workload.with_(rate=math.inf).describe()
-    return text.replace("arrivals all at once", f"{kind} arrivals at each rate replayed")
+    return text.replace("arrivals all at once", f"{kind} arrivals rescaled to each rate replayed")
 
 
 def predict_serve(profile: StepProfile, model: StepModel, setting: Setting, shares: Sequence[float],
                   rates: Sequence[float], *, search: bool = True, refine: int = 3,
                   pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Each variant's predicted sustained rate per budget (a KV share of the replicated model's budget),
-    bracketed, with the pool ratio and the rate ratio. ``pools``: the budgets' pools when not the
-    profile's (:func:`budget_pools`)."""
+    bracketed and judged as a pair (:func:`pair_sweep`), with the pool ratio and the rate ratio.
+    ``pools``: the budgets' pools when not the profile's (:func:`budget_pools`)."""
     pools = budget_pools(profile, shares, setting.ranks) if pools is None else pools
+    seconds = {v: (lambda n, c, v=v: model.seconds(v, n, c)) for v in VARIANTS}
     rows = []
     for p in pools:
-        row: dict[str, Any] = {**p, "label": PREDICTED}
-        for v in VARIANTS:
-            row[v] = sustained_rate(setting, v, p["pool_blocks"][v], lambda n, c, v=v: model.seconds(v, n, c), rates,
-                                    search=search, refine=refine)
-        rep, sh = row["replicated"]["sustained_rate"], row["sharded"]["sustained_rate"]
-        row["rate_ratio"] = sh / rep if rep and sh is not None else None
+        row: dict[str, Any] = {**p, "label": PREDICTED,
+                               **pair_sweep(setting, p["pool_blocks"], seconds, rates, search=search, refine=refine)}
+        row["rate_ratio"] = rate_ratio(row["brackets"])
         rows.append(row)
     return {"label": PREDICTED, "kind": "serve prediction", "profile_source": profile.source,
-            "replicated_lockstep": setting.replicated_lockstep,
             "profile_device": profile.device, "profile_notes": profile.notes, "preset": profile.preset,
             "ranks": setting.ranks, "rule": model.rule, "link": model.link, "step_model": model.describe(),
             "workload": setting.workload.as_dict(), "workload_text": swept_text(setting.workload),
@@ -526,19 +648,8 @@ def predict_serve(profile: StepProfile, model: StepModel, setting: Setting, shar
             "slo": setting.slo.as_dict(), "slo_text": setting.slo.describe(), "rows_by_budget": rows}
 
 
-def bracket_text(v: dict[str, Any]) -> str:
-    """``a..b/s``: the highest passing rate and the first failing one (or why the sweep stopped)."""
-    best, stop = v["sustained_rate"], v["stopped"]
-    if v.get("all_at_once_sustained"):
-        return "all at once (a burst)"
-    if stop is not None and stop["rate"] is None:
-        stop = {**stop, "rate": math.inf}
-    if stop is None:
-        return f"at least {best:.3g}/s (every rate replayed passed)"
-    if best is None:
-        return (f"below {stop['rate']:.3g}/s (missed the SLO)" if stop["why"] == "missed the SLO" else
-                f"not established ({stop['rate']:.3g}/s {stop['why']})")
-    return f"{best:.3g}/s (fails at {stop['rate']:.3g}/s: {stop['why']})"
+def _rate(rate: float | None) -> str:
+    return "all at once" if rate is None else f"{rate:.3g}/s"
 
 
 def format_prediction(pred: dict[str, Any]) -> str:
@@ -546,8 +657,8 @@ def format_prediction(pred: dict[str, Any]) -> str:
     lines = [f"{PREDICTED}: wsharding plan --serve -- {pred['preset']}, {pred['ranks']} ranks, not measured: the "
              "package's scheduler replayed on a virtual clock"]
     lines.append(f"  {PREDICTED} step times: {pred['step_model']}; profile: {pred['profile_source']} "
-                 f"({pred['profile_device']}); sharded ranks in lockstep, replicated "
-                 + ("in lockstep too (as the run predicted)" if pred["replicated_lockstep"] else "free"))
+                 f"({pred['profile_device']}); replicated ranks free, sharded ranks aligned (idle steps counted); "
+                 "judged as a pair as bench serve judges: the same arrivals, goodput over their common window")
     lines += [f"  NOTE (profile): {n}" for n in pred["profile_notes"]]
     if pred["rule"] != "measured" and any("time-slice" in n for n in pred["profile_notes"]):
         lines.append("  NOTE: the profile's compute was measured with the ranks taking turns on one GPU, so each "
@@ -556,16 +667,18 @@ def format_prediction(pred: dict[str, Any]) -> str:
     lines.append(f"  workload: {pred['workload_text']}; {pred['trials']} trial(s), the first "
                  f"{pred['warmup_requests']} requests per rank left out; SLO: {pred['slo_text']}")
     for row in pred["rows_by_budget"]:
-        lines.append(f"  {PREDICTED} budget {row['budget_bytes'] / 2**20:,.1f} MiB per rank (replicated KV share "
+        lines.append(f"  {PREDICTED} budget {row['budget_bytes'] / 2**20:,.2f} MiB per rank (replicated KV share "
                      f"{row['kv_share']:.0%}): KV pool replicated {row['pool_tokens']['replicated']:,} tokens, sharded "
                      f"{row['pool_tokens']['sharded']:,} (pool ratio {row['pool_ratio']:.2f}x)")
+        for p in row["points"]:
+            met = ", ".join(f"{v} {p[v]['attainment']:.0%} (goodput {p[v]['goodput']:.2f}/s)" for v in VARIANTS)
+            lines.append(f"    {PREDICTED} rate {_rate(p['rate'])}: met the SLO {met}; {p['regime']}"
+                         + ("" if p["steady"] else "; not a steady state"))
         for v in VARIANTS:
-            pts = ", ".join(("all at once" if p["rate"] is None else f"{p['rate']:.3g}/s") + f" {p['attainment']:.0%}" + ("" if p["steady"] else " (not steady)")
-                            for p in row[v]["points"])
-            lines.append(f"    {PREDICTED} {v:<10} sustains {bracket_text(row[v])}; met the SLO: {pts}")
+            lines.append(f"    {PREDICTED} {v:<10} {bracket_text(row['brackets'][v])}")
         ratio = row["rate_ratio"]
         lines.append(f"    {PREDICTED} sustained-rate ratio sharded/replicated: "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} (pool ratio {row['pool_ratio']:.2f}x)")
+                     f"{'- (not both bracketed)' if ratio is None else f'{ratio:.2f}x'} (pool ratio {row['pool_ratio']:.2f}x)")
     return "\n".join(lines)
 
 
@@ -577,60 +690,82 @@ def _err(pred: float | None, meas: float | None) -> float | None:
 
 
 def compare_with_report(pred: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
-    """A prediction beside the measured ``bench serve`` report it predicts (same budgets, same rates):
-    per budget and variant the sustained rate, and per rate the goodput, TTFT and TPOT means, each with
-    its relative error ``(predicted - measured) / measured``."""
+    """A prediction beside the measured ``bench serve`` report (schema 3, read by ``read_serve_report``)
+    it predicts -- same budgets, same rates: per budget and variant the bracket, predicted and measured,
+    and the error of the sustained rate; per rate the attainment, the goodput over the common window,
+    the TTFT and TPOT means, each with its relative error ``(predicted - measured) / measured``, and
+    whether the pair's point was steady in each."""
     if len(pred["rows_by_budget"]) != len(report["rows_by_budget"]):
         raise InvalidArgument(f"compare: the prediction has {len(pred['rows_by_budget'])} budgets, the report "
-                              f"{len(report['rows_by_budget'])}: predict the report's KV shares")
+                              f"{len(report['rows_by_budget'])}: predict the report's budgets")
     rows = []
     for prow, mrow in zip(pred["rows_by_budget"], report["rows_by_budget"], strict=True):
         out: dict[str, Any] = {"budget_bytes": mrow["budget_bytes"], "predicted_budget_bytes": prow["budget_bytes"],
-                               "label": PREDICTED}
-        for v in VARIANTS:
-            mrate = mrow["answer"]["max_rate"][v] if mrow["answer"].get("max_rate") else None
-            prate = prow[v]["sustained_rate"]
-            points = []
-            by_rate = {None if math.isinf(p["rate"]) else p["rate"]: p for p in prow[v]["points"]}
-            for mp in mrow["points"]:
-                pp = by_rate.get(mp["rate"])
-                if pp is None:
-                    continue
+                               "label": PREDICTED, "points": []}
+        by_rate = {p["rate"]: p for p in prow["points"]}
+        brackets = mrow["answer"]["brackets"]
+        for i, mp in enumerate(mrow["points"]):
+            pp = by_rate.get(mp["rate"])
+            if pp is None:
+                continue
+            item: dict[str, Any] = {"rate": mp["rate"], "steady_predicted": pp["steady"],
+                                    "steady_measured": mrow["answer"]["steady"][i],
+                                    "regime_predicted": pp["regime"], "regime_measured": mrow["answer"]["regime"][i]}
+            for v in VARIANTS:
                 x = mp[v]
-                meas = {"attainment": x["attainment"]["mean"] if "attainment" in x else None,
-                        "goodput": x["goodput"]["mean"] if "goodput" in x else None,
+                meas = {"attainment": x["attainment"]["mean"], "goodput": x["goodput"]["mean"],
                         "ttft_ms_mean": x["ttft_ms"]["mean"]["mean"], "tpot_ms_mean": x["tpot_ms"]["mean"]["mean"]}
-                points.append({"rate": mp["rate"], **{f"{k}_predicted": pp[k] for k in meas},
-                               **{f"{k}_measured": m for k, m in meas.items()},
-                               **{f"{k}_error": _err(pp[k], m) for k, m in meas.items()}})
-            out[v] = {"sustained_predicted": prate, "sustained_predicted_stopped": prow[v]["stopped"],
-                      "sustained_measured": mrate,
-                      "sustained_measured_stopped": mrow["answer"].get("stopped", {}).get(v),
-                      "sustained_error": _err(prate, mrate), "points": points}
+                item[v] = {**{f"{k}_predicted": pp[v][k] for k in meas}, **{f"{k}_measured": m for k, m in meas.items()},
+                           **{f"{k}_error": _err(pp[v][k], m) for k, m in meas.items()}}
+            out["points"].append(item)
+        for v in VARIANTS:
+            pb, mb = prow["brackets"][v], brackets[v]
+            out[v] = {"predicted": pb, "measured": mb, "predicted_text": bracket_text(pb),
+                      "measured_text": bracket_text(mb), "sustained_predicted": pb["sustained"],
+                      "sustained_measured": mb["sustained"], "sustained_error": _err(pb["sustained"], mb["sustained"]),
+                      "fails_at_predicted": pb["fails_at"], "fails_at_measured": mb["fails_at"],
+                      "same_bracket": (pb["kind"], pb["sustained"], pb["fails_at"]) == (mb["kind"], mb["sustained"],
+                                                                                       mb["fails_at"])}
         rows.append(out)
     return {"label": PREDICTED, "kind": "prediction vs measurement", "measured_notes": report.get("notes", []),
             "rows_by_budget": rows}
 
 
+def report_pools(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per budget of a ``bench serve`` report, the pools its run served with (its own blocks per
+    variant, whatever named its budget: bytes, a KV share or a utilization)."""
+    out = []
+    for row in report["rows_by_budget"]:
+        blocks = {v: row[v]["pool_blocks"] for v in VARIANTS}
+        out.append({"kv_share": row["replicated"]["kv_share"], "budget_bytes": row["budget_bytes"],
+                    "resident_bytes": {v: report["sizing"][v]["resident_bytes"] for v in VARIANTS},
+                    "pool_blocks": blocks, "pool_tokens": {v: b * BLOCK_TOKENS for v, b in blocks.items()},
+                    "pool_ratio": blocks["sharded"] / blocks["replicated"]})
+    return out
+
+
 def predict_report(profile: StepProfile, model: StepModel, report: dict[str, Any]) -> dict[str, Any]:
-    """The prediction of a saved ``bench serve`` run -- its workload, KV shares, rates, trials, warm-up,
-    SLO and step sizes, its ranks -- with :func:`compare_with_report` beside it (``"comparison"``): what
-    the bench prints under its own answer. The run's budgets must be KV shares. Its replicated ranks ran
-    as its ``replicated_lockstep`` says; a report without the field is of the engine that ran every rank
-    in lockstep (schema 2)."""
-    shares = [r["budget_spec"].get("kv_share") for r in report["rows_by_budget"]]
-    if None in shares:
-        raise InvalidArgument("predict a bench serve run: its budgets must be KV shares (--kv-share), the "
-                              "prediction sizes its budgets from the profile's model")
+    """The prediction of a saved ``bench serve`` run (schema 3) -- its workload, pools, rates, trials,
+    warm-up, SLO, step sizes and ranks -- with :func:`compare_with_report` beside it (``"comparison"``):
+    what ``bench serve --predict`` prints under its own answer. A run of a trace's lengths is refused
+    (its report does not keep the trace's pairs, so its requests cannot be drawn again)."""
     if report.get("slo") is None:
         raise InvalidArgument("predict a bench serve run: it was run without an SLO, so it has no sustained rate")
+    if report["workload"].get("source", "random") != "random":
+        raise InvalidArgument(f"predict a bench serve run: its lengths came from {report['workload']['source']}, "
+                              "whose pairs the report does not keep; predict a run of uniform lengths")
+    missing = [v for v in VARIANTS if v not in report["variants"]]
+    if missing:
+        raise InvalidArgument(f"predict a bench serve run: it has no {', '.join(missing)} variant")
     setting = Setting(ranks=report["world_size"], workload=Workload.from_dict(report["workload"]),
                       token_budget=report["token_budget"], slo=SLO(**report["slo"]), vocab=profile.vocab,
                       trials=report["trials"], warmup=report["warmup_requests"], max_seqs=report.get("max_seqs"),
-                      max_concurrency=report.get("max_concurrency"),
-                      replicated_lockstep=bool(report.get("replicated_lockstep", report.get("schema") == 2)))
+                      max_concurrency=report.get("max_concurrency"))
+    if setting.max_context != report["max_context"]:
+        raise InvalidArgument(f"predict a bench serve run: its steps attended over {report['max_context']} tokens, "
+                              f"its workload's requests need {setting.max_context}: not a report of this version")
     rates = [math.inf if r is None else r for r in report["rates"]]
-    pred = predict_serve(profile, model, setting, shares, rates, search=False)
+    pred = predict_serve(profile, model, setting, [], rates, search=False, pools=report_pools(report))
     pred["comparison"] = compare_with_report(pred, report)
     return pred
 
@@ -643,28 +778,27 @@ def format_comparison(cmp: dict[str, Any]) -> str:
     def num(x: float | None, fmt: str = ".2f") -> str:
         return "-" if x is None else f"{x:{fmt}}"
 
-    def bound(rate: float | None, stop: dict[str, Any] | None) -> str:
-        if rate is None:
-            return "none of the rates" if stop and stop["why"] == "missed the SLO" else "not established"
-        return ("at least " if stop is None else "") + f"{rate:.3g}/s"
-
-    lines = [f"{PREDICTED} vs measured (bench serve report):"]
+    lines = [f"{PREDICTED} vs measured (bench serve report, both judged as a pair; the error is "
+             "(predicted - measured) / measured):"]
     lines += [f"  NOTE (measured): {n}" for n in cmp["measured_notes"]]
     for row in cmp["rows_by_budget"]:
         lines.append(f"  budget {row['budget_bytes'] / 2**20:,.2f} MiB per rank:")
         for v in VARIANTS:
             x = row[v]
-            lines.append(f"    {v:<10} sustained rate {PREDICTED} {bound(x['sustained_predicted'], x['sustained_predicted_stopped'])}"
-                         f", measured {bound(x['sustained_measured'], x['sustained_measured_stopped'])}, error "
-                         f"{pct(x['sustained_error'])}")
-            for p in x["points"]:
-                at = "all at once" if p["rate"] is None else f"{p['rate']:g}/s"
-                lines.append(f"      rate {at}: met the SLO {num(p['attainment_predicted'], '.0%')} vs "
-                             f"{num(p['attainment_measured'], '.0%')}, goodput {num(p['goodput_predicted'])} vs "
-                             f"{num(p['goodput_measured'])} ({pct(p['goodput_error'])}), TTFT mean "
-                             f"{num(p['ttft_ms_mean_predicted'], '.1f')} vs {num(p['ttft_ms_mean_measured'], '.1f')} ms "
-                             f"({pct(p['ttft_ms_mean_error'])}), TPOT mean {num(p['tpot_ms_mean_predicted'], '.1f')} vs "
-                             f"{num(p['tpot_ms_mean_measured'], '.1f')} ms ({pct(p['tpot_ms_mean_error'])})")
+            lines.append(f"    {v:<10} {PREDICTED} {x['predicted_text']}; measured {x['measured_text']}; sustained "
+                         f"rate error {pct(x['sustained_error'])}")
+        for p in row["points"]:
+            steady = {True: "steady", False: "not steady"}
+            lines.append(f"    rate {_rate(p['rate'])}: {PREDICTED} {steady[p['steady_predicted']]}, {p['regime_predicted']}"
+                         f"; measured {steady[p['steady_measured']]}, {p['regime_measured']}")
+            for v in VARIANTS:
+                q = p[v]
+                lines.append(f"      {v:<10} met the SLO {num(q['attainment_predicted'], '.0%')} vs "
+                             f"{num(q['attainment_measured'], '.0%')}, goodput {num(q['goodput_predicted'])} vs "
+                             f"{num(q['goodput_measured'])} ({pct(q['goodput_error'])}), TTFT mean "
+                             f"{num(q['ttft_ms_mean_predicted'], '.1f')} vs {num(q['ttft_ms_mean_measured'], '.1f')} ms "
+                             f"({pct(q['ttft_ms_mean_error'])}), TPOT mean {num(q['tpot_ms_mean_predicted'], '.1f')} vs "
+                             f"{num(q['tpot_ms_mean_measured'], '.1f')} ms ({pct(q['tpot_ms_mean_error'])})")
     return "\n".join(lines)
 
 
@@ -711,11 +845,9 @@ def design_prediction(slo: SLO, *, efficiency: float = 1.0, rates: Sequence[floa
                            "step_s_full": {v: seconds(v, token_budget, 0) for v in VARIANTS},
                            "breakeven_tokens": plan.breakeven_tokens}
     out["step_ratio_full"] = out["step_s_full"]["sharded"] / out["step_s_full"]["replicated"]
-    for v in VARIANTS:
-        out[v] = sustained_rate(setting, v, blocks[v], lambda n, c, v=v: seconds(v, n, c), rates, refine=refine,
-                                widen=widen)
-    rep, sh = out["replicated"]["sustained_rate"], out["sharded"]["sustained_rate"]
-    out["rate_ratio"] = sh / rep if rep and sh is not None else None
+    out.update(pair_sweep(setting, blocks, {v: (lambda n, c, v=v: seconds(v, n, c)) for v in VARIANTS}, rates,
+                          refine=refine, widen=widen))
+    out["rate_ratio"] = rate_ratio(out["brackets"])
     return out
 
 
@@ -728,5 +860,6 @@ def design_text(d: dict[str, Any]) -> str:
             f"tokens per GPU ({d['pool_ratio']:.2f}x); a {d['token_budget']}-token step "
             f"{1e3 * d['step_s_full']['replicated']:.2f} -> {1e3 * d['step_s_full']['sharded']:.2f} ms "
             f"({d['step_ratio_full']:.2f}x; the gathers hide from {d['breakeven_tokens']:,} tokens per step); "
-            f"sustained rate per GPU replicated {bracket_text(d['replicated'])}, sharded {bracket_text(d['sharded'])}: "
+            f"sustained rate per GPU replicated {bracket_text(d['brackets']['replicated'])}, sharded "
+            f"{bracket_text(d['brackets']['sharded'])}: "
             f"{ratio} ({d['workload_text']})")

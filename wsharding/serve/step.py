@@ -71,6 +71,16 @@ def bucket(n: int, sizes: list[int]) -> int:
                           "largest context it is bucketed for")
 
 
+def step_buckets(scheduled: list[Scheduled], token_sizes: list[int], context_sizes: list[int]) -> tuple[int, int]:
+    """(token bucket, context bucket) of the step :func:`build_step` builds for ``scheduled``: its
+    tokens rounded up to ``token_sizes`` (a step of nothing is one padding token), its widest group --
+    the bucket of its longest context (``context_sizes``; a step of padding reads one position) -- the
+    shape a step-time profile prices (:mod:`wsharding.serve.predict`)."""
+    tokens = sum(s.count for s in scheduled)
+    longest = max((s.start + s.count for s in scheduled), default=1)
+    return bucket(max(tokens, 1), token_sizes), bucket(longest, context_sizes)
+
+
 @dataclass(frozen=True)
 class BuiltStep:
     """A :class:`ServeStep` and where its results go: ``sample_rows`` are the rows whose logits give
@@ -116,7 +126,7 @@ def build_step(pool: BlockPool, scheduled: list[Scheduled], token_sizes: list[in
         if s.samples:
             sample_rows.append(len(ids) - 1)
     real = len(ids)
-    rows = bucket(max(real, 1), token_sizes)
+    rows, width_max = step_buckets(scheduled, token_sizes, context_sizes)
     pad = rows - real
     ids += [0] * pad
     positions += [0] * pad
@@ -127,8 +137,7 @@ def build_step(pool: BlockPool, scheduled: list[Scheduled], token_sizes: list[in
     by_key: dict[tuple[bool, int], list[tuple[int, int, int, int]]] = {}
     for e in entries:
         by_key.setdefault((e[3] > 1, bucket(e[1] + e[3], context_sizes)), []).append(e)
-    keys = sorted(by_key)
-    width_max = max(w for _, w in keys)
+    keys = sorted(by_key)  # the widest key's width is width_max: a bucket is monotone in the context
     per_row = width_max // BLOCK_TOKENS
     scratch = pool.scratch_block
     table = [s.seq.blocks[:per_row] + [scratch] * (per_row - min(len(s.seq.blocks), per_row)) for s in scheduled]

@@ -222,9 +222,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its answers computed again, and write it again with its figures under --json; several "
                         "reports of one set-up at other budgets (one call per --kv-share) are merged into one, "
                         "with the crossover of all their budgets")
+    p.add_argument("--predict", action="store_true",
+                   help="after the report, the run PREDICTED from its own measured steps (the package's scheduler "
+                        "replayed on a virtual clock, judged as a pair) beside its measured sustained rates, with the "
+                        "error of each (a replay: seconds on CPU)")
     out = default_output("bench_serve")
     p.add_argument("--json", default=out, metavar="PREFIX",
                    help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
+
+
+def predicted_text(report: dict[str, Any]) -> str:
+    """The run PREDICTED from its own measured step times (:func:`~wsharding.serve.predict.predict_report`
+    with each variant's steps as measured) beside what it measured, with the error of each figure."""
+    from wsharding.serve.predict import StepModel, StepProfile, format_comparison, predict_report
+
+    profile = StepProfile.from_serve_report(report, "this run's own measured steps")
+    try:
+        pred = predict_report(profile, StepModel(profile, "measured"), report)
+    except InvalidArgument as e:  # said, not raised: the run's report is printed and saved all the same
+        return f"PREDICTED: not made -- {e}"
+    return ("PREDICTED from this run's own measured steps (mean step time per token bucket over its points; the "
+            "scheduler replayed on a virtual clock, replicated ranks free, sharded ranks aligned):\n"
+            + format_comparison(pred["comparison"]))
 
 
 def _figure(report: dict[str, Any]) -> Any:
@@ -255,6 +274,8 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             check_output_path(args.json + ".json", "--json")
             _save(report, args.json)
+        if args.predict:
+            print(predicted_text(report))
         return 0
     check_output_path(args.json + ".json" if args.json else "", "--json")
     gpus = gpu_count()
@@ -301,6 +322,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(report))
     if args.json:
         _save(report, args.json)
+    if args.predict:
+        print(predicted_text(report))
     if report["differ"]:
         raise ServeMismatch("the sharded model's replay of the replicated run generated other tokens: "
                             + "; ".join(f"rank {d['rank']} requests {d['requests']}" for d in report["differ"]))

@@ -95,7 +95,7 @@ def profile_rank(ctx: RankContext, preset: str, *, token_budget: int, max_len: i
 def profile_from_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One :class:`~wsharding.serve.predict.StepProfile` (as a dict) from every rank's
     :func:`profile_rank`: a replicated step is the mean over ranks (they run free), a sharded one the
-    slowest rank's (they run in lockstep); the layers and sizing are rank 0's."""
+    slowest rank's (they run aligned steps); the layers and sizing are rank 0's."""
     r0 = results[0]
     steps = {"replicated": {k: statistics.fmean(r["steps"]["replicated"][k] for r in results)
                             for k in r0["steps"]["replicated"]},
