@@ -60,6 +60,8 @@ BAD = [
     # a share is a fraction: refused while parsing, not after the ranks started and built a model
     (["bench", "serve", "--kv-share", "0.05,2"], "argument --kv-share: '2': every value must be less than 1"),
     (["bench", "serve", "--kv-share", "1"], "argument --kv-share: '1': every value must be less than 1"),
+    (["plan", "--serve", "--profile", "measure", "--kv-share", "2"], "argument --kv-share: '2': every value must be less "
+                                                                      "than 1"),
     # a missing saved report is not a file to remove
     (["bench", "serve", "--from-json", "/no/such/serve.json"],
      "saved report /no/such/serve.json does not exist (No such file or directory); pass a JSON report"),

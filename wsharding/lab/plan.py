@@ -179,7 +179,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-scale", type=checked_number(float, 0.0), default=None, metavar="F",
                    help="with --link time-sliced/h200/b200: the profile's compute times F, for a GPU not at hand "
                         "(e.g. the ratio of two datasheet peaks; default 1)")
-    g.add_argument("--kv-share", type=number_list(float, 0.0, "fraction", "0.05,0.3"), default=None,
+    g.add_argument("--kv-share", type=number_list(float, 0.0, "fraction", "0.05,0.3", below=1.0), default=None,
                    help="budgets in which the replicated KV pool is this share (default 0.05,0.3)")
     g.add_argument("--rate", type=number_list(float, 0.0, "requests/s", "1,4"), default=None,
                    help="rates per rank to replay first (default 1); the search widens and bisects from them")
