@@ -354,3 +354,25 @@ def fail(command: str, exc: BaseException, verbose: bool = False) -> int:
     for line in lines[1:]:
         print(f"  {line}", file=sys.stderr)
     return 2 if bad else 1
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """The argparse ``type`` of a ``LOW:HIGH`` token-length range (``N``: ``N:N``), 1 <= LOW <= HIGH."""
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give LOW:HIGH tokens, e.g. 16:64") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LOW <= HIGH")
+    return a, b
+
+
+def slo_arg(text: str) -> Any:
+    """The argparse ``type`` of ``--slo`` (:meth:`~wsharding.serve.metrics.SLO.parse`), its refusal one line."""
+    from wsharding.serve.metrics import SLO
+
+    try:
+        return SLO.parse(text)
+    except WshardingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -19,7 +19,6 @@ import argparse
 import sys
 from typing import Any
 
-from wsharding.core.errors import WshardingError
 from wsharding.costmodel import (
     GB,
     CostModelError,
@@ -38,7 +37,9 @@ from wsharding.lab.cliargs import (
     checked_number,
     emit_json,
     int_at_least,
+    length_range,
     number_list,
+    slo_arg,
 )
 from wsharding.presets import list_presets, load_preset
 
@@ -135,24 +136,8 @@ def main(args: argparse.Namespace) -> int:
 LINKS = ("measured", "time-sliced", "h200", "b200")
 
 
-def _lengths(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    try:
-        a, b = int(lo), int(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give LOW:HIGH tokens, e.g. 16:64") from None
-    if not 1 <= a <= b:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LOW <= HIGH")
-    return a, b
 
 
-def _slo_arg(text: str) -> Any:
-    from wsharding.serve.metrics import SLO
-
-    try:
-        return SLO.parse(text)
-    except WshardingError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _profile_arg(text: str) -> str:
@@ -184,9 +169,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=number_list(float, 0.0, "requests/s", "1,4"), default=None,
                    help="rates per rank to replay first (default 1); the search widens and bisects from them")
     g.add_argument("--no-search", action="store_true", help="replay only the rates given")
-    g.add_argument("--prompt", type=_lengths, default=None,
+    g.add_argument("--prompt", type=length_range, default=None,
                    help="prompt lengths LOW:HIGH (default 8:24 for a CPU profile, 64:512 for a GPU's)")
-    g.add_argument("--output", type=_lengths, default=None,
+    g.add_argument("--output", type=length_range, default=None,
                    help="output lengths LOW:HIGH (default 4:16 for a CPU profile, 64:256 for a GPU's)")
     g.add_argument("--requests", type=int_at_least(1), default=None,
                    help="requests per rank (default 60 for a CPU profile, 200 for a GPU's)")
@@ -194,7 +179,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int_at_least(0), default=None, help="requests per rank left out (default a tenth)")
     g.add_argument("--token-budget", type=int_at_least(1), default=None,
                    help="tokens per step (default the profile's; measured: 64 on CPU, 512 on GPUs)")
-    g.add_argument("--slo", type=_slo_arg, default=None,
+    g.add_argument("--slo", type=slo_arg, default=None,
                    help="ttft=MS,tpot=MS[,e2e=MS][,attainment=F] (default ttft=3000,tpot=300 for a CPU profile, "
                         "ttft=2000,tpot=200 else)")
     g.add_argument("--seed", type=int, default=0, help="the workload's seed")

@@ -28,7 +28,7 @@ from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
-from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, number_list
+from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, length_range, number_list, slo_arg
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.progress import Stages
 from wsharding.lab.tasks.serve import serve_rank
@@ -135,15 +135,6 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
     return summarize(results, slo, warmup)
 
 
-def _length_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    try:
-        a, b = int(lo), int(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give LOW:HIGH tokens, e.g. 16:64") from None
-    if not 1 <= a <= b:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LOW <= HIGH")
-    return a, b
 
 
 def _rates(text: str) -> list[float]:
@@ -162,11 +153,6 @@ def _rates(text: str) -> list[float]:
     return out
 
 
-def _slo(text: str) -> SLO:
-    try:
-        return SLO.parse(text)
-    except InvalidArgument as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -200,13 +186,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs per point, other seeds; the variant that goes first alternates (default 2)")
     p.add_argument("--warmup", type=int_at_least(0), default=None,
                    help="requests per rank left out of the metrics (default a tenth)")
-    p.add_argument("--slo", type=_slo, default=None,
+    p.add_argument("--slo", type=slo_arg, default=None,
                    help="SLOs for goodput, ms: ttft=MS,tpot=MS[,e2e=MS][,attainment=0.9] "
                         "(default ttft=2000,tpot=200 on GPUs, ttft=1000,tpot=100 on CPU)")
     p.add_argument("--dataset", default="random", choices=["random", "sharegpt"],
                    help="request lengths: uniform ranges (default) or ShareGPT V3's (the 'trace' extra)")
-    p.add_argument("--prompt", type=_length_range, default=None, help="prompt lengths LOW:HIGH, uniform (default 8:24 CPU, 64:512 GPU)")
-    p.add_argument("--output", type=_length_range, default=None, help="output lengths LOW:HIGH, uniform (default 4:16 CPU, 128:512 GPU)")
+    p.add_argument("--prompt", type=length_range, default=None, help="prompt lengths LOW:HIGH, uniform (default 8:24 CPU, 64:512 GPU)")
+    p.add_argument("--output", type=length_range, default=None, help="output lengths LOW:HIGH, uniform (default 4:16 CPU, 128:512 GPU)")
     p.add_argument("--token-budget", type=int_at_least(1), default=None,
                    help="tokens per step, prefill chunks included (default 32 CPU, 256 GPU)")
     p.add_argument("--max-seqs", type=int_at_least(1), default=None, help="running requests per step at most (default: the token budget)")
