@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The serving benchmark's pair runs on one GPU with two ranks time-slicing it (NCCL >= 2.30 carried,
+# see ../../../shared/GPU.md or scripts/): one budget per call, the same set-up otherwise, so that
+# `wsharding bench serve --from-json` merges them into one report with the crossover.
+#   run.sh kv OUTDIR SECONDS     # 8.5 GiB per rank: the replicated pool limits (token check on)
+#   run.sh compute OUTDIR SECONDS  # 10 GiB per rank: neither pool limits at these rates (no token check)
+set -uo pipefail
+which=$1 out=$2 limit=$3
+export WSHARDING_NCCL_LIBRARY=${WSHARDING_NCCL_LIBRARY:-/tmp/nccl/libnccl.so.2} NCCL_MULTI_RANK_GPU_ENABLE=1 PYTHONPATH=.
+setup=(--ranks 2 --preset k3-like --prompt 64:512 --output 128:256 --token-budget 256 --requests 60
+       --rate 2,4,8 --trials 1 --slo ttft=2000,tpot=200 --predict)
+case $which in
+  kv) extra=(--budget-gib 8.5) ;;
+  compute) extra=(--budget-gib 10 --no-check) ;;
+  *) echo "run.sh: kv or compute, not $which" >&2; exit 2 ;;
+esac
+timeout "$limit" python3 -m wsharding bench serve "${setup[@]}" "${extra[@]}" --json "$out/serve_$which" \
+    > "$out/serve_$which.txt" 2>&1
+rc=$?
+echo "bench serve $which: exit $rc after ${SECONDS} s" | tee -a "$out/serve_$which.txt"
+tail -45 "$out/serve_$which.txt"
