@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from wsharding.accel.nccl.library import MIN_MULTI_RANK_GPU, default_library
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.core.bound import raw_access
 from wsharding.core.comm import CommError
 from wsharding.core.errors import ShardingError

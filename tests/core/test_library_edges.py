@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from wsharding.accel.first_layer import FirstLayerPrefetch
-from wsharding.cluster import RankCluster, RemoteError
+from wsharding.core.first_layer import FirstLayerPrefetch
+from wsharding.lab.cluster import RankCluster, RemoteError
 from wsharding.core.comm import CommError, Communicator, DoneHandle, PreparedGather, check_gather_args
 from wsharding.core.layout import FlatLayout
 from wsharding.core.planner import PlannerClosedError
@@ -304,7 +304,7 @@ def test_one_rank_gather_calls_back_at_once(cluster_of):
 
 
 def test_torch_comm_needs_ranks_and_labels_modes():
-    with pytest.raises(CommError, match="torch.distributed is not initialised: start ranks with wsharding.cluster"):
+    with pytest.raises(CommError, match="torch.distributed is not initialised: start ranks with wsharding.lab.cluster"):
         TorchDistComm()
     assert mode_label("gloo", torch.device("cpu")) == "cpu-gloo"
     assert mode_label("nccl", torch.device("cuda", 0)) == "gpu-nccl"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.core.test_lifecycle import FcBlock
-from wsharding.cluster import RankCluster, RemoteError
+from wsharding.lab.cluster import RankCluster, RemoteError
 from wsharding.core.layout import FlatLayout
 from wsharding.core.runner import run_layers
 from wsharding.core.sharding import WeightSharding

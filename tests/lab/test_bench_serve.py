@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from wsharding.cluster import RemoteError
+from wsharding.lab.cluster import RemoteError
 from wsharding.core.errors import InvalidArgument
 from wsharding.lab.bench.serve import format_table, replicated_footprint, summarize
 from wsharding.lab.tasks.serve import serve_rank

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.cluster import RemoteError
+from wsharding.lab.cluster import RemoteError
 from wsharding.lab import cli, cliargs, demo
 from wsharding.lab.bench import allgather
 from wsharding.lab.cliargs import InputError, check_output_path, error_lines, run_command
@@ -142,7 +142,7 @@ HUGE = str(10**18)
                          ids=" ".join)
 def test_a_huge_number_of_ranks_is_one_line_before_any_rank(argv, capsys):
     """``--ranks 10**18`` passes argparse (a whole number >= 1); the command's bound, or RankCluster's
-    (:data:`wsharding.cluster.MAX_LOCAL_RANKS`), refuses it in one line before a process starts --
+    (:data:`wsharding.lab.cluster.MAX_LOCAL_RANKS`), refuses it in one line before a process starts --
     not a MemoryError from a list of 10**18 devices."""
     rc, out, err = run_cli([*argv, "--ranks", HUGE], capsys)
     lines = err.strip().splitlines()

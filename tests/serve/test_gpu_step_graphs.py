@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.serve.serve_tasks import serve_with_graphs
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.comm_by_name import ours_supported
 
 pytestmark = pytest.mark.gpu

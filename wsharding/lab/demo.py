@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, choose_backend
+from wsharding.lab.cluster import RankCluster, choose_backend
 from wsharding.comm_by_name import graph_unsupported, is_ours, ours_supported, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE

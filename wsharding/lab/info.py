@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from wsharding.core.emulation import CPU_EMULATION_SHORT
+from wsharding.lab.emulation import CPU_EMULATION_SHORT
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
@@ -50,7 +50,7 @@ def _torch_nccl() -> str | None:
 
 def collect_info() -> dict[str, Any]:
     """Everything ``wsharding info`` prints, as a dict (what ``--json`` writes)."""
-    from wsharding.cluster import choose_backend
+    from wsharding.lab.cluster import choose_backend
 
     gpus = []
     if torch.cuda.is_available():

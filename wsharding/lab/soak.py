@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
+from wsharding.lab.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.core.context import RankContext
 from wsharding.core.emulation import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE
 from wsharding.core.layout import ALIGNMENT

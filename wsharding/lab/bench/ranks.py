@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.comm_by_name import ours_supported
 from wsharding.core.units import ceil_div
 from wsharding.runtime import gpu_count

@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report

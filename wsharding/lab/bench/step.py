@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from wsharding.accel.next_step import NextStepPrefetch
-from wsharding.cluster import RankCluster
+from wsharding.core.next_step import NextStepPrefetch
+from wsharding.lab.cluster import RankCluster
 from wsharding.comm_by_name import graph_unsupported, is_ours, shard_comm_for
 from wsharding.core.comm import Communicator
 from wsharding.core.context import RankContext

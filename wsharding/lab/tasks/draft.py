@@ -6,7 +6,7 @@ forward, a region that is not a layer (the design's ~4 ms commit step; here a la
 one of three ways (``mode``):
 
 * ``"dedicated"``: ``FirstLayerPrefetch.prefetch()`` on its own stream after the target, so
-  the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/accel/first_layer.py``);
+  the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/core/first_layer.py``);
 * ``"shared"``: the same prefetch on the stream the target's gathers use (our NCCL comm's gather stream;
   the torch backend issues its gathers from the compute stream, so that stream) -- what the design
   measured at ~25 us of overlap;

@@ -24,7 +24,7 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from wsharding.cluster import RankCluster, choose_backend
+from wsharding.lab.cluster import RankCluster, choose_backend
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.layout import FlatLayout, LayoutError, parse_dtype
 from wsharding.lab.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
