@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.lab.cluster import RankCluster
 from wsharding.core.context import ClusterError, init_from_env
+from wsharding.lab.cluster import RankCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.lab.cluster import RankCluster, RemoteError, choose_backend
 from wsharding.core.context import ClusterError
 from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE
+from wsharding.lab.cluster import RankCluster, RemoteError, choose_backend
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parents[1]

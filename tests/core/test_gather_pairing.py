@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.core.test_checked_at_use import Model, _x
-from wsharding.lab.cluster import RankCluster
 from wsharding.core.comm import CommError
 from wsharding.core.errors import ShardingError
 from wsharding.core.planner import MismatchedGatherError, ScheduleMissWarning, read_stamp, stamp_of
 from wsharding.core.runner import shard_blocks
+from wsharding.lab.cluster import RankCluster
 
 
 @pytest.fixture(scope="module")

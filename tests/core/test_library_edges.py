@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from wsharding.core.first_layer import FirstLayerPrefetch
-from wsharding.lab.cluster import RankCluster, RemoteError
 from wsharding.core.comm import CommError, Communicator, DoneHandle, PreparedGather, check_gather_args
+from wsharding.core.first_layer import FirstLayerPrefetch
 from wsharding.core.layout import FlatLayout
 from wsharding.core.planner import PlannerClosedError
 from wsharding.core.runner import prepare_layer_weight_shard_forward, run_layers, shard_blocks
@@ -26,6 +25,7 @@ from wsharding.core.schedule import lookahead_schedule
 from wsharding.core.sharding import ShardingError, WeightSharding
 from wsharding.core.slots import SlotPool
 from wsharding.core.torch_backend import TorchDistComm, mode_label
+from wsharding.lab.cluster import RankCluster, RemoteError
 
 
 class Loopback(Communicator):

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.lab.cluster import RemoteError
 from wsharding.lab import cli, cliargs, demo
 from wsharding.lab.bench import allgather
 from wsharding.lab.cliargs import InputError, check_output_path, error_lines, run_command
+from wsharding.lab.cluster import RemoteError
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The committed CPU demo report: docs/design.md shows its table, --figures-from draws it.

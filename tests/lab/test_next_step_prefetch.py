@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
+from wsharding.core.comm import CommError
 from wsharding.core.first_layer import FirstLayerPrefetch
 from wsharding.core.next_step import NextStepPrefetch
-from wsharding.core.comm import CommError
 from wsharding.core.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
 from wsharding.core.schedule import GatherSchedule
 from wsharding.core.sharding import WeightSharding

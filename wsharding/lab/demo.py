@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from wsharding.lab.cluster import RankCluster, choose_backend
 from wsharding.comm_by_name import graph_unsupported, is_ours, ours_supported, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE
@@ -55,6 +54,7 @@ from wsharding.lab.cliargs import (
     int_at_least,
     nonempty_path,
 )
+from wsharding.lab.cluster import RankCluster, choose_backend
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.outdir import default_help, default_out_dir, default_output
 from wsharding.lab.progress import Stages, rank_stage

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from wsharding.lab.emulation import CPU_EMULATION_SHORT
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
+from wsharding.lab.emulation import CPU_EMULATION_SHORT
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
 FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu", "mapped_layer_views")

@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from wsharding.lab.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.runner import aligned_forward
 from wsharding.core.units import KiB, MiB
 from wsharding.lab.cliargs import InputError, add_json_option, check_output_path, emit_json, int_at_least
+from wsharding.lab.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.models import PRESETS, build_pair, decoder_config
 

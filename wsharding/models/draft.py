@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from wsharding.core.first_layer import FirstLayerPrefetch
 from wsharding.core.comm import Communicator
+from wsharding.core.first_layer import FirstLayerPrefetch
 from wsharding.core.runner import run_layers
 from wsharding.core.sharding import WeightSharding
 from wsharding.models.decoder import DecoderConfig, ToyDecoder, decoder_config

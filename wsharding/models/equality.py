@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from wsharding.core.next_step import NextStepPrefetch
 from wsharding.comm_by_name import group_of, shard_comm_for
 from wsharding.core.comm import is_slice_of
 from wsharding.core.context import RankContext
+from wsharding.core.next_step import NextStepPrefetch
 from wsharding.core.runner import aligned_forward
 from wsharding.models import DecoderConfig, build_pair, decoder_config
 from wsharding.models.kv_cache import model_bytes, sharded_model_bytes

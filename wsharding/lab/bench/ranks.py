@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from wsharding.lab.cluster import RankCluster
 from wsharding.comm_by_name import ours_supported
 from wsharding.core.units import ceil_div
+from wsharding.lab.cluster import RankCluster
 from wsharding.runtime import gpu_count
 
 

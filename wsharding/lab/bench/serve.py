@@ -23,12 +23,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from wsharding.lab.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, length_range, number_list, slo_arg
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.progress import Stages
 from wsharding.lab.tasks.serve import serve_rank

@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from wsharding.core.next_step import NextStepPrefetch
-from wsharding.lab.cluster import RankCluster
 from wsharding.comm_by_name import graph_unsupported, is_ours, shard_comm_for
 from wsharding.core.comm import Communicator
 from wsharding.core.context import RankContext
 from wsharding.core.errors import NotFound
+from wsharding.core.next_step import NextStepPrefetch
 from wsharding.core.runner import shard_blocks
 from wsharding.core.sharding import WeightSharding
 from wsharding.core.units import ceil_div
@@ -49,6 +48,7 @@ from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks

@@ -16,8 +16,8 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import HTML, display
 
-from wsharding.lab.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.tasks.loading import held_peak_bytes, load_variant
 from wsharding.lab.viz.loading import finalize_figure
 from wsharding.lab.widgets import pre_html, run_into
