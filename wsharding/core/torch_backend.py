@@ -149,6 +149,7 @@ class TorchDistComm(Communicator):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.group_ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(self.world_size))
         self.backend = str(dist.get_backend(group))
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")

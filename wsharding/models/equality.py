@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from wsharding.comm_by_name import group_of, shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.comm import is_slice_of
 from wsharding.core.context import RankContext
 from wsharding.core.next_step import NextStepPrefetch
@@ -87,7 +87,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         # mapped layer views own no memory and must not count
         "model_bytes": {"replicated": model_bytes(replicated), "sharded": sharded_model_bytes(sharded, ws)},
         "mode": comm.mode,
-        "group": group_of(comm),
+        "group": list(comm.group_ranks),
         "map_own_chunk": ws.map_own_chunk,
         "map_own_chunk_reason": ws.map_own_chunk_reason,
     }

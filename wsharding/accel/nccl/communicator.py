@@ -119,6 +119,10 @@ class NcclCommunicator(Communicator):
     #: Every buffer is its own ncclMemAlloc, rounded up to the 4096-byte window alignment: the unit
     #: in which weight sharding's byte formula counts this backend's allocations.
     alloc_granularity = WINDOW_ALIGN
+    #: Its gathers are captured in CUDA graphs ([Note: a gather launched as a graph]): a decode step
+    #: replays whole (not where several ranks share one GPU: ``shared_gpu``).
+    captures_gathers = True
+    offers_issue_thread = True
     #: [Note: the issue thread]: the plug-in that hands the gathers to the native thread, set when
     #: asked for (``issue_thread=True``, :meth:`set_issue_thread`); None, the default, when off.
     issuing: Issuing | None = None
