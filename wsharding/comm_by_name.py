@@ -75,19 +75,20 @@ class CommKind:
 
     ``make(ctx, group_size)`` returns it over this rank's shard group (groups ``(rank // g) * g``);
     ``devices``: the device types its gathers run on; ``runs_here()``: whether this machine can run
-    it (a library found, new enough)."""
+    it (a library found, new enough), and ``needs``: what it takes, for the error where it cannot."""
 
     name: str
     what: str
     devices: tuple[str, ...]
     make: Callable[[RankContext, int], Communicator]
     runs_here: Callable[[], bool] = lambda: True
+    needs: str = ""
 
 
 #: Every communicator, in the order ``"auto"`` prefers them.
 COMMS: dict[str, CommKind] = {k.name: k for k in (
-    CommKind("nccl", "our NCCL binding: ncclMemAlloc buffers registered as symmetric windows, the copy-engine "
-                     "AllGather (wsharding.accel.nccl)", ("cuda",), _nccl_comm, ours_supported),
+    CommKind("nccl", "our NCCL binding: symmetric windows, copy engine", ("cuda",), _nccl_comm, ours_supported,
+             "libnccl >= 2.28.3 (symmetric windows, copy engine); 'wsharding info' shows the library found"),
     CommKind("torch", "torch.distributed over the rank's shard group (gloo on CPU ranks, NCCL on GPUs)",
              ("cpu", "cuda"), _torch_comm),
 )}

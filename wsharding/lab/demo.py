@@ -574,12 +574,12 @@ def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
     if backend == "nccl" and not gpus:
         raise InputError("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo "
                          "(CPU processes standing in for GPUs, emulated) or leave --backend auto")
-    if args.comm == "nccl" and not gpus:
-        raise InputError("--comm nccl (our NCCL binding: symmetric windows, copy engine) needs CUDA GPUs and "
-                         "this machine has none; use --comm torch or leave --comm auto")
-    if args.comm != "auto" and not COMMS[args.comm].runs_here():
-        raise InputError("--comm nccl needs libnccl >= 2.28.3 (symmetric windows, copy engine); "
-                         "'wsharding info' shows the library found; use --comm torch")
+    kind = COMMS.get(args.comm)  # None: "auto"
+    if kind is not None and "cpu" not in kind.devices and not gpus:
+        raise InputError(f"--comm {kind.name} ({kind.what}) needs CUDA GPUs and this machine has none; use "
+                         "--comm torch or leave --comm auto")
+    if kind is not None and not kind.runs_here():
+        raise InputError(f"--comm {kind.name} needs {kind.needs}; use --comm torch")
     if args.map_own_chunk is True and not gpus:
         raise InputError("--map-own-chunk maps each layer's own chunk under its gather range: that needs our NCCL "
                          "binding on GPUs (--comm nccl, NCCL >= 2.30); this machine has no CUDA GPU; leave "
