@@ -304,7 +304,7 @@ def test_one_rank_gather_calls_back_at_once(cluster_of):
 
 
 def test_torch_comm_needs_ranks_and_labels_modes():
-    with pytest.raises(CommError, match="torch.distributed is not initialised: start ranks with wsharding.lab.cluster"):
+    with pytest.raises(CommError, match=r"torch.distributed is not initialised: start the ranks first \(torchrun and wsharding.core.context.init_from_env, or a RankCluster"):
         TorchDistComm()
     assert mode_label("gloo", torch.device("cpu")) == "cpu-gloo"
     assert mode_label("nccl", torch.device("cuda", 0)) == "gpu-nccl"

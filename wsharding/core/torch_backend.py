@@ -145,7 +145,8 @@ class TorchDistComm(Communicator):
         timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise CommError("torch.distributed is not initialised: start ranks with wsharding.lab.cluster first")
+            raise CommError("torch.distributed is not initialised: start the ranks first (torchrun and "
+                            "wsharding.core.context.init_from_env, or a RankCluster of wsharding.lab.cluster)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
