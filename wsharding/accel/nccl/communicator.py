@@ -69,7 +69,6 @@ from wsharding.accel.nccl.startup import (
     init_comm,
     load_nccl,
     require_cuda,
-    set_up_copy_engine,
 )
 from wsharding.accel.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
 from wsharding.accel.nccl.teardown import Teardown, close_at_exit
@@ -199,7 +198,7 @@ class NcclCommunicator(NcclWaits, Communicator):
                                  on_stuck=None if self.stuck_exit_s is None else self.end_stuck_process,
                                  stuck_after_s=self.stuck_exit_s or 0.0)
         if self.world_size > 1:
-            set_up_copy_engine(self)
+            self._set_up_copy_engine()
 
     def _init_nccl(self, name: str) -> None:
         """The unique id over gloo, then ``ncclCommInitRankConfig``; on a failure the communicator is
@@ -214,6 +213,25 @@ class NcclCommunicator(NcclWaits, Communicator):
         except BaseException:
             self.teardown.end(error=True)
             raise
+
+    def _set_up_copy_engine(self) -> None:
+        """One small gather at init, with every rank present ([Note: blocking communicator]).
+
+        NCCL sets the copy-engine path up at a communicator's first CE collective, and that set-up
+        registers a window of its own -- a host-side collective. On a blocking communicator a peer
+        that is missing at that moment would hold this host inside ``ncclAllGather``, out of reach of
+        every timeout. Done here, right after init, the peers are known to be present (the unique id
+        exchange just ran over gloo), and every later gather only queues work on a stream, which the
+        watchdog times."""
+        window = self.alloc_granularity  # one window's alignment per rank
+        t = self.pool.alloc(window * self.world_size, "wsharding.copy-engine-setup")
+        try:
+            self.pool.register_all()
+            mine = t.narrow(0, self.rank * window, window)
+            self.all_gather_into(t, mine, async_op=True).synchronize()
+        finally:
+            if not (self.aborted or self.closed):
+                self.pool.release([t])
 
     # ---- the ending (teardown.py) -----------------------------------------------------------------
     #: How long :meth:`abort` waits for ``ncclCommAbort`` before leaving it to its thread.

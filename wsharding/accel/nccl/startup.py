@@ -3,8 +3,9 @@ explicit arguments (the constructor calls them and keeps what they return).
 
 The checks that need no GPU come first (the library and its version, the CTA policy variable), so
 that a CPU machine gets the real reason; then where this rank sits (its group, its device, who
-shares its GPU); then NCCL itself, the watchdog, and one small gather that sets the copy-engine path
-up while every rank is known to be present ([Note: blocking communicator] in ``communicator.py``).
+shares its GPU); then NCCL itself. The constructor then starts the watchdog and runs one small
+gather that sets the copy-engine path up while every rank is known to be present (its
+``_set_up_copy_engine``; [Note: blocking communicator] in ``communicator.py``).
 """
 
 from __future__ import annotations
@@ -95,23 +96,3 @@ def init_comm(nccl: NcclBinding, rank: int, world_size: int, unique_id: bytes, c
     rc = nccl.ncclCommInitRankConfig(ctypes.byref(handle), world_size, NcclUniqueId.from_bytes(unique_id), rank,
                                      ctypes.byref(config))
     return rc, handle.value
-
-
-def set_up_copy_engine(comm: Any) -> None:
-    """One small gather at init, with every rank present ([Note: blocking communicator]).
-
-    NCCL sets the copy-engine path up at a communicator's first CE collective, and that set-up
-    registers a window of its own -- a host-side collective. On a blocking communicator a peer
-    that is missing at that moment would hold this host inside ``ncclAllGather``, out of reach of
-    every timeout. Done here, right after init, the peers are known to be present (the unique id
-    exchange just ran over gloo), and every later gather only queues work on a stream, which the
-    watchdog times."""
-    window = comm.alloc_granularity  # one window's alignment per rank
-    t = comm.pool.alloc(window * comm.world_size, "wsharding.copy-engine-setup")
-    try:
-        comm.pool.register_all()
-        mine = t.narrow(0, comm.rank * window, window)
-        comm.all_gather_into(t, mine, async_op=True).synchronize()
-    finally:
-        if not (comm.aborted or comm.closed):
-            comm.pool.release([t])
