@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from wsharding.comm_by_name import COMMS, resolve_comm
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
 from wsharding.lab.emulation import CPU_EMULATION_SHORT
 
@@ -65,7 +66,6 @@ def collect_info() -> dict[str, Any]:
     # (A library flag "true" beside a machine flag "false" under the same name reads as a contradiction.)
     offered = nccl.pop("features", dict.fromkeys(FEATURES, False))
     supports = {k: bool(n) and v for k, v in offered.items()}
-    ours = supports["copy_engine_allgather"]
     if "error" in nccl:
         why = "no usable NCCL library (nccl.error says why)"
     elif not n:
@@ -73,11 +73,13 @@ def collect_info() -> dict[str, Any]:
     else:
         missing = [k for k, v in offered.items() if not v]
         why = f"NCCL {nccl['version']} is too old for: {', '.join(missing)}" if missing else ""
-    if n:
-        gather = ("our NCCL communicator (wsharding.accel.nccl): symmetric windows, CTA policy 2 (copy engine)"
-                  if ours else "torch.distributed NCCL (TorchDistComm): the loaded NCCL is too old for windows")
-    else:
-        gather = f"torch.distributed gloo between CPU processes ({CPU_EMULATION_SHORT})"
+    # the communicator "auto" picks, by the registry's one rule
+    auto_comm = COMMS[resolve_comm("auto", on_gpus=bool(n))]
+    gather = f"{auto_comm.name}: {auto_comm.what}"
+    if not n:
+        gather += f" ({CPU_EMULATION_SHORT})"
+    elif why:
+        gather += f" ({why})"
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
