@@ -269,6 +269,7 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "slot_bytes": r0["slot_bytes"],
         "map_own_chunk": r0["map_own_chunk"],
         "map_own_chunk_reason": r0.get("map_own_chunk_reason", ""),
+        "map_own_chunk_offered": r0.get("map_own_chunk_offered", False),
         "issue_thread": r0.get("issue_thread", False),
         "slot_resident_bytes": r0["slot_resident_bytes"],
         "max_abs_diff": max(r["max_abs_diff"] for r in reports),
@@ -341,7 +342,9 @@ def format_table(report: dict[str, Any]) -> str:
           [f"  formula R/N + 2 (N-1)/N slots        {mib(report['formula_bytes_per_rank'])}  (map_own_chunk)",
            f"  of which the peers' slot pages       {mib(report['slot_resident_bytes'])}"]),
         # where mapping is a real choice (a communicator with a pool of windows to map): which, and why
-        *([f"  {report['map_own_chunk_reason']}"] if report.get("map_own_chunk_offered")
+        # (a report saved before the flag existed: our NCCL communicator was the one that offered it)
+        *([f"  {report['map_own_chunk_reason']}"] if report.get("map_own_chunk_offered",
+                                                                report.get("communicator") == "NcclCommunicator")
           and report.get("map_own_chunk_reason") else []),
         f"  outputs equal bit for bit: {'yes' if report['outputs_equal'] else 'NO'}   "
         f"max_abs_diff {report['max_abs_diff']}",
