@@ -25,7 +25,7 @@ import argparse
 import tempfile
 from typing import Any
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.tasks.loading import hf_llama_sharded, save_llama
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.tasks.engine import run_engine_trial
 from wsharding.serve.metrics import SLO
 from wsharding.serve.workload import Workload

@@ -67,7 +67,7 @@ if __name__ == "__main__":
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     depths = [int(d) for d in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1]
     from research.cpu_forward_transient import transient as task  # ranks import a task by its module's name
-    from wsharding.cluster import RankCluster
+    from wsharding.lab.cluster import RankCluster
 
     with tempfile.TemporaryDirectory() as d, RankCluster(2, backend="gloo", task_timeout=1800) as cluster:
         for r in (r for depth in depths for r in cluster.run(task, os.path.join(d, "m.safetensors"), tokens, depth)):

@@ -4,7 +4,7 @@ exposed wait and whether lookahead on showed less on every rank, every time.
 
 Run from the repository root: ``.venv/bin/python research/lookahead_ten_runs.py``."""
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.widgets.planner import planner_view
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def digest_cost(ctx, preset: str) -> dict[str, float]:
 if __name__ == "__main__":
     preset = sys.argv[1] if len(sys.argv) > 1 else "k3-like"
     from research.replica_digest_cost import digest_cost as task  # ranks import a task by its module's name
-    from wsharding.cluster import RankCluster
+    from wsharding.lab.cluster import RankCluster
 
     with RankCluster(2, backend="gloo", task_timeout=1800, collective_timeout=600) as cluster:
         for rank, r in enumerate(cluster.run(task, preset)):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 
 settings.register_profile("wsharding", deadline=None, max_examples=60)
 settings.load_profile("wsharding")

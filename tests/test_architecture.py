@@ -38,12 +38,11 @@ FLOORS: dict[str, int] = {
     "wsharding.accel.mapped_slots": 3,
     "wsharding.accel.nccl.communicator": 4,
     "wsharding.accel.nccl.probe": 4,
-    "wsharding.accel.next_step": 4,
-    "wsharding.accel.first_layer": 4,
+    "wsharding.core.next_step": 4,
+    "wsharding.core.first_layer": 4,
     "wsharding.costmodel": 2,
     "wsharding.presets": 3,
     "wsharding.core.context": 3,
-    "wsharding.cluster": 3,
     "wsharding.core.slots": 3,
     "wsharding.core.planner": 4,
     "wsharding.core.edits": 4,
@@ -71,6 +70,8 @@ FLOORS: dict[str, int] = {
     "wsharding.lab.layout_presets": 20,
     "wsharding.lab.memory": 20,
     "wsharding.lab.tasks": 20,
+    "wsharding.lab.cluster": 20,
+    "wsharding.lab.emulation": 20,
     "wsharding.lab.viz": 21,
     "wsharding.lab.bench": 22,
     "wsharding.lab.demo": 22,
@@ -378,10 +379,17 @@ TESTS = Path(__file__).resolve().parent
 CORE = "wsharding.core"
 
 
+#: The one teaching module the library's tests may import: the rank-process harness, which starts the
+#: CPU ranks they run on and imports nothing of the teaching layer itself (checked below).
+HARNESS = "wsharding.lab.cluster"
+
+
 def names_lab(node: ast.AST) -> bool:
-    """True for an import of ``wsharding.lab`` (or below), ``from wsharding import lab``, or a string
-    naming it (``__import__``, ``python -m wsharding.lab.plan``)."""
+    """True for an import of ``wsharding.lab`` (or below) other than the rank-process harness,
+    ``from wsharding import lab``, or a string naming it (``__import__``, ``python -m wsharding.lab.plan``)."""
     def is_lab(name: str) -> bool:
+        if name == HARNESS or name.startswith(HARNESS + "."):
+            return False
         return name == "wsharding.lab" or name.startswith(("wsharding.lab.", "wsharding.lab:"))
 
     if isinstance(node, ast.Import):
@@ -411,6 +419,11 @@ def test_library_tests_do_not_import_the_teaching_layer():
     assert lab_users_among_tests(sources) == [], "move the test to tests/lab/, or give it a rank task of its own"
 
 
+def test_the_harness_imports_nothing_of_the_teaching_layer():
+    # the library's tests import it: what it imports must be the library's (no widgets, no plotly)
+    assert sorted(t for t in GRAPH[HARNESS] if is_teaching(t)) == []
+
+
 def test_core_imports_only_the_core():
     assert core_reaching_out(GRAPH) == []
 
@@ -418,6 +431,7 @@ def test_core_imports_only_the_core():
 def test_the_essential_path_rules_see_a_violation():
     sources = {
         "core/test_ok.py": "import wsharding.core.layout\nfrom wsharding import models\n",
+        "core/test_harness.py": "from wsharding.lab.cluster import RankCluster\n",  # the harness may
         "core/test_direct.py": "from wsharding.lab.tasks.model import model_equality\n",
         "models/test_in_function.py": "def f():\n    from wsharding import lab\n",
         "linear/test_by_name.py": "import importlib\nm = importlib.import_module('wsharding.lab.demo')\n",

@@ -1,17 +1,28 @@
-"""The communicator a rank gathers with, chosen by name, and what this machine's GPUs allow.
+"""The communicators a rank can gather with, by name: one registry, :data:`COMMS`.
 
-``"torch"`` is torch.distributed over the rank's shard group (gloo on CPU ranks, NCCL on GPUs);
-``"nccl"`` our NCCL binding (:mod:`wsharding.accel.nccl`); ``"auto"`` ours where this machine runs
-it, else torch's. The demo, the benchmarks, the notebooks' tasks and the tests all choose this way.
+Each entry (:class:`CommKind`) says what the communicator is, the devices its gathers run on, whether
+this machine runs it, and how to make one over a rank's shard group. What the package asks *by name*
+is read from it: the commands' ``--comm`` choices (:data:`COMM_CHOICES`) and the ``"auto"`` rule,
+written once in :func:`resolve_comm` -- the first communicator, in the registry's order, that runs
+here on the ranks' devices. What a communicator *can do* once made (have its gathers captured in a
+CUDA graph, several ranks on one GPU, its group's global ranks, an issue thread) it answers itself,
+as attributes of :class:`~wsharding.core.comm.Communicator` with defaults there; nothing asks which
+class it is.
+
+A new communicator is one file (a :class:`~wsharding.core.comm.Communicator` subclass and its
+factory) and one line in :data:`COMMS`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from wsharding.core.comm import Communicator
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.groups import check_group_size
@@ -43,42 +54,75 @@ def multi_rank_per_gpu_supported() -> bool:
         return False
 
 
-def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None = None):
-    """The communicator the sharded layers gather with, over this rank's shard group.
+def _torch_comm(ctx: RankContext, group_size: int) -> Communicator:
+    return ctx.shard_comm(group_size)
 
-    ``group_size`` (default: the whole world) cuts the world into groups ``(rank // g) * g``, as the
-    intra-node groups of 8 of SGLang's weight sharding for Kimi K3; each group shards one copy of the
-    weights between its members.
-    ``"torch"``: torch.distributed over this rank's shard group (gloo on CPU, NCCL on GPUs).
-    ``"nccl"``: our ctypes NCCL communicator over the group -- one unique id per group, buffers from
-    ``ncclMemAlloc`` registered as symmetric windows of the group, CTA policy 2, so gathers take the
-    copy-engine path. Created once per rank and group size, kept in ``ctx.store`` (creating a
-    communicator is collective and slow).
-    ``"auto"``: ``"nccl"`` when :func:`ours_supported`, else ``"torch"``.
-    """
-    if comm == "auto":
-        comm = "nccl" if ours_supported() else "torch"
-    # never clipped to the world: a group the world cannot hold is refused, naming the world size
-    g = ctx.world_size if group_size is None else check_group_size(ctx.world_size, group_size,
-                                                                   where=f"rank {ctx.rank}: shard_comm_for")
-    if comm == "torch":
-        return ctx.shard_comm(g)
-    if comm != "nccl":
-        raise InvalidArgument(f"unknown communicator {comm!r}: use 'torch', 'nccl' or 'auto'")
-    key = "_wsharding_nccl_comm" if g == ctx.world_size else f"_wsharding_nccl_comm.g{g}"
+
+def _nccl_comm(ctx: RankContext, group_size: int) -> Communicator:
+    # creating it is collective and slow: once per rank and group size, kept in the rank's store
+    whole = group_size == ctx.world_size
+    key = "_wsharding_nccl_comm" if whole else f"_wsharding_nccl_comm.g{group_size}"
     if key not in ctx.store:
         from wsharding.accel.nccl import from_context
 
-        ctx.store[key] = from_context(ctx, group_size=None if g == ctx.world_size else g)
+        ctx.store[key] = from_context(ctx, group_size=None if whole else group_size)
     return ctx.store[key]
 
 
-def is_ours(comm: Any) -> bool:
-    """True when ``comm`` is our NCCL communicator: what only it has (its gather stream, watchdog,
-    issue thread and group list) is read after this check, not probed for."""
-    from wsharding.accel.nccl.communicator import NcclCommunicator
+@dataclass(frozen=True)
+class CommKind:
+    """One communicator of the registry.
 
-    return isinstance(comm, NcclCommunicator)
+    ``make(ctx, group_size)`` returns it over this rank's shard group (groups ``(rank // g) * g``);
+    ``devices``: the device types its gathers run on; ``runs_here()``: whether this machine can run
+    it (a library found, new enough), and ``needs``: what it takes, for the error where it cannot."""
+
+    name: str
+    what: str
+    devices: tuple[str, ...]
+    make: Callable[[RankContext, int], Communicator]
+    runs_here: Callable[[], bool] = lambda: True
+    needs: str = ""
+
+
+#: Every communicator, in the order ``"auto"`` prefers them.
+COMMS: dict[str, CommKind] = {k.name: k for k in (
+    CommKind("nccl", "our NCCL binding: symmetric windows, copy engine", ("cuda",), _nccl_comm, ours_supported,
+             "libnccl >= 2.28.3 (symmetric windows, copy engine); 'wsharding info' shows the library found"),
+    CommKind("torch", "torch.distributed over the rank's shard group (gloo on CPU ranks, NCCL on GPUs)",
+             ("cpu", "cuda"), _torch_comm),
+)}
+#: The name that picks the first communicator of :data:`COMMS` that runs here (:func:`resolve_comm`).
+AUTO = "auto"
+#: What a command's ``--comm`` accepts.
+COMM_CHOICES: tuple[str, ...] = (AUTO, *COMMS)
+
+
+def resolve_comm(name: str, *, on_gpus: bool) -> str:
+    """The communicator ``name`` stands for: itself, or for ``"auto"`` the first of :data:`COMMS` that
+    runs on this machine and on the ranks' devices (GPUs where ``on_gpus``, else CPU). Unknown names
+    are refused."""
+    if name == AUTO:
+        device = "cuda" if on_gpus else "cpu"
+        return next(k.name for k in COMMS.values() if device in k.devices and k.runs_here())
+    if name not in COMMS:
+        raise InvalidArgument(f"unknown communicator {name!r}: use one of {', '.join(map(repr, COMM_CHOICES))}")
+    return name
+
+
+def shard_comm_for(ctx: RankContext, comm: str = "torch", group_size: int | None = None) -> Communicator:
+    """The communicator the sharded layers gather with, over this rank's shard group.
+
+    ``comm``: a name of :data:`COMMS`, or ``"auto"`` (:func:`resolve_comm`: the gathers run on GPUs
+    wherever this machine has one, several ranks sharing it included). ``group_size`` (default:
+    the whole world) cuts the world into groups ``(rank // g) * g``, as the intra-node groups of 8 of
+    SGLang's weight sharding for Kimi K3; each group shards one copy of the weights between its members.
+    """
+    kind = COMMS[resolve_comm(comm, on_gpus=torch.cuda.is_available())]
+    # never clipped to the world: a group the world cannot hold is refused, naming the world size
+    g = ctx.world_size if group_size is None else check_group_size(ctx.world_size, group_size,
+                                                                   where=f"rank {ctx.rank}: shard_comm_for")
+    return kind.make(ctx, g)
 
 
 def graph_unsupported(comm: Any) -> str | None:
@@ -88,18 +132,8 @@ def graph_unsupported(comm: Any) -> str | None:
         return "CUDA graphs need GPUs (these are CPU ranks)"
     if comm.world_size == 1:
         return None
-    if not is_ours(comm):
+    if not comm.captures_gathers:
         return "capturing gathers needs our NCCL communicator (--comm nccl)"
     if comm.shared_gpu:
         return "several ranks share one GPU: capturing their gathers hung when tried there"
     return None
-
-
-def group_of(comm: Any) -> list[int]:
-    """Global ranks of a communicator's shard group (either backend), in group order."""
-    if is_ours(comm):
-        return list(comm.group_ranks)
-    import torch.distributed as dist
-
-    group = comm.group  # TorchDistComm: None is the whole world
-    return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))

@@ -12,7 +12,7 @@ two H200s: a rank whose peer was killed mid-step sat in ``torch.equal`` with no 
 
 Such a process cannot do anything useful again, so the watchdog ends it, as torch's own
 ProcessGroupNCCL watchdog does after a collective timeout: the error goes to stderr, every
-registered last-words handler runs (a rank process of :mod:`wsharding.cluster` sends the error to
+registered last-words handler runs (a rank process of :mod:`wsharding.lab.cluster` sends the error to
 its parent, so the caller sees *why* the rank ended), and the process exits with
 :data:`EXIT_CODE`. The driver reclaims the GPU memory at exit.
 """

@@ -29,7 +29,7 @@ from probe_report import report
 from torch.profiler import ProfilerActivity, profile
 
 from wsharding.accel.nccl.communicator import NcclCommunicator
-from wsharding.accel.next_step import NextStepPrefetch
+from wsharding.core.next_step import NextStepPrefetch
 from wsharding.core.runner import shard_blocks
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 

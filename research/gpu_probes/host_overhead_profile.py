@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from wsharding.cluster import RankCluster
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.runner import shard_blocks
+from wsharding.lab.cluster import RankCluster
 from wsharding.models.blocks import BLOCK_TARGETS, build_blocks
 
 

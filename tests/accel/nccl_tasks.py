@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from wsharding.accel.nccl.library import MIN_MULTI_RANK_GPU, default_library
-from wsharding.cluster import RankCluster
 from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
+from wsharding.lab.cluster import RankCluster
 
 
 def nccl_cluster(n: int) -> RankCluster:

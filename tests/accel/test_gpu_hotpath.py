@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.accel.hotpath_tasks import host_not_held, missing_rank
-from wsharding.cluster import RankCluster
 from wsharding.comm_by_name import multi_rank_per_gpu_supported
+from wsharding.lab.cluster import RankCluster
 
 pytestmark = pytest.mark.gpu
 

@@ -113,10 +113,14 @@ class _Pool:
 
 def _bare_comm(binding) -> C.NcclCommunicator:
     """A communicator object without init (no GPU here): only what abort and teardown touch."""
+    import threading
+
+    from wsharding.accel.nccl.graphs import CapturedGraphs
+
     c = object.__new__(C.NcclCommunicator)
     c.handle, c.aborted, c.closed, c.rank = 0x1234, False, False, 0
-    c._abort_thread, c.watchdog, c.nccl, c.pool, c._on_close = None, None, binding, _Pool(), []
-    c._graphs, c.gather_launch = [], "direct"
+    c.watchdog, c.nccl, c.pool = None, binding, _Pool()
+    c.graphs, c.teardown, c.gather_launch = CapturedGraphs(threading.RLock()), T.Teardown(c), "direct"
     c.abort_wait_s = 0.2
     return c
 
@@ -133,7 +137,7 @@ def test_abort_that_does_not_return_leaves_the_memory_and_the_caller_goes_on():
     c.close()  # freeing memory a stuck stream still addresses could hang too: it is left to the exit
     assert c.closed and not c.pool.freed and c.handle is None
     binding.release.set()
-    c._abort_thread.join(5)
+    c.teardown.abort_thread.join(5)
     assert not c.leaked
 
 
@@ -186,7 +190,7 @@ def test_a_raised_watchdog_error_keeps_the_process_and_an_unraised_one_ends_it(m
     c = _bare_comm(_StuckAbortBinding())
     c.world_size, c.mode = 2, "gpu-nccl"
     c.watchdog = Watchdog(lambda: "NCCL reported remote process exited", lambda m: None, timeout_s=5.0,
-                          period_s=3600, on_stuck=c._end_stuck_process, stuck_after_s=0.01)
+                          period_s=3600, on_stuck=c.end_stuck_process, stuck_after_s=0.01)
     try:
         c.watchdog.check_once()
         with pytest.raises(C.CommError, match=r"layer 4: gather on rank 0 of 2 \(gpu-nccl\): NCCL reported"):
@@ -286,11 +290,11 @@ def test_a_launch_that_never_finishes_or_fails_is_an_error_not_a_spin_forever():
 
 def test_the_watchdog_reads_an_async_error_as_text_and_nothing_once_aborted():
     c = _scripted_comm(async_states=(0,))
-    assert c._async_error_text() is None
+    assert c.async_error_text() is None
     c.nccl.async_states = [6]
-    assert c._async_error_text() == "NCCL reported remote process exited (6): peer 1 is gone"
-    c._abort_from_watchdog("overdue")
-    assert c.aborted and c._async_error_text() is None  # an aborted communicator is not asked again
+    assert c.async_error_text() == "NCCL reported remote process exited (6): peer 1 is gone"
+    c.abort_from_watchdog("overdue")
+    assert c.aborted and c.async_error_text() is None  # an aborted communicator is not asked again
 
 
 def test_interpreter_exit_closes_every_live_communicator_past_one_that_fails(monkeypatch):
@@ -504,7 +508,7 @@ def _graph_gather(c, log, fail=None):
 
     g = _prepared(c)
     g._graph = g._launch_graph = CapturedLaunch(2, g._nccl_gather, g.what, cu=_GraphDriver(log, fail))
-    c._graphs.append(g._graph)
+    c.graphs.keep(g._graph)
     return g
 
 
@@ -522,7 +526,7 @@ def test_a_gather_with_a_graph_launches_it_instead_of_calling_nccl(no_capture):
         assert c.nccl.gathers == 2 and log.count("cuGraphLaunch") == 3
         g.launch = "graph"
         g.close()
-        assert c._graphs == [] and log[-2:] == ["cuGraphExecDestroy", "cuGraphDestroy"] and g.launch == "direct"
+        assert len(c.graphs) == 0 and log[-2:] == ["cuGraphExecDestroy", "cuGraphDestroy"] and g.launch == "direct"
         with pytest.raises(ValueError, match="no captured graph to launch"):
             g.launch = "graph"
     finally:
@@ -604,7 +608,7 @@ def test_the_graphs_go_before_the_communicator_at_close_and_at_abort(monkeypatch
 
     c.device = torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    c._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", cu=_GraphDriver(log))]
+    c.graphs.keep(CapturedLaunch(2, lambda s: None, "layer 0: gather", cu=_GraphDriver(log)))
     log.clear()
     c.close()
     assert log == ["cuGraphExecDestroy", "cuGraphDestroy", "deregister windows", "ncclCommFinalize", "ncclCommDestroy"]
@@ -613,13 +617,13 @@ def test_the_graphs_go_before_the_communicator_at_close_and_at_abort(monkeypatch
     binding.release.set()
     c2 = _bare_comm(binding)
     log.clear()
-    c2._graphs = [CapturedLaunch(2, lambda s: None, "layer 0: gather", cu=_GraphDriver(log))]
+    c2.graphs.keep(CapturedLaunch(2, lambda s: None, "layer 0: gather", cu=_GraphDriver(log)))
     real_abort = binding.ncclCommAbort
     binding.ncclCommAbort = lambda h: log.append("ncclCommAbort") or real_abort(h)
     log.clear()
     c2.abort()
-    c2._abort_thread.join(5)
-    assert log == ["cuGraphExecDestroy", "cuGraphDestroy", "ncclCommAbort"] and c2._graphs == []
+    c2.teardown.abort_thread.join(5)
+    assert log == ["cuGraphExecDestroy", "cuGraphDestroy", "ncclCommAbort"] and len(c2.graphs) == 0
 
 
 def test_an_unknown_gather_launch_is_refused_before_anything_else():

@@ -522,7 +522,7 @@ def _unknown_group(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 
 
 def _ranks_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import RankCluster
+    from wsharding.lab.cluster import RankCluster
 
     return RankCluster(0)
 
@@ -565,19 +565,19 @@ def _init_nccl_without_gpu(tmp: Path, mp: pytest.MonkeyPatch) -> object:
 
 
 def _threads_per_rank_zero(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import RankCluster
+    from wsharding.lab.cluster import RankCluster
 
     return RankCluster(2, threads_per_rank=0)
 
 
 def _env_value_not_a_string(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import RankCluster
+    from wsharding.lab.cluster import RankCluster
 
     return RankCluster(2, env={"OMP_NUM_THREADS": 4})
 
 
 def _ranks_negative(tmp: Path, mp: pytest.MonkeyPatch) -> object:
-    from wsharding.cluster import RankCluster
+    from wsharding.lab.cluster import RankCluster
 
     return RankCluster(2, backend="nccl", ranks_per_gpu=-1)
 

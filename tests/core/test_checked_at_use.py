@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from wsharding.cluster import RankCluster
 from wsharding.core.bound import raw_access
 from wsharding.core.comm import CommError
 from wsharding.core.errors import ShardingError
@@ -20,6 +19,7 @@ from wsharding.core.planner import ConcurrentStepError, ScheduleMissWarning
 from wsharding.core.runner import run_layers, shard_blocks
 from wsharding.core.schedule import GatherSchedule, ScheduledGather, lookahead_schedule, with_next_step_first
 from wsharding.core.sharding import WeightSharding
+from wsharding.lab.cluster import RankCluster
 
 D = 16
 

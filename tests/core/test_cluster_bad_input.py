@@ -1,5 +1,5 @@
 """Bad input to ``init_from_env`` and ``RankCluster``: each mistake is refused before any work starts
-(no process group, no rank process) by a :class:`~wsharding.cluster.ClusterError` whose message names the
+(no process group, no rank process) by a :class:`~wsharding.lab.cluster.ClusterError` whose message names the
 argument or variable at fault and says what to do -- never a KeyError, a ZeroDivisionError, a worker
 that dies at start-up, or a rendezvous that waits for a socket timeout naming no rank."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.cluster import RankCluster
 from wsharding.core.context import ClusterError, init_from_env
+from wsharding.lab.cluster import RankCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -123,7 +123,7 @@ def test_rank_cluster_refuses_a_timeout_that_is_not_a_positive_number(name, valu
 
 # ---- a script without the __main__ guard -----------------------------------------------------------
 SCRIPT = """
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 
 def main():
     with RankCluster(1, backend="gloo", start_timeout=60) as cluster:

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from wsharding.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied
 from wsharding.core.comm import CommError
 from wsharding.core.context import ClusterError
 from wsharding.core.groups import shard_group_of, shard_group_ranks
 from wsharding.core.layout import FlatLayout
+from wsharding.lab.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied
 
 MIXED = [
     ("qkv", (24, 16), torch.bfloat16),

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.cluster import RankCluster, RemoteError, choose_backend
 from wsharding.core.context import ClusterError
 from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE
+from wsharding.lab.cluster import RankCluster, RemoteError, choose_backend
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parents[1]
@@ -67,7 +67,7 @@ def held_then_ended(ctx, seconds: float):
 PARENT = """
 import sys, threading
 sys.path.insert(0, {tests!r})
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from test_cluster_lifecycle import mark_and_wait
 
 def go():
@@ -221,7 +221,7 @@ def test_a_lock_a_task_kept_is_not_reported_leaked_at_exit():
     """[Note: named semaphores at a worker's exit]: a rank exits with os._exit, which skipped the
     finalizer of every multiprocessing lock a task kept (tqdm keeps one per process), and the parent's
     resource tracker reported them at shutdown: "There appear to be 2 leaked semaphore objects"."""
-    code = ("from wsharding.cluster import RankCluster\n"
+    code = ("from wsharding.lab.cluster import RankCluster\n"
             "from tests.ranktasks import keep_a_process_lock\n"
             "with RankCluster(2, backend='gloo') as c:\n"
             "    assert c.run(keep_a_process_lock) == [0, 1]\n")

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.core.test_checked_at_use import Model, _x
-from wsharding.cluster import RankCluster
 from wsharding.core.comm import CommError
 from wsharding.core.errors import ShardingError
 from wsharding.core.planner import MismatchedGatherError, ScheduleMissWarning, read_stamp, stamp_of
 from wsharding.core.runner import shard_blocks
+from wsharding.lab.cluster import RankCluster
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ _KEPT: dict = {}
 def lone_call_over_a_prefetch(ctx) -> dict:
     """With the next step's first gather issued ahead (layer 0 into slot A), rank 1 alone calls block 2,
     whose slot is A, between steps: its gather outside the steps times out."""
-    from wsharding.accel.next_step import NextStepPrefetch
+    from wsharding.core.next_step import NextStepPrefetch
 
     model, ref = Model(5), Model(5)
     ws = shard_blocks(model, "layers", ["fc*"], ctx.comm, plugins=[NextStepPrefetch()])

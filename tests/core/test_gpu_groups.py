@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.models import PRESETS
 from wsharding.models.equality import model_equality
 

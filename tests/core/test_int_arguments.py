@@ -158,7 +158,7 @@ def _deployment(**kw: object) -> object:
 
 
 def _cluster(**kw: object) -> object:
-    from wsharding.cluster import RankCluster
+    from wsharding.lab.cluster import RankCluster
 
     return RankCluster(**{"world_size": 2, "backend": "gloo", **kw})  # not started: only its plan
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from wsharding.accel.first_layer import FirstLayerPrefetch
-from wsharding.cluster import RankCluster, RemoteError
 from wsharding.core.comm import CommError, Communicator, DoneHandle, PreparedGather, check_gather_args
+from wsharding.core.first_layer import FirstLayerPrefetch
 from wsharding.core.layout import FlatLayout
 from wsharding.core.planner import PlannerClosedError
 from wsharding.core.runner import prepare_layer_weight_shard_forward, run_layers, shard_blocks
@@ -26,6 +25,7 @@ from wsharding.core.schedule import lookahead_schedule
 from wsharding.core.sharding import ShardingError, WeightSharding
 from wsharding.core.slots import SlotPool
 from wsharding.core.torch_backend import TorchDistComm, mode_label
+from wsharding.lab.cluster import RankCluster, RemoteError
 
 
 class Loopback(Communicator):
@@ -304,7 +304,7 @@ def test_one_rank_gather_calls_back_at_once(cluster_of):
 
 
 def test_torch_comm_needs_ranks_and_labels_modes():
-    with pytest.raises(CommError, match="torch.distributed is not initialised: start ranks with wsharding.cluster"):
+    with pytest.raises(CommError, match=r"torch.distributed is not initialised: start the ranks first \(torchrun and wsharding.core.context.init_from_env, or a RankCluster"):
         TorchDistComm()
     assert mode_label("gloo", torch.device("cpu")) == "cpu-gloo"
     assert mode_label("nccl", torch.device("cuda", 0)) == "gpu-nccl"

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tests.core.test_library_edges import Loopback
-from wsharding.accel.next_step import NextStepPrefetch
 from wsharding.core.errors import InvalidType, ShardingError
+from wsharding.core.next_step import NextStepPrefetch
 from wsharding.core.runner import shard_blocks
 from wsharding.core.sharding import WeightSharding
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.core.test_lifecycle import FcBlock
-from wsharding.cluster import RankCluster, RemoteError
 from wsharding.core.layout import FlatLayout
 from wsharding.core.runner import run_layers
 from wsharding.core.sharding import WeightSharding
 from wsharding.core.slots import SlotPool
+from wsharding.lab.cluster import RankCluster, RemoteError
 
 
 def _blocks(n_layers=6, d=32):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from wsharding.cluster import RemoteError
+from wsharding.lab.cluster import RemoteError
 from wsharding.models import PRESETS
 from wsharding.models.equality import model_equality
 

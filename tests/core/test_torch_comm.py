@@ -79,7 +79,7 @@ def test_a_collective_refused_at_issue_is_a_comm_error_naming_the_gather(cluster
 def test_a_communicator_needs_an_initialised_process_group():
     if dist.is_initialized():
         pytest.skip("this process already has a process group")
-    with pytest.raises(CommError, match="torch.distributed is not initialised: start ranks with wsharding.cluster"):
+    with pytest.raises(CommError, match=r"torch.distributed is not initialised: start the ranks first \(torchrun and wsharding.core.context.init_from_env, or a RankCluster"):
         TorchDistComm()
 
 

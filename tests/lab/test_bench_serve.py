@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from wsharding.cluster import RemoteError
 from wsharding.core.errors import InvalidArgument
 from wsharding.lab.bench.serve import format_table, replicated_footprint, summarize
+from wsharding.lab.cluster import RemoteError
 from wsharding.lab.tasks.serve import serve_rank
 from wsharding.serve import BLOCK_TOKENS, Workload, blocks_for
 from wsharding.serve.metrics import SLO

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from wsharding.cluster import RemoteError
 from wsharding.lab import cli, cliargs, demo
 from wsharding.lab.bench import allgather
 from wsharding.lab.cliargs import InputError, check_output_path, error_lines, run_command
+from wsharding.lab.cluster import RemoteError
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The committed CPU demo report: docs/design.md shows its table, --figures-from draws it.
@@ -142,7 +142,7 @@ HUGE = str(10**18)
                          ids=" ".join)
 def test_a_huge_number_of_ranks_is_one_line_before_any_rank(argv, capsys):
     """``--ranks 10**18`` passes argparse (a whole number >= 1); the command's bound, or RankCluster's
-    (:data:`wsharding.cluster.MAX_LOCAL_RANKS`), refuses it in one line before a process starts --
+    (:data:`wsharding.lab.cluster.MAX_LOCAL_RANKS`), refuses it in one line before a process starts --
     not a MemoryError from a list of 10**18 devices."""
     rc, out, err = run_cli([*argv, "--ranks", HUGE], capsys)
     lines = err.strip().splitlines()
@@ -485,3 +485,18 @@ def test_run_command_sorts_package_errors_into_bad_input_and_failures(capsys):
         assert capsys.readouterr().err.splitlines() == [line]
     with pytest.raises(ValueError, match="a bug"):
         run_command("x", raising(ValueError("a bug")), args)
+
+
+def test_every_comm_option_offers_the_registry_s_communicators():
+    """The ``--comm`` choices come from one registry (wsharding.comm_by_name.COMMS): a communicator
+    added there is offered by every command, and none is offered that the registry lacks."""
+    from wsharding.comm_by_name import COMM_CHOICES, COMMS
+
+    comm_options = {name: tuple(a.choices) for name, p in leaf_parsers(cli.build_parser())
+                    for a in p._actions if "--comm" in a.option_strings}
+    assert len(comm_options) >= 7, sorted(comm_options)
+    # the soak has no "auto" (it names what it soaks); every other command offers the registry's choices
+    assert comm_options.pop("wsharding soak") == tuple(COMMS)
+    # ``bench profile`` is rewritten beside this change: its list is the registry's once that merges
+    differ = {name for name, choices in comm_options.items() if choices != COMM_CHOICES}
+    assert differ <= {"wsharding bench profile"}, differ

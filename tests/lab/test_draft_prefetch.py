@@ -64,7 +64,7 @@ def test_second_prefetch_before_the_step_is_refused(cluster_of):
 
 
 def test_unknown_mode_is_refused_before_any_gather(cluster_of):
-    from wsharding.cluster import RemoteError
+    from wsharding.lab.cluster import RemoteError
 
     with pytest.raises(RemoteError, match="mode 'nope': use one of"):
         cluster_of(2).run(draft_equality, "tiny", COUNTS[:1], modes=["nope"])

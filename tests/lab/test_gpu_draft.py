@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from wsharding.accel.first_layer import FirstLayerPrefetch
-from wsharding.cluster import RankCluster
+from wsharding.core.first_layer import FirstLayerPrefetch
 from wsharding.core.runner import run_layers
 from wsharding.lab.bench.draft import format_table, summarize
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.tasks.draft import MODES, draft_equality, draft_exposed, draft_graph_replay
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.models.kv_tasks import kv_fill
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.tasks.kv import kv_decode_equality
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wsharding.cluster import RankCluster
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.tasks.loading import load_variant
 
 pytestmark = pytest.mark.gpu

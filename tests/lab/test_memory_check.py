@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from wsharding.cluster import RankCluster
 from wsharding.core.units import GiB
 from wsharding.lab import demo, memory
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.memory import (
     CPU_RANK_BASE,
     MemoryCheckError,

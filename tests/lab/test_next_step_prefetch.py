@@ -1,5 +1,5 @@
 """The next step's first gather, issued while the step's last layers run ([Note: the next step's first
-gather] in wsharding/accel/next_step.py), on CPU ranks: exact outputs step after step, one gather per sharded
+gather] in wsharding/core/next_step.py), on CPU ranks: exact outputs step after step, one gather per sharded
 layer per step, the hold on the slot's last reader, the cancel when a layer is gathered into that
 slot between steps, partial ranges, and what it refuses."""
 
@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from wsharding.accel.first_layer import FirstLayerPrefetch
-from wsharding.accel.next_step import NextStepPrefetch
 from wsharding.core.comm import CommError
+from wsharding.core.first_layer import FirstLayerPrefetch
+from wsharding.core.next_step import NextStepPrefetch
 from wsharding.core.runner import aligned_forward, prepare_layer_weight_shard_forward, run_layers
 from wsharding.core.schedule import GatherSchedule
 from wsharding.core.sharding import WeightSharding

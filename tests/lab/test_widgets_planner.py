@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from wsharding.cluster import RemoteError
+from wsharding.lab.cluster import RemoteError
 from wsharding.lab.tasks.planner import gate_experiment, run_traced_steps, slot_table, traced_run
 from wsharding.lab.viz.planner import last_step, median_exposed_us, slot_overlaps, timeline_figure
 from wsharding.lab.widgets.planner import build_planner_panel, planner_view

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.ranktasks import graph_replay, memory_over_steps
-from wsharding.cluster import RankCluster
 from wsharding.comm_by_name import multi_rank_per_gpu_supported, shard_comm_for
 from wsharding.core.units import align_up
+from wsharding.lab.cluster import RankCluster
 from wsharding.models.equality import model_equality
 
 pytestmark = pytest.mark.gpu

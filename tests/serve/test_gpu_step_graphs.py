@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.serve.serve_tasks import serve_with_graphs
-from wsharding.cluster import RankCluster
 from wsharding.comm_by_name import ours_supported
+from wsharding.lab.cluster import RankCluster
 
 pytestmark = pytest.mark.gpu
 

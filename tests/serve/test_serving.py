@@ -11,7 +11,7 @@ from wsharding.core.errors import InvalidArgument
 from wsharding.linear import process_weights
 from wsharding.models import ToyDecoder, decoder_config
 from wsharding.models.kv_cache import kv_bytes_per_token
-from wsharding.models.token_pool import TokenKVPool
+from wsharding.models.serve_step import KVRows
 from wsharding.serve import (
     BlockPool,
     Request,
@@ -37,7 +37,7 @@ def model() -> ToyDecoder:
 
 def _pool(blocks: int) -> BlockPool:
     """A pool of one small layer: the scheduler's tests need its blocks, not its bytes."""
-    return BlockPool(TokenKVPool(1, 1, 4, torch.float32, (blocks + 1) * 16 - 1, "cpu"))
+    return BlockPool(KVRows(1, 1, 4, torch.float32, (blocks + 1) * 16 - 1, "cpu"))
 
 
 def _req(rid: int, prompt: int, output: int, arrival: float = 0.0, vocab: int = 192) -> Request:

@@ -140,7 +140,8 @@ def test_graphs_are_refused_where_the_gathers_cannot_be_captured(model):
     from wsharding.serve.runner import graph_refusal
 
     cuda = torch.device("cuda", 0)
-    sharded = SimpleNamespace(weight_sharding=SimpleNamespace(comm=SimpleNamespace(device=cuda, world_size=2)))
+    torch_comm = SimpleNamespace(device=cuda, world_size=2, captures_gathers=False, shared_gpu=False)
+    sharded = SimpleNamespace(weight_sharding=SimpleNamespace(comm=torch_comm))
     assert graph_refusal(sharded, cuda) == "capturing gathers needs our NCCL communicator (--comm nccl)"
     assert graph_refusal(model, cuda) is None
     assert "CPU ranks" in graph_refusal(model, torch.device("cpu"))

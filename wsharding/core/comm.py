@@ -123,6 +123,25 @@ class Communicator:
     group: Any = None
     #: How long a collective of this group may wait before it fails (the torch backend's); None: torch's default.
     timeout: Any = None
+    #: Global ranks of the shard group, in group order; empty where the backend knows of no process group.
+    group_ranks: tuple[int, ...] | list[int] = ()
+    #: Whether several ranks of the group time-slice one GPU (our NCCL binding, NCCL >= 2.30).
+    shared_gpu: bool = False
+    #: Whether a CUDA graph may capture this backend's gathers (a decode step replayed whole); the
+    #: torch backend's gathers are not captured.
+    captures_gathers: bool = False
+    #: The stream the gathers run on, apart from the compute stream (our NCCL binding's); None: a
+    #: backend that gathers from the caller's current stream.
+    stream: torch.cuda.Stream | None = None
+    #: How a prepared gather reaches the library per layer, where a backend has a choice ("graph" or
+    #: "direct", our NCCL binding's); None: one call per gather.
+    gather_launch: str | None = None
+    #: Whether the backend's library runs blocking (our NCCL binding's choice); None: no such choice.
+    blocking: bool | None = None
+    #: Whether the gathers can be handed to a native issue thread ([Note: the issue thread];
+    #: :meth:`set_issue_thread`), and the thread when one runs (None: the caller's thread issues them).
+    offers_issue_thread: bool = False
+    issuer: Any = None
 
     def slot_policy(self, map_own_chunk: bool | str = "auto") -> Any:
         """How a sharding on this communicator lays out its slots: None, plain slots (the sharding's
@@ -180,6 +199,12 @@ class Communicator:
     def alloc(self, nbytes: int, *, tag: str = "") -> torch.Tensor:
         """A 1-D uint8 buffer of ``nbytes`` on :attr:`device` that gathers may use."""
         raise Unsupported(f"{type(self).__name__} implements no alloc")
+
+    def set_issue_thread(self, on: bool) -> None:
+        """Hand the gathers to a native issue thread, or take them back ([Note: the issue thread]). Only a
+        backend that :attr:`offers_issue_thread` has one; switching it off where none runs does nothing."""
+        if on:
+            raise Unsupported(f"{type(self).__name__} has no issue thread: it needs our NCCL communicator (--comm nccl)")
 
     def raise_if_failed(self, what: str) -> None:
         """Raise :class:`CommError` when an error was found off the hot path (a watchdog), naming

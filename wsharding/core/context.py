@@ -1,6 +1,6 @@
 """What a rank is: its :class:`RankContext`, and :func:`init_from_env` for a ``torchrun`` job.
 
-A task function receives the context as its first argument (under :class:`~wsharding.cluster.RankCluster`
+A task function receives the context as its first argument (under :class:`~wsharding.lab.cluster.RankCluster`
 or a torchrun script alike): the rank, the world, the device, the backend of the process group, the
 mode and what is emulated, and ``shard_comm(g)`` -- the communicator of the rank's shard group.
 :func:`init_from_env` builds it from torchrun's environment, checks that environment before any work,

@@ -1,21 +1,19 @@
-"""The words that say a run is emulated: CPU processes standing in for GPUs, or several ranks
-time-slicing one GPU. Timings from either are not those of N GPUs, so every report, table, message
-and figure title that shows one says so -- in the words written here, once, so that the same
-emulation reads the same wherever it appears.
+"""The notes the library attaches to an emulated run: CPU processes standing in for GPUs, or several
+ranks time-slicing one GPU. Timings from either are not those of N GPUs, so every report and message
+that shows one says so -- in the words written here, once, so that the same emulation reads the same
+wherever it appears.
 
-The modules that tell which case a run is (the rank contexts, the NCCL communicator, the KV-cache
-budget) and those that print or draw it import these; nothing here imports the package.
+Only the modules that tell which case a run is (the rank contexts, the NCCL communicator, the KV-cache
+budget) import these; the short forms for figure titles and labels are the teaching layer's
+(``wsharding.lab.emulation``). Nothing here imports the package.
 """
 
 from __future__ import annotations
 
 #: Words every CPU-rank report carries, so nobody mistakes CPU timings for GPU timings.
 CPU_EMULATION_NOTE = "emulated: CPU processes (gloo over 127.0.0.1) stand in for GPUs; timings are not GPU timings"
-#: The same, short enough for a figure title or a one-line label.
-CPU_EMULATION_SHORT = "emulated: CPU ranks"
 #: Words every report of ranks that share one GPU carries (the rank context's and our NCCL communicator's).
-SHARED_GPU_SHORT = "emulated: several ranks time-slice one GPU"
-SHARED_GPU_NOTE = SHARED_GPU_SHORT + " (NCCL multi-rank-per-GPU)"
+SHARED_GPU_NOTE = "emulated: several ranks time-slice one GPU (NCCL multi-rank-per-GPU)"
 #: Said once when ranks outnumber GPUs and a torch.distributed NCCL gather was asked for.
 SHARED_GPU_TORCH_NOTE = (
     "the torch.distributed NCCL baseline cannot run with several ranks per GPU (NCCL's process group "
@@ -23,12 +21,3 @@ SHARED_GPU_TORCH_NOTE = (
 )
 #: Where a CPU rank's KV-cache budget comes from: there is no free GPU memory to measure.
 CPU_BUDGET_NOTE = "emulated: the machine's available RAM, shared by the CPU ranks, stands in for free GPU memory"
-
-_SHORT = {CPU_EMULATION_NOTE: CPU_EMULATION_SHORT, SHARED_GPU_NOTE: SHARED_GPU_SHORT}
-
-
-def title_note(emulation: str) -> str:
-    """What a figure title or a one-line label appends for a run's ``emulation`` note:
-    ``" (emulated: CPU ranks)"``, ``" (emulated: several ranks time-slice one GPU)"``, ``""`` on
-    real GPUs; any other note in full."""
-    return f" ({_SHORT.get(emulation, emulation)})" if emulation else ""

@@ -61,7 +61,7 @@ def check_plugins(plugins: object) -> list[PlannerPlugin]:
         raise InvalidType(f"plugins: expected a list of planner plug-ins, got one {name}; pass plugins=[{name}()]")
     if not isinstance(plugins, (list, tuple)):
         raise InvalidType(f"plugins: expected a list of planner plug-ins, got {type(plugins).__name__}; pass a list "
-                          "such as [NextStepPrefetch()] (wsharding.accel.next_step), or leave it out")
+                          "such as [NextStepPrefetch()] (wsharding.core.next_step), or leave it out")
     wrong = [type(p).__name__ for p in plugins if not isinstance(p, PlannerPlugin)]
     if wrong:
         raise InvalidType(f"plugins: {', '.join(wrong)} is not a planner plug-in (a PlannerPlugin of "

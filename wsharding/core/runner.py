@@ -193,7 +193,7 @@ def shard_blocks(
     Matching package linears are decided by their group: those split by tensor parallelism are left
     alone, each with its reason in ``ws.report()``.
 
-    ``plugins``: planner plug-ins, e.g. ``[NextStepPrefetch()]`` (:mod:`wsharding.accel.next_step`):
+    ``plugins``: planner plug-ins, e.g. ``[NextStepPrefetch()]`` (:mod:`wsharding.core.next_step`):
     each step issues the next step's first gather while its own last blocks run.
 
     ``map_own_chunk``: no gather copies the rank's own chunk -- each block gathers into a range mapped

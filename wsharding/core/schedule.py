@@ -10,7 +10,7 @@ there, in the one order every rank issues them (collectives pair by order). The 
   starts (at the step's start for the first ``k``), into slot ``position % (k + 1)``; ``k = 0`` is
   lookahead off: each layer's gather issued at its own block's start and joined at once;
 * :func:`with_next_step_first` -- the same plus the *next* step's first gather, issued during this
-  step's last block ([Note: the next step's first gather] in ``wsharding/accel/next_step.py``).
+  step's last block ([Note: the next step's first gather] in ``wsharding/core/next_step.py``).
 
 [Note: the gate, for depth k]
 With ``k + 1`` slots the gather of the sharded layer at position ``p`` overwrites the slot of the

@@ -98,7 +98,7 @@ class WeightSharding:
     skips the digests; rows loaded from a checkpoint are not compared.
 
     ``plugins``: schedule policies (the next step's first gather:
-    :class:`wsharding.accel.next_step.NextStepPrefetch`), attached at finalize.
+    :class:`wsharding.core.next_step.NextStepPrefetch`), attached at finalize.
 
     ``prefetch_depth``: gathers issued ahead of the computing layer (``k``, default 1): ``k + 1``
     slots, ``R/N + (k+1) max|T_l|`` resident. ``on_miss``: a layer about to compute whose slot does

@@ -145,10 +145,12 @@ class TorchDistComm(Communicator):
         timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise CommError("torch.distributed is not initialised: start ranks with wsharding.cluster first")
+            raise CommError("torch.distributed is not initialised: start the ranks first (torchrun and "
+                            "wsharding.core.context.init_from_env, or a RankCluster of wsharding.lab.cluster)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.group_ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(self.world_size))
         self.backend = str(dist.get_backend(group))
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")

@@ -5,8 +5,8 @@ size that is not a number, a JSON path under a file) is refused while parsing or
 one line naming the option, the value and what to pass instead -- never after minutes of work,
 never as a traceback, never by silently running the default instead.
 
-Errors raised on the ranks come back from :class:`~wsharding.cluster.RankCluster` as one
-:class:`~wsharding.cluster.RemoteError`; :func:`error_lines` turns it into one line per distinct
+Errors raised on the ranks come back from :class:`~wsharding.lab.cluster.RankCluster` as one
+:class:`~wsharding.lab.cluster.RemoteError`; :func:`error_lines` turns it into one line per distinct
 error (``--verbose`` adds the remote tracebacks).
 """
 
@@ -276,7 +276,7 @@ def error_lines(exc: BaseException, verbose: bool = False) -> list[str]:
     """One line per distinct error, naming the ranks that raised it (a RemoteError carries every
     failing rank); other exceptions give their one-line message. ``verbose`` appends the remote
     traceback of the first failing rank."""
-    from wsharding.cluster import RemoteError
+    from wsharding.lab.cluster import RemoteError
 
     if not isinstance(exc, RemoteError):
         return [f"{type(exc).__name__}: {_one_line(str(exc))}"]
@@ -336,7 +336,7 @@ def is_bad_input(exc: BaseException) -> bool:
     value that cannot work; a ``RuntimeError`` or ``AssertionError`` kind (the ranks', the
     communicator's, NCCL's, a benchmark whose results differ) is a failure -- and anything raised on
     the ranks comes back as a ``RemoteError``, a failure, whatever it was there."""
-    from wsharding.cluster import RemoteError
+    from wsharding.lab.cluster import RemoteError
 
     if isinstance(exc, InputError):
         return True

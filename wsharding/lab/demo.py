@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, choose_backend
-from wsharding.comm_by_name import graph_unsupported, is_ours, ours_supported, shard_comm_for
+from wsharding.comm_by_name import COMM_CHOICES, COMMS, graph_unsupported, ours_supported, resolve_comm, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.emulation import SHARED_GPU_TORCH_NOTE
 from wsharding.core.runner import aligned_forward
@@ -55,6 +54,7 @@ from wsharding.lab.cliargs import (
     int_at_least,
     nonempty_path,
 )
+from wsharding.lab.cluster import RankCluster, choose_backend
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.lab.outdir import default_help, default_out_dir, default_output
 from wsharding.lab.progress import Stages, rank_stage
@@ -232,7 +232,8 @@ def demo_rank(ctx: RankContext, preset: str, counts: list[list[int]], *, timed_s
         "slot_bytes": ws.slots.slot_bytes,
         "map_own_chunk": ws.map_own_chunk,
         "map_own_chunk_reason": ws.map_own_chunk_reason,
-        "issue_thread": is_ours(comm) and comm.issuer is not None,
+        "issue_thread": comm.issuer is not None,
+        "map_own_chunk_offered": comm.pool is not None,
         "slot_resident_bytes": ws.held_bytes()["slots"],
         "layout_bytes": {i: ws.layouts[i].total_bytes for i in ws.sharded_layer_ids},
         "step_ms": {k: statistics.median(v) for k, v in samples.items()},
@@ -268,6 +269,7 @@ def summarize(reports: list[dict[str, Any]], preset: str, world: int) -> dict[st
         "slot_bytes": r0["slot_bytes"],
         "map_own_chunk": r0["map_own_chunk"],
         "map_own_chunk_reason": r0.get("map_own_chunk_reason", ""),
+        "map_own_chunk_offered": r0.get("map_own_chunk_offered", False),
         "issue_thread": r0.get("issue_thread", False),
         "slot_resident_bytes": r0["slot_resident_bytes"],
         "max_abs_diff": max(r["max_abs_diff"] for r in reports),
@@ -339,8 +341,10 @@ def format_table(report: dict[str, Any]) -> str:
           if not report.get("map_own_chunk") else
           [f"  formula R/N + 2 (N-1)/N slots        {mib(report['formula_bytes_per_rank'])}  (map_own_chunk)",
            f"  of which the peers' slot pages       {mib(report['slot_resident_bytes'])}"]),
-        # where mapping is a real choice (our NCCL communicator): which, and why
-        *([f"  {report['map_own_chunk_reason']}"] if report.get("communicator") == "NcclCommunicator"
+        # where mapping is a real choice (a communicator with a pool of windows to map): which, and why
+        # (a report saved before the flag existed: our NCCL communicator was the one that offered it)
+        *([f"  {report['map_own_chunk_reason']}"] if report.get("map_own_chunk_offered",
+                                                                report.get("communicator") == "NcclCommunicator")
           and report.get("map_own_chunk_reason") else []),
         f"  outputs equal bit for bit: {'yes' if report['outputs_equal'] else 'NO'}   "
         f"max_abs_diff {report['max_abs_diff']}",
@@ -488,7 +492,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds of the three timed variants, each round in a different order; the table shows "
                         "the median (default 7 on GPUs, where a round is short and rounds of one variant spread by "
                         "up to 25 %%, 3 on CPU ranks)")
-    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
+    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
                    help="gather with torch.distributed or our NCCL binding (symmetric windows, copy engine); "
                         "auto: ours when the GPUs and libnccl support it")
     p.add_argument("--map-own-chunk", action=argparse.BooleanOptionalAction, default=None,
@@ -573,12 +577,12 @@ def check_arguments(args: argparse.Namespace, gpus: int) -> tuple[str, int]:
     if backend == "nccl" and not gpus:
         raise InputError("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo "
                          "(CPU processes standing in for GPUs, emulated) or leave --backend auto")
-    if args.comm == "nccl" and not gpus:
-        raise InputError("--comm nccl (our NCCL binding: symmetric windows, copy engine) needs CUDA GPUs and "
-                         "this machine has none; use --comm torch or leave --comm auto")
-    if args.comm == "nccl" and not ours_supported():
-        raise InputError("--comm nccl needs libnccl >= 2.28.3 (symmetric windows, copy engine); "
-                         "'wsharding info' shows the library found; use --comm torch")
+    kind = COMMS.get(args.comm)  # None: "auto"
+    if kind is not None and "cpu" not in kind.devices and not gpus:
+        raise InputError(f"--comm {kind.name} ({kind.what}) needs CUDA GPUs and this machine has none; use "
+                         "--comm torch or leave --comm auto")
+    if kind is not None and not kind.runs_here():
+        raise InputError(f"--comm {kind.name} needs {kind.needs}; use --comm torch")
     if args.map_own_chunk is True and not gpus:
         raise InputError("--map-own-chunk maps each layer's own chunk under its gather range: that needs our NCCL "
                          "binding on GPUs (--comm nccl, NCCL >= 2.30); this machine has no CUDA GPU; leave "
@@ -624,7 +628,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"wsharding demo: error: {e}", file=sys.stderr)
         return 2
     on_gpus = any(d is not None for d in devices)
-    comm = args.comm if args.comm != "auto" else ("nccl" if on_gpus and ours_supported() else "torch")
+    comm = resolve_comm(args.comm, on_gpus=on_gpus)
     if on_gpus and len(set(devices)) < n and comm == "torch":
         print(f"wsharding demo: error: {SHARED_GPU_TORCH_NOTE}; pass --comm nccl (NCCL >= 2.30)", file=sys.stderr)
         return 2

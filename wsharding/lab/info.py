@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from wsharding.core.emulation import CPU_EMULATION_SHORT
+from wsharding.comm_by_name import COMMS, resolve_comm
 from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
+from wsharding.lab.emulation import CPU_EMULATION_SHORT
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
 FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu", "mapped_layer_views")
@@ -50,7 +51,7 @@ def _torch_nccl() -> str | None:
 
 def collect_info() -> dict[str, Any]:
     """Everything ``wsharding info`` prints, as a dict (what ``--json`` writes)."""
-    from wsharding.cluster import choose_backend
+    from wsharding.lab.cluster import choose_backend
 
     gpus = []
     if torch.cuda.is_available():
@@ -65,7 +66,6 @@ def collect_info() -> dict[str, Any]:
     # (A library flag "true" beside a machine flag "false" under the same name reads as a contradiction.)
     offered = nccl.pop("features", dict.fromkeys(FEATURES, False))
     supports = {k: bool(n) and v for k, v in offered.items()}
-    ours = supports["copy_engine_allgather"]
     if "error" in nccl:
         why = "no usable NCCL library (nccl.error says why)"
     elif not n:
@@ -73,11 +73,13 @@ def collect_info() -> dict[str, Any]:
     else:
         missing = [k for k, v in offered.items() if not v]
         why = f"NCCL {nccl['version']} is too old for: {', '.join(missing)}" if missing else ""
-    if n:
-        gather = ("our NCCL communicator (wsharding.accel.nccl): symmetric windows, CTA policy 2 (copy engine)"
-                  if ours else "torch.distributed NCCL (TorchDistComm): the loaded NCCL is too old for windows")
-    else:
-        gather = f"torch.distributed gloo between CPU processes ({CPU_EMULATION_SHORT})"
+    # the communicator "auto" picks, by the registry's one rule
+    auto_comm = COMMS[resolve_comm("auto", on_gpus=bool(n))]
+    gather = f"{auto_comm.name}: {auto_comm.what}"
+    if not n:
+        gather += f" ({CPU_EMULATION_SHORT})"
+    elif why:
+        gather += f" ({why})"
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
-from wsharding.comm_by_name import shard_comm_for
+from wsharding.comm_by_name import COMMS, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.runner import aligned_forward
 from wsharding.core.units import KiB, MiB
 from wsharding.lab.cliargs import InputError, add_json_option, check_output_path, emit_json, int_at_least
+from wsharding.lab.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
 from wsharding.models import PRESETS, build_pair, decoder_config
 
@@ -307,7 +307,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=1000, help=f"soak steps (default 1000, at least {MIN_STEPS}: the first {WARMUP} warm up)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="decoder preset (default tiny)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="gloo: CPU ranks (default); nccl: GPUs")
-    p.add_argument("--comm", default="torch", choices=["torch", "nccl"],
+    p.add_argument("--comm", default="torch", choices=tuple(COMMS),
                    help="gather with torch.distributed (default) or our NCCL communicator (GPUs)")
     p.add_argument("--no-faults", action="store_true", help="skip the three fault runs")
     add_json_option(p, "the report", "--report")

@@ -20,7 +20,6 @@ functions produce the checkpoint tensors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -255,11 +254,3 @@ class PackedInt4LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), bias)
-
-
-QUANT_METHODS: dict[str, Callable[..., Any]] = {
-    "unquantized": UnquantizedLinearMethod,
-    "int8_channel": Int8PerChannelLinearMethod,
-    "int8_block": BlockInt8LinearMethod,
-    "int4_packed": PackedInt4LinearMethod,
-}

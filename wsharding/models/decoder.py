@@ -38,7 +38,7 @@ from wsharding.linear import (
 )
 from wsharding.linear.methods import make_quant_method
 from wsharding.models.kv_cache import KVStep
-from wsharding.models.token_pool import AttnGroup, ServeStep
+from wsharding.models.serve_step import AttnGroup, ServeStep
 
 
 @dataclass(frozen=True)
@@ -189,12 +189,12 @@ class Attention(nn.Module):
 
     def forward_serve(self, x: torch.Tensor, layer_id: int, step: ServeStep) -> torch.Tensor:
         """The serving path: ``x`` holds the step's rows (``[rows, hidden]``), each a token of its own
-        sequence at its own position. Their K/V are written into the token pool first, so that a
+        sequence at its own position. Their K/V are written into the step's token rows first, so that a
         prompt's rows see each other; then each group of the step (sequences of one context bucket,
-        :class:`~wsharding.models.token_pool.AttnGroup`) runs one attention: an entry's context is
+        :class:`~wsharding.models.serve_step.AttnGroup`) runs one attention: an entry's context is
         gathered once, at its group's width, and its query slots -- one for a decode, a chunk's rows
-        for a prefill chunk -- attend over it. Fixed shapes throughout (see
-        :mod:`wsharding.models.token_pool`)."""
+        for a prefill chunk -- attend over it. The shapes are the step's (:attr:`ServeStep.shape
+        <wsharding.models.serve_step.ServeStep.shape>`), bucketed, not fixed."""
         rows, rep, hd = x.shape[0], self.heads // self.kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split(self.qkv_gemm["split"], dim=-1)
         step.store(layer_id, k.view(rows, self.kv_heads, hd), v.view(rows, self.kv_heads, hd))
@@ -381,7 +381,7 @@ class DecoderLayer(nn.Module):
         return x + ffn(self.mlp_norm(x))
 
     def forward_serve(self, x: torch.Tensor, step: ServeStep) -> torch.Tensor:
-        """:meth:`forward` on the serving path (a :class:`~wsharding.models.token_pool.ServeStep`)."""
+        """:meth:`forward` on the serving path (a :class:`~wsharding.models.serve_step.ServeStep`)."""
         prepare_layer_weight_shard_forward(self)
         x = x + self.attn.forward_serve(self.attn_norm(x), self.layer_id, step)
         ffn = self.mlp if self.dense else self.moe
@@ -447,7 +447,7 @@ class ToyDecoder(nn.Module):
 
     def forward_serve(self, step: ServeStep) -> torch.Tensor:
         """The serving path: one forward of ``step.rows`` rows of different sequences at different
-        positions, K/V in a :class:`~wsharding.models.token_pool.TokenKVPool`; returns logits
+        positions, K/V in a :class:`~wsharding.models.serve_step.KVRows`; returns logits
         ``[rows, vocab]``. Sharded layers gather their weights exactly as in :meth:`forward`."""
         h = self.embed(step.tokens)
         h = run_layers(self.layers, h, self.planner, call=lambda layer, x: layer.forward_serve(x, step))

@@ -3,7 +3,7 @@
 In the deployment of SGLang's weight sharding for Kimi K3 a draft model (dflash) runs after the target
 model every step. Its weights are sharded too (its section "extending to attention and the draft"), and its layer 0 -- the first
 sharded layer -- has no earlier layer whose compute could hide its gather. The answer ([Note: the draft's
-first layer] in ``wsharding/accel/first_layer.py``, a planner plug-in) is to issue that gather between the two models, on
+first layer] in ``wsharding/core/first_layer.py``, a planner plug-in) is to issue that gather between the two models, on
 a dedicated stream, and to wait on it just before the draft's step; this module gives the draft the step
 that uses it.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from wsharding.accel.first_layer import FirstLayerPrefetch
 from wsharding.core.comm import Communicator
+from wsharding.core.first_layer import FirstLayerPrefetch
 from wsharding.core.runner import run_layers
 from wsharding.core.sharding import WeightSharding
 from wsharding.models.decoder import DecoderConfig, ToyDecoder, decoder_config

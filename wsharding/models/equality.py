@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from wsharding.accel.next_step import NextStepPrefetch
-from wsharding.comm_by_name import group_of, shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.comm import is_slice_of
 from wsharding.core.context import RankContext
+from wsharding.core.next_step import NextStepPrefetch
 from wsharding.core.runner import aligned_forward
 from wsharding.models import DecoderConfig, build_pair, decoder_config
 from wsharding.models.kv_cache import model_bytes, sharded_model_bytes
@@ -29,7 +29,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
                    close: bool = False, issue_thread: bool = False) -> dict[str, Any]:
     """Build the replicated and sharded models, run ``len(counts)`` steps with ``counts[step][rank]``
     tokens on this rank (idle ranks run a one-token dummy step), compare outputs bit for bit.
-    ``prefetch_next_step``: a :class:`~wsharding.accel.next_step.NextStepPrefetch` plug-in ([Note: the next step's first gather]); ``map_own_chunk``:
+    ``prefetch_next_step``: a :class:`~wsharding.core.next_step.NextStepPrefetch` plug-in ([Note: the next step's first gather]); ``map_own_chunk``:
     [Note: the own chunk mapped, not copied] (``in_place_gathers`` counts the gathers that copy nothing
     of their own); plain slots unless asked, ``"auto"`` as the package's default. ``close``: close the sharding at the end and report the communicator's device
     bytes before the build and after the close (our NCCL communicator; None for the others).
@@ -87,7 +87,7 @@ def model_equality(ctx: RankContext, preset: str | DecoderConfig, counts: list[l
         # mapped layer views own no memory and must not count
         "model_bytes": {"replicated": model_bytes(replicated), "sharded": sharded_model_bytes(sharded, ws)},
         "mode": comm.mode,
-        "group": group_of(comm),
+        "group": list(comm.group_ranks),
         "map_own_chunk": ws.map_own_chunk,
         "map_own_chunk_reason": ws.map_own_chunk_reason,
     }

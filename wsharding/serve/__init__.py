@@ -12,7 +12,7 @@ This package serves the way a server does, on each rank, in reading order:
 * :mod:`~wsharding.serve.engine` -- the step loop, greedy decoding, replay (:func:`serve`, :class:`ServeRun`);
 * :mod:`~wsharding.serve.metrics` -- TTFT, TPOT, ITL, E2E, goodput under SLOs, intervals over trials.
 
-The model side is :class:`~wsharding.models.token_pool.ServeStep` and ``ToyDecoder.forward_serve``.
+The model side is :class:`~wsharding.models.serve_step.ServeStep` and ``ToyDecoder.forward_serve``.
 ``wsharding bench serve`` runs it for the replicated and the sharded model side by side.
 """
 

@@ -1,7 +1,7 @@
 """A paged KV pool: the K/V of every layer in blocks of :data:`BLOCK_TOKENS` tokens, handed out one
 block at a time, as vLLM's PagedAttention does.
 
-Storage is a :class:`~wsharding.models.token_pool.TokenKVPool` of ``(blocks + 1) * BLOCK_TOKENS``
+Storage is a :class:`~wsharding.models.serve_step.KVRows` of ``(blocks + 1) * BLOCK_TOKENS``
 token rows (its own scratch row is the last of them): block ``b`` is rows ``[16 b, 16 b + 16)``, and
 block ``blocks`` -- never handed out -- is the **scratch block**, which padding rows of a step write
 and read and which fills a sequence's block table beyond its own blocks. A sequence owns a list of
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from wsharding.core.errors import InvalidArgument, WshardingError
-from wsharding.models.token_pool import TokenKVPool
+from wsharding.models.serve_step import KVRows
 
 #: Tokens per KV block (vLLM's default block size).
 BLOCK_TOKENS = 16
@@ -34,7 +34,7 @@ def blocks_for(tokens: int) -> int:
 class BlockPool:
     """``blocks`` KV blocks of every layer, plus the scratch block; a free list, lowest blocks first."""
 
-    def __init__(self, storage: TokenKVPool) -> None:
+    def __init__(self, storage: KVRows) -> None:
         if (storage.tokens + 1) % BLOCK_TOKENS:
             raise InvalidArgument(f"BlockPool: the storage's {storage.tokens} + 1 token rows are not whole blocks of "
                                   f"{BLOCK_TOKENS}")
@@ -54,7 +54,7 @@ class BlockPool:
         """A pool of ``blocks`` blocks for ``model`` (a :class:`~wsharding.models.ToyDecoder`)."""
         if blocks < 1:
             raise InvalidArgument(f"BlockPool: blocks must be >= 1, got {blocks}")
-        return cls(TokenKVPool.for_model(model, (blocks + 1) * BLOCK_TOKENS - 1, device))
+        return cls(KVRows.for_model(model, (blocks + 1) * BLOCK_TOKENS - 1, device))
 
     @property
     def tokens(self) -> int:

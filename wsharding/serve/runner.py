@@ -3,7 +3,7 @@
 A server does not pay the host for every kernel of a decode step: vLLM captures the step of each of a
 few batch sizes in a CUDA graph and replays it, mixed prefill steps run eagerly. :class:`StepRunner`
 does the same for ``ToyDecoder.forward_serve``: each captured shape
-(:attr:`~wsharding.models.token_pool.ServeStep.shape`: the token bucket and the attention groups) has
+(:attr:`~wsharding.models.serve_step.ServeStep.shape`: the token bucket and the attention groups) has
 its static input step (:func:`~wsharding.serve.step.padding_step`), a graph and a static output; a
 decode-only step of a captured shape is copied into the static inputs and replayed, any other step
 runs eagerly. Graph and eager run the same kernels on the same shapes, so the tokens are the same
@@ -39,7 +39,7 @@ import torch
 from wsharding.comm_by_name import graph_unsupported
 from wsharding.core.errors import InvalidArgument, Unsupported
 from wsharding.cuda_graph import capture_graph
-from wsharding.models.token_pool import ServeStep
+from wsharding.models.serve_step import ServeStep
 from wsharding.serve.blocks import BlockPool
 from wsharding.serve.step import BuiltStep, build_step, padding_step
 

@@ -12,7 +12,7 @@ runs one batched attention: a decode entry is one query over its context; a chun
 queries of one attention over its context, gathered once, masked causally by position; the results
 go back to the step's row order. So a short sequence beside a long one reads its short window. The
 count of entries of each group and a chunk group's length are bucketed like the tokens, so the shapes
-stay few (:attr:`~wsharding.models.token_pool.ServeStep.shape`). What is still padded beyond a
+stay few (:attr:`~wsharding.models.serve_step.ServeStep.shape`). What is still padded beyond a
 server: a sequence reads up to its bucket (less than 2x its context; a paged-attention kernel reads
 its exact length), a group's entries are padded to its bucket, and the chunks of a group to its
 longest (a varlen kernel packs them). The price of the groups is a launch per group and layer: a
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from wsharding.core.errors import InvalidArgument
-from wsharding.models.token_pool import AttnGroup, ServeStep
+from wsharding.models.serve_step import AttnGroup, ServeStep
 from wsharding.serve.blocks import BLOCK_TOKENS, BlockPool, blocks_for
 from wsharding.serve.scheduler import Scheduled
 
@@ -104,7 +104,7 @@ def build_step(pool: BlockPool, scheduled: list[Scheduled], token_sizes: list[in
     """The step's tensors, on the pool's device. No request scheduled: a step of padding (a rank with
     nothing to do still runs every step: its gathers pair with the other ranks').
 
-    Attention groups (see :class:`~wsharding.models.token_pool.AttnGroup`): a request of one row is a
+    Attention groups (see :class:`~wsharding.models.serve_step.AttnGroup`): a request of one row is a
     decode entry; one of several rows (a prefill chunk) is a chunk, its context gathered once for all
     its rows. Entries are grouped by their **own** context bucket (``context_sizes`` holding their last
     position), decode entries apart from chunks; a group's count of entries, and a chunk group's length,

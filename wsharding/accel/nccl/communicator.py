@@ -21,29 +21,37 @@ Errors and teardown: any failing call raises :class:`~wsharding.accel.nccl.bindi
 abort only frees memory (the aborted communicator owns no windows any more).
 
 This file holds the protocol; each other concern has its own file, read top to bottom:
-``startup.py`` (the constructor's steps), ``policy.py`` (arguments and environment refused),
-``failures.py`` (waiting, and failures turned into errors), ``teardown.py`` (close, abort, the
-exit registry), ``graphs.py`` (the CUDA graphs it owns), ``gather.py`` (a layer's prepared gather),
-``gather_now.py`` (``all_gather_into``), and ``issuing.py`` (the opt-in issue thread, imported only
-when it is switched on).
+``startup.py`` (the constructor's steps, functions of explicit arguments), ``policy.py`` (arguments
+and environment refused), ``failures.py`` (:class:`~wsharding.accel.nccl.failures.NcclWaits`, a base
+class: waiting, and failures turned into errors), ``watchdog.py`` (the thread it owns),
+``teardown.py`` (:class:`~wsharding.accel.nccl.teardown.Teardown`, an object it owns: close, abort,
+the exit registry), ``graphs.py`` (:class:`~wsharding.accel.nccl.graphs.CapturedGraphs`, the CUDA
+graphs it owns), ``gather.py`` (a layer's prepared gather), ``gather_now.py`` (``all_gather_into``),
+and ``issuing.py`` (the opt-in issue thread, imported only when it is switched on).
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from wsharding.accel.captured_launch import CapturedLaunch
 from wsharding.accel.cuda_driver import driver
-from wsharding.accel.nccl import failures, gather_now, graphs, teardown
-from wsharding.accel.nccl.binding import CTA_POLICY_NAMES, NcclError
-from wsharding.accel.nccl.failures import CommTimeout
+from wsharding.accel.nccl import gather_now
+from wsharding.accel.nccl.binding import CTA_POLICY_NAMES, NcclError, make_config
+from wsharding.accel.nccl.failures import CommTimeout, NcclWaits
 from wsharding.accel.nccl.gather import NcclPreparedGather
 from wsharding.accel.nccl.gather_now import NcclGatherHandle
-from wsharding.accel.nccl.group import exchange_over, gloo_group_for, gloo_shard_group_for, group_members
+from wsharding.accel.nccl.graphs import CapturedGraphs
+from wsharding.accel.nccl.group import (
+    exchange_over,
+    gloo_group_for,
+    gloo_shard_group_for,
+    group_members,
+    share_unique_id,
+)
 from wsharding.accel.nccl.library import NcclLibrary, format_version
 from wsharding.accel.nccl.policy import (
     CTA_POLICY_ZERO,
@@ -58,13 +66,12 @@ from wsharding.accel.nccl.startup import (
     cuda_device,
     gpu_placement,
     group_position,
-    init_nccl,
+    init_comm,
     load_nccl,
     require_cuda,
-    set_up_copy_engine,
-    start_watchdog,
 )
 from wsharding.accel.nccl.symmetric import WINDOW_ALIGN, SymmetricPool
+from wsharding.accel.nccl.teardown import Teardown, close_at_exit
 from wsharding.accel.nccl.watchdog import Watchdog
 from wsharding.core.comm import CommError, Communicator
 from wsharding.core.emulation import SHARED_GPU_NOTE
@@ -97,7 +104,7 @@ __all__ = ["CTA_POLICY_ZERO", "GATHER_LAUNCHES", "CommError", "CommTimeout", "Nc
 # flight stay watched by the watchdog thread in both modes. ``blocking=False`` keeps the old
 # behaviour, for comparison.
 
-class NcclCommunicator(Communicator):
+class NcclCommunicator(NcclWaits, Communicator):
     """A :class:`~wsharding.core.comm.Communicator` on libnccl with symmetric windows.
 
     Args:
@@ -119,6 +126,10 @@ class NcclCommunicator(Communicator):
     #: Every buffer is its own ncclMemAlloc, rounded up to the 4096-byte window alignment: the unit
     #: in which weight sharding's byte formula counts this backend's allocations.
     alloc_granularity = WINDOW_ALIGN
+    #: Its gathers are captured in CUDA graphs ([Note: a gather launched as a graph]): a decode step
+    #: replays whole (not where several ranks share one GPU: ``shared_gpu``).
+    captures_gathers = True
+    offers_issue_thread = True
     #: [Note: the issue thread]: the plug-in that hands the gathers to the native thread, set when
     #: asked for (``issue_thread=True``, :meth:`set_issue_thread`); None, the default, when off.
     issuing: Issuing | None = None
@@ -142,16 +153,15 @@ class NcclCommunicator(Communicator):
         check_device_arg(device)
         #: How a prepared gather reaches NCCL per layer ([Note: a gather launched as a graph]).
         self.gather_launch = gather_launch
-        #: Every graph captured on this communicator: destroyed before it (NCCL waits for them).
-        self._graphs: list[CapturedLaunch] = []
         self.aborted = False
-        self._abort_thread: threading.Thread | None = None
         self.closed = False
         #: Held around NCCL calls that the watchdog's abort (from its thread) must not interleave with.
         self.lock = threading.RLock()
         self.watchdog: Watchdog | None = None
-        # Callbacks of the users whose tensors view our memory (weight shardings): run before we free it.
-        self._on_close: list[weakref.WeakMethod] = []
+        #: Every graph captured on this communicator: destroyed before it (NCCL waits for them).
+        self.graphs = CapturedGraphs(self.lock)
+        #: How it ends: the close, the abort, and what only they need.
+        self.teardown = Teardown(self)
         self.pool = SymmetricPool(self)
         self.timeout_s = float(timeout_s)
         self.cta_policy = cta_policy
@@ -164,7 +174,7 @@ class NcclCommunicator(Communicator):
         self.cpu_group = cpu_group
         self.rank, self.world_size = group_position(cpu_group)
         self.device = cuda_device(device)
-        self.ranks_per_gpu, self.single_node = gpu_placement(self)
+        self.ranks_per_gpu, self.single_node = gpu_placement(self.device, self.library, self.exchange)
         self.shared_gpu = self.ranks_per_gpu > 1
         self.mode = mode_label("nccl", self.device, self.shared_gpu, world_size=self.world_size)
         self.emulation = SHARED_GPU_NOTE if self.shared_gpu else ""
@@ -175,43 +185,76 @@ class NcclCommunicator(Communicator):
         self.copy_stream = torch.cuda.Stream(self.device)
         self._cu = driver()  # the planner's event records go through it (record_event)
         self.gathers_issued = 0
-        self._last_event: torch.cuda.Event | None = None
         self.issuing = None  # an instance attribute, as every gather's start reads it
         if issue_thread:
             self._start_issuing(name)
 
         #: Global ranks of this communicator's shard group, in group order ([Note: shard groups] in ``group.py``).
         self.group_ranks = group_members(cpu_group, self.world_size)
-        init_nccl(self, name)
-        self.watchdog = start_watchdog(self)
+        self._init_nccl(name)
+        #: Turns a stuck gather or an async NCCL error into an abort, off the hot path (``watchdog.py``).
+        self.watchdog = Watchdog(self.async_error_text, self.abort_from_watchdog, timeout_s=self.timeout_s,
+                                 name=f"wsharding-nccl-watchdog-r{self.rank}", lock=self.lock,
+                                 on_stuck=None if self.stuck_exit_s is None else self.end_stuck_process,
+                                 stuck_after_s=self.stuck_exit_s or 0.0)
         if self.world_size > 1:
-            set_up_copy_engine(self)
+            self._set_up_copy_engine()
 
-    # ---- waiting, and failures turned into errors (failures.py) -------------------------------------
-    # These and the teardown below are functions of the communicator written in their own files, so
-    # that each concern reads top to bottom; they are this class's methods all the same.
-    async_state = failures.async_state
-    poll_until = failures.poll_until
-    complete = failures.complete
-    fail = failures.fail
-    spin_until_launched = failures.spin_until_launched
-    raise_if_failed = failures.raise_if_failed
-    _check_open = failures.check_open
-    _async_error_text = failures.async_error_text
-    _abort_from_watchdog = failures.abort_from_watchdog
-    _end_stuck_process = failures.end_stuck_process
+    def _init_nccl(self, name: str) -> None:
+        """The unique id over gloo, then ``ncclCommInitRankConfig``; on a failure the communicator is
+        torn down (an error close: abort, free) and the error raised."""
+        unique_id = share_unique_id(self.nccl, self.rank, self.exchange)
+        #: The ``ncclConfig_t`` the communicator was made with (NCCL reads it during init).
+        self.config = make_config(blocking=self.blocking, cta_policy=self.cta_policy, comm_name=name.encode())
+        close_at_exit(self)
+        try:
+            rc, self.handle = init_comm(self.nccl, self.rank, self.world_size, unique_id, self.config)
+            self.complete(rc, f"ncclCommInitRankConfig(rank {self.rank} of {self.world_size})")
+        except BaseException:
+            self.teardown.end(error=True)
+            raise
 
-    # ---- teardown (teardown.py) -------------------------------------------------------------------
+    def _set_up_copy_engine(self) -> None:
+        """One small gather at init, with every rank present ([Note: blocking communicator]).
+
+        NCCL sets the copy-engine path up at a communicator's first CE collective, and that set-up
+        registers a window of its own -- a host-side collective. On a blocking communicator a peer
+        that is missing at that moment would hold this host inside ``ncclAllGather``, out of reach of
+        every timeout. Done here, right after init, the peers are known to be present (the unique id
+        exchange just ran over gloo), and every later gather only queues work on a stream, which the
+        watchdog times."""
+        window = self.alloc_granularity  # one window's alignment per rank
+        t = self.pool.alloc(window * self.world_size, "wsharding.copy-engine-setup")
+        try:
+            self.pool.register_all()
+            mine = t.narrow(0, self.rank * window, window)
+            self.all_gather_into(t, mine, async_op=True).synchronize()
+        finally:
+            if not (self.aborted or self.closed):
+                self.pool.release([t])
+
+    # ---- the ending (teardown.py) -----------------------------------------------------------------
     #: How long :meth:`abort` waits for ``ncclCommAbort`` before leaving it to its thread.
     abort_wait_s = 2.0
     #: After a watchdog error, how long the host has to reach a call that raises it before the
     #: process is ended ([Note: a host held behind a stuck gather] in ``wsharding/fatal.py``);
     #: None: never end it (the host may then wait forever in a CUDA synchronization).
     stuck_exit_s: float | None = 3.0
-    abort = teardown.abort
-    close = teardown.close
-    leaked = property(teardown.leaked)
-    _teardown = teardown.teardown
+
+    def abort(self) -> None:
+        """``ncclCommAbort`` on a thread of its own ([Note: abort with a stuck gather]); windows go with
+        the communicator."""
+        self.teardown.abort()
+
+    def close(self) -> None:
+        """Collective: close the shardings that use our memory, then deregister windows, free the
+        memory, finalize and destroy (or abort) the communicator."""
+        self.teardown.close()
+
+    @property
+    def leaked(self) -> bool:
+        """True when an abort did not finish (a gather stuck on the GPU): the memory stays allocated."""
+        return self.teardown.leaked
 
     def __enter__(self) -> NcclCommunicator:
         return self
@@ -219,7 +262,7 @@ class NcclCommunicator(Communicator):
     def __exit__(self, exc_type, *exc: object) -> None:
         # On an error the peers may not reach the collective deregistration: abort instead.
         if exc_type is not None and not self.closed:
-            self._teardown(error=True)
+            self.teardown.end(error=True)
         else:
             self.close()
 
@@ -232,7 +275,7 @@ class NcclCommunicator(Communicator):
     def set_issue_thread(self, on: bool) -> None:
         """Start or stop the issue thread between steps ([Note: the issue thread]). Ranks may differ:
         the thread changes who issues the gathers, not which gathers or in what order."""
-        self._check_open()
+        self.check_open()
         if on and self.issuing is None:
             self._start_issuing("wsharding")
         elif not on and self.issuing is not None:
@@ -295,7 +338,7 @@ class NcclCommunicator(Communicator):
         """A uint8 tensor over fresh ncclMemAlloc memory (a view, no copy; offset 0 of its own
         allocation, so 4096-aligned). Local; call :meth:`register_all` (collective) before gathering
         into it, or pass ``register=True`` when every rank allocates in the same order."""
-        self._check_open()
+        self.check_open()
         t = self.pool.alloc(nbytes, tag or f"buffer.{len(self.pool.buffers)}")
         if register:
             self.register_all()
@@ -312,12 +355,20 @@ class NcclCommunicator(Communicator):
 
     def prepare_gather(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str = "ncclAllGather") -> NcclPreparedGather:
         """A layer's gather with every argument checked and converted once (see ``gather.py``)."""
-        self._check_open()
+        self.check_open()
         return NcclPreparedGather(self, full, chunk, what)
 
-    # The graphs this communicator captured and owns ([Note: a gather launched as a graph]; graphs.py).
-    capture = graphs.capture
-    drop_graph = graphs.drop_graph
+    def capture(self, stream: int, record, what: str) -> CapturedLaunch:
+        """Capture what ``record(stream)`` queues (NCCL calls on this communicator) into a graph that
+        this communicator owns and destroys before itself ([Note: a gather launched as a graph]).
+        Collective when ``record`` is: every rank captures the same calls in the same order."""
+        self.check_open()
+        self.drain_issued(what)
+        return self.graphs.capture(stream, record, what, rank=self.rank)
+
+    def drop_graph(self, launch: CapturedLaunch) -> None:
+        """Destroy one captured graph (a closed weight sharding's gather)."""
+        self.graphs.drop(launch)
 
     def release(self, tensors: list[torch.Tensor]) -> None:
         """Collective: deregister and free the buffers behind ``tensors`` (a closed weight sharding's
@@ -330,7 +381,7 @@ class NcclCommunicator(Communicator):
         """Run ``callback()`` (a bound method, held weakly) when this communicator closes, before its
         memory is freed: a weight sharding closes itself so that its model raises instead of reading
         freed memory."""
-        self._on_close.append(weakref.WeakMethod(callback))
+        self.teardown.on_close(callback)
 
     def fork(self, event: torch.cuda.Event) -> None:
         """Order the copy and gather streams after ``event`` (recorded on the compute stream)."""
@@ -359,14 +410,18 @@ class NcclCommunicator(Communicator):
 
     def register_all(self) -> int:
         """Collective: register every buffer allocated since the last call, sorted by tag."""
-        self._check_open()
+        self.check_open()
         return self.pool.register_all()
 
-    all_gather_into = gather_now.all_gather_into  # a gather issued now, not prepared (gather_now.py)
+    def all_gather_into(self, full: torch.Tensor, chunk: torch.Tensor, *, async_op: bool = False,
+                        stream: torch.cuda.Stream | None = None, what: str = "ncclAllGather") -> NcclGatherHandle:
+        """A gather issued now, not prepared (:func:`~wsharding.accel.nccl.gather_now.all_gather_into`):
+        every rank's ``chunk`` into ``full``, both inside registered windows."""
+        return gather_now.all_gather_into(self, full, chunk, async_op=async_op, stream=stream, what=what)
 
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Block until everything issued on :attr:`stream` finished (abort after the timeout)."""
-        self._check_open()
+        self.check_open()
         self.drain_issued("synchronize")
         ev = torch.cuda.Event()
         ev.record(self.stream)
@@ -385,7 +440,7 @@ class NcclCommunicator(Communicator):
         return {
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device), "mode": self.mode,
             "blocking": self.blocking, "leaked": self.leaked, "emulation": self.emulation,
-            "gather_launch": self.gather_launch, "captured_graphs": len(self._graphs),
+            "gather_launch": self.gather_launch, "captured_graphs": len(self.graphs),
             "issue_thread": self.issuing is not None,
             "ranks_per_gpu": self.ranks_per_gpu, "cta_policy": self.cta_policy,
             "group_ranks": list(self.group_ranks),

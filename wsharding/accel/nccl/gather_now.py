@@ -1,4 +1,5 @@
-"""A gather issued now, not prepared: :meth:`NcclCommunicator.all_gather_into` and its handle.
+"""A gather issued now, not prepared: :meth:`NcclCommunicator.all_gather_into` (which calls
+:func:`all_gather_into` here, through the communicator's public face) and its handle.
 
 The per-layer gathers are prepared once (``gather.py``); this one checks and converts its arguments
 at every call, for what runs a gather once or rarely -- the copy-engine set-up at init, tests,
@@ -53,7 +54,7 @@ def all_gather_into(
     buffers must lie in registered windows (that is what the copy engine needs).
     ``async_op=False`` calls ``wait()`` before returning; neither blocks the host.
     """
-    comm._check_open()
+    comm.check_open()
     check_gather_args(comm, full, chunk)
     for name, t in (("full", full), ("chunk", chunk)):
         comm.require_window(t, name, what)
@@ -73,7 +74,6 @@ def all_gather_into(
         comm.complete(rc, what)
     event = torch.cuda.Event()
     event.record(s)
-    comm._last_event = event
     comm.gathers_issued += 1
     if torch.cuda.is_current_stream_capturing():
         comm.watchdog.pause_for_capture()

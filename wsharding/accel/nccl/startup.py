@@ -1,21 +1,23 @@
-"""The steps of our NCCL communicator's constructor, in the order it takes them.
+"""The steps of our NCCL communicator's constructor, in the order it takes them, as functions of
+explicit arguments (the constructor calls them and keeps what they return).
 
 The checks that need no GPU come first (the library and its version, the CTA policy variable), so
 that a CPU machine gets the real reason; then where this rank sits (its group, its device, who
-shares its GPU); then NCCL itself, the watchdog, and one small gather that sets the copy-engine path
-up while every rank is known to be present ([Note: blocking communicator] in ``communicator.py``).
+shares its GPU); then NCCL itself. The constructor then starts the watchdog and runs one small
+gather that sets the copy-engine path up while every rank is known to be present (its
+``_set_up_copy_engine``; [Note: blocking communicator] in ``communicator.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from wsharding.accel.nccl.binding import NcclBinding, NcclUniqueId, make_config
-from wsharding.accel.nccl.group import share_unique_id
+from wsharding.accel.nccl.binding import NcclBinding, NcclConfig, NcclUniqueId
 from wsharding.accel.nccl.library import (
     MIN_MULTI_RANK_GPU,
     MIN_SYMMETRIC,
@@ -24,8 +26,6 @@ from wsharding.accel.nccl.library import (
     default_library,
 )
 from wsharding.accel.nccl.policy import check_shared_gpu_env
-from wsharding.accel.nccl.teardown import close_at_exit
-from wsharding.accel.nccl.watchdog import Watchdog
 from wsharding.core.comm import CommError
 
 
@@ -76,60 +76,23 @@ def cuda_device(device: torch.device | str | int | None) -> torch.device:
     return device
 
 
-def gpu_placement(comm: Any) -> tuple[int, bool]:
-    """(ranks per GPU, whether every rank is on one host), over the CPU group. Several ranks on one
-    GPU needs NCCL >= 2.30 and the opt-in variable."""
-    props = torch.cuda.get_device_properties(comm.device)
-    me = (socket.gethostname(), str(getattr(props, "uuid", comm.device.index)))
-    where = comm.exchange(me)
+def gpu_placement(device: torch.device, library: NcclLibrary, exchange: Callable[[Any], list[Any]]) -> tuple[int, bool]:
+    """(ranks per GPU, whether every rank is on one host), over the CPU group (``exchange``). Several
+    ranks on one GPU needs NCCL >= 2.30 and the opt-in variable."""
+    props = torch.cuda.get_device_properties(device)
+    me = (socket.gethostname(), str(getattr(props, "uuid", device.index)))
+    where = exchange(me)
     ranks_per_gpu = max(where.count(w) for w in where)
     if ranks_per_gpu > 1:
-        comm.library.require(MIN_MULTI_RANK_GPU, f"{ranks_per_gpu} ranks on one GPU")
+        library.require(MIN_MULTI_RANK_GPU, f"{ranks_per_gpu} ranks on one GPU")
         check_shared_gpu_env(ranks_per_gpu)
     return ranks_per_gpu, len({w[0] for w in where}) == 1
 
 
-def init_nccl(comm: Any, name: str) -> None:
-    """The unique id over gloo, then ``ncclCommInitRankConfig``; on a failure the communicator is
-    torn down (an error close: abort, free) and the error raised."""
-    raw = share_unique_id(comm.nccl, comm.rank, comm.exchange)
-    comm._config = make_config(blocking=comm.blocking, cta_policy=comm.cta_policy, comm_name=name.encode())
+def init_comm(nccl: NcclBinding, rank: int, world_size: int, unique_id: bytes, config: NcclConfig) -> tuple[int, int | None]:
+    """``ncclCommInitRankConfig`` for this rank: (its return code, the new ``ncclComm_t``). The caller
+    completes it (a non-blocking communicator may still be in progress) and tears down on a failure."""
     handle = ctypes.c_void_p()
-    close_at_exit(comm)
-    try:
-        rc = comm.nccl.ncclCommInitRankConfig(
-            ctypes.byref(handle), comm.world_size, NcclUniqueId.from_bytes(raw), comm.rank, ctypes.byref(comm._config)
-        )
-        comm.handle = handle.value
-        comm.complete(rc, f"ncclCommInitRankConfig(rank {comm.rank} of {comm.world_size})")
-    except BaseException:
-        comm._teardown(error=True)
-        raise
-
-
-def start_watchdog(comm: Any) -> Watchdog:
-    """The thread that turns a stuck gather or an async NCCL error into an abort (``watchdog.py``)."""
-    return Watchdog(comm._async_error_text, comm._abort_from_watchdog, timeout_s=comm.timeout_s,
-                    name=f"wsharding-nccl-watchdog-r{comm.rank}", lock=comm.lock,
-                    on_stuck=None if comm.stuck_exit_s is None else comm._end_stuck_process,
-                    stuck_after_s=comm.stuck_exit_s or 0.0)
-
-
-def set_up_copy_engine(comm: Any) -> None:
-    """One small gather at init, with every rank present ([Note: blocking communicator]).
-
-    NCCL sets the copy-engine path up at a communicator's first CE collective, and that set-up
-    registers a window of its own -- a host-side collective. On a blocking communicator a peer
-    that is missing at that moment would hold this host inside ``ncclAllGather``, out of reach of
-    every timeout. Done here, right after init, the peers are known to be present (the unique id
-    exchange just ran over gloo), and every later gather only queues work on a stream, which the
-    watchdog times."""
-    window = comm.alloc_granularity  # one window's alignment per rank
-    t = comm.pool.alloc(window * comm.world_size, "wsharding.copy-engine-setup")
-    try:
-        comm.pool.register_all()
-        mine = t.narrow(0, comm.rank * window, window)
-        comm.all_gather_into(t, mine, async_op=True).synchronize()
-    finally:
-        if not (comm.aborted or comm.closed):
-            comm.pool.release([t])
+    rc = nccl.ncclCommInitRankConfig(ctypes.byref(handle), world_size, NcclUniqueId.from_bytes(unique_id), rank,
+                                     ctypes.byref(config))
+    return rc, handle.value

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from wsharding.cluster import RankCluster
 from wsharding.core.context import RankContext
 from wsharding.core.emulation import CPU_EMULATION_NOTE, SHARED_GPU_TORCH_NOTE
 from wsharding.core.layout import ALIGNMENT
@@ -41,6 +40,7 @@ from wsharding.lab.cliargs import (
     int_at_least,
     number_list,
 )
+from wsharding.lab.cluster import RankCluster
 
 DEFAULT_SIZES_MIB = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CPU_SIZES_MIB = [0.25, 1, 4]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from wsharding.comm_by_name import COMM_CHOICES
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--commit-ms", type=checked_number(float, 0, MAX_COMMIT_MS),
                    default=4.0, help="length of the region between the models in ms (default 4, the "
                                      f"weight-sharding design's commit step; at most {MAX_COMMIT_MS:g})")
-    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
+    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     out = default_output("bench_draft")
     p.add_argument("--json", default=out, metavar="PREFIX",

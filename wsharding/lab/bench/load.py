@@ -27,7 +27,7 @@ import torch
 
 import wsharding.checkpoint as checkpoint_module
 from wsharding.checkpoint import BuiltWholeWarning, load_sharded, save_checkpoint
-from wsharding.comm_by_name import shard_comm_for
+from wsharding.comm_by_name import COMM_CHOICES, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
@@ -216,7 +216,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
     p.add_argument("--model", default=None, choices=sorted(BLOCK_PRESETS),
                    help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
-    p.add_argument("--comm", default="auto", choices=("auto", "torch", "nccl"),
+    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens per rank of the forward (default 256)")
     checkpoint = default_output("bench_load/{model}.safetensors")

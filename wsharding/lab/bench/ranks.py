@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from wsharding.cluster import RankCluster
-from wsharding.comm_by_name import ours_supported
+from wsharding.comm_by_name import resolve_comm
 from wsharding.core.units import ceil_div
+from wsharding.lab.cluster import RankCluster
 from wsharding.runtime import gpu_count
 
 
@@ -18,5 +18,6 @@ def bench_cluster(ranks: int, task_timeout: float = 1800) -> RankCluster:
 
 
 def auto_comm(comm: str) -> str:
-    """``"auto"``: our NCCL communicator on GPUs where it runs, else torch.distributed."""
-    return comm if comm != "auto" else ("nccl" if gpu_count() and ours_supported() else "torch")
+    """The communicator ``comm`` names, ``"auto"`` resolved for this machine's ranks (on its GPUs where
+    it has any: :func:`bench_cluster`)."""
+    return resolve_comm(comm, on_gpus=gpu_count() > 0)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from wsharding.comm_by_name import shard_comm_for
+from wsharding.comm_by_name import COMM_CHOICES, shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
@@ -119,7 +119,7 @@ def format_table(report: dict[str, Any]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
     p.add_argument("--model", default=None, choices=MODELS, help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
-    p.add_argument("--comm", default="auto", choices=("auto", "torch", "nccl"),
+    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--tokens", default=None, type=checked_text(number_list(int, 1, "tokens", "1,16,256")),
                    help="comma-separated tokens per rank (default 1,16,256,2048 on GPUs, 1,16,256 on CPU)")

@@ -23,12 +23,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from wsharding.cluster import RankCluster
+from wsharding.comm_by_name import COMM_CHOICES
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path, checked_number, int_at_least, length_range, number_list, slo_arg
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.lab.progress import Stages
 from wsharding.lab.tasks.serve import serve_rank
@@ -198,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seqs", type=int_at_least(1), default=None, help="running requests per step at most (default: the token budget)")
     p.add_argument("--reserve-mib", type=checked_number(float, 0.0), default=None,
                    help="activation reserve per rank, MiB (default: the stated rule, activation_reserve_bytes)")
-    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
+    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--plain", action="store_true", help="also serve the sharded model with plain slots where it maps its own chunk")
     p.add_argument("--no-check", action="store_true", help="skip the replay that checks the tokens (not for a saved result)")

@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from wsharding.accel.next_step import NextStepPrefetch
-from wsharding.cluster import RankCluster
-from wsharding.comm_by_name import graph_unsupported, is_ours, shard_comm_for
+from wsharding.comm_by_name import COMM_CHOICES, graph_unsupported, shard_comm_for
 from wsharding.core.comm import Communicator
 from wsharding.core.context import RankContext
 from wsharding.core.errors import NotFound
+from wsharding.core.next_step import NextStepPrefetch
 from wsharding.core.runner import shard_blocks
 from wsharding.core.sharding import WeightSharding
 from wsharding.core.units import ceil_div
@@ -49,6 +48,7 @@ from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.outdir import default_help, default_output
 from wsharding.models import PRESETS, build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
@@ -305,7 +305,7 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
     check_us = check_cost_us(ws)["ensure_us"]
     planner_us_direct = direct_launch_host_us(ws)
     planner_us_mapped = planner_host_us(ws_mapped) if ws_mapped is not None else None
-    issue_thread = issue_thread and is_ours(c)
+    issue_thread = issue_thread and c.offers_issue_thread
     planner_us_issue_thread = None
     if issue_thread:
         c.set_issue_thread(True)
@@ -415,8 +415,8 @@ def step_bench_rank(ctx: RankContext, model: str, tokens: list[int], *, steps: i
             "planner_host_us_per_layer_direct": planner_us_direct,
             "planner_host_us_per_layer_mapped": planner_us_mapped,
             "planner_host_us_per_layer_issue_thread": planner_us_issue_thread,
-            "gather_launch": c.gather_launch if is_ours(c) else None,
-            "nccl_blocking": c.blocking if is_ours(c) else None,
+            "gather_launch": c.gather_launch,
+            "nccl_blocking": c.blocking,
             "sharded_layers": len(ws.sharded_layer_ids), "layer_bytes": [ws.layouts[i].total_bytes for i in ws.sharded_layer_ids],
             "replicated_bytes": ws.replicated_bytes(), "sharded_resident_bytes": ws.resident_bytes(),
             "mapped_resident_bytes": ws_mapped.resident_bytes() if ws_mapped is not None else None,
@@ -620,7 +620,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
     p.add_argument("--model", default=None, choices=MODELS,
                    help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
-    p.add_argument("--comm", default="auto", choices=("auto", "torch", "nccl"),
+    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--tokens", default=None, type=checked_text(number_list(int, 1, "tokens", "1,16,256")),
                    help="comma-separated tokens per rank (default 1,16,256,2048,8192 on GPUs, 1,16,256 on CPU)")

@@ -6,7 +6,7 @@ forward, a region that is not a layer (the design's ~4 ms commit step; here a la
 one of three ways (``mode``):
 
 * ``"dedicated"``: ``FirstLayerPrefetch.prefetch()`` on its own stream after the target, so
-  the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/accel/first_layer.py``);
+  the gather runs under the commit region ([Note: the draft's first layer] in ``wsharding/core/first_layer.py``);
 * ``"shared"``: the same prefetch on the stream the target's gathers use (our NCCL comm's gather stream;
   the torch backend issues its gathers from the compute stream, so that stream) -- what the design
   measured at ~25 us of overlap;
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from wsharding.comm_by_name import is_ours, shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, Unsupported
 from wsharding.core.sharding import WeightSharding
@@ -92,9 +92,9 @@ def _time_ms(fn: Callable[[], None], device: torch.device, reps: int) -> float:
 
 
 def shared_stream(comm: Any) -> torch.cuda.Stream:
-    """The stream the target model's gathers use: our NCCL comm's gather stream, or (torch backend,
-    which issues gathers from the compute stream) the current stream."""
-    return comm.stream if is_ours(comm) else torch.cuda.current_stream(comm.device)
+    """The stream the target model's gathers use: the communicator's gather stream (our NCCL
+    binding's), or, for a backend that gathers from the compute stream (torch's), the current stream."""
+    return comm.stream if comm.stream is not None else torch.cuda.current_stream(comm.device)
 
 
 def prepare(draft: DraftDecoder, mode: str, comm: Any) -> None:

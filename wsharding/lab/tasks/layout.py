@@ -1,4 +1,4 @@
-"""Small tasks that run on every rank of a :class:`~wsharding.cluster.RankCluster`.
+"""Small tasks that run on every rank of a :class:`~wsharding.lab.cluster.RankCluster`.
 
 They live in the package (not in a notebook) because spawned ranks import tasks by name.
 """

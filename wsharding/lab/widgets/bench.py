@@ -15,9 +15,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import HTML, display
 
-from wsharding.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument
 from wsharding.lab.bench.step import short_table, step_bench_rank, summarize
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.viz.bench import machine_caption, results_figure
 from wsharding.lab.widgets import pre_html, run_into
 

@@ -24,9 +24,9 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from wsharding.cluster import RankCluster, choose_backend
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.layout import FlatLayout, LayoutError, parse_dtype
+from wsharding.lab.cluster import RankCluster, choose_backend
 from wsharding.lab.layout_presets import LAYOUT_PRESETS, Spec, preset_specs
 from wsharding.lab.tasks.layout import gather_layout
 from wsharding.lab.viz.layout import chunk_map_figure, human_bytes

@@ -16,14 +16,15 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import HTML, display
 
-from wsharding.cluster import RankCluster
 from wsharding.core.errors import InvalidArgument
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.tasks.loading import held_peak_bytes, load_variant
 from wsharding.lab.viz.loading import finalize_figure
 from wsharding.lab.widgets import pre_html, run_into
+from wsharding.models.decoder import VARIANTS as DECODER_VARIANTS
 
-#: The checkpoint formats a rank can load (notebook 04 section 3).
-VARIANTS = ("bf16", "int8", "fp8", "fp8_block")
+#: The checkpoint formats a rank can load (notebook 04 section 3): the decoder's variants.
+VARIANTS = tuple(DECODER_VARIANTS)
 
 
 @dataclass

@@ -23,10 +23,10 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from IPython.display import HTML, display
 
-from wsharding.cluster import RankCluster
-from wsharding.core.emulation import title_note
 from wsharding.core.errors import InvalidArgument
 from wsharding.lab.bench.paired import PairedDifference, paired_difference
+from wsharding.lab.cluster import RankCluster
+from wsharding.lab.emulation import title_note
 from wsharding.lab.memory import check_fits, sharded_need_per_rank
 from wsharding.lab.tasks.planner import traced_run
 from wsharding.lab.viz.planner import lookahead_pair_figure, median_exposed_us, slot_figure, timeline_figure

@@ -14,9 +14,9 @@ from typing import Any
 import ipywidgets as widgets
 from IPython.display import HTML, display
 
-from wsharding.cluster import RankCluster
 from wsharding.lab.bench.ranks import bench_cluster
 from wsharding.lab.bench.serve import format_table, kv_room, replicated_footprint, run_serve_bench
+from wsharding.lab.cluster import RankCluster
 from wsharding.lab.viz.serve import serve_figure
 from wsharding.lab.widgets import pre_html
 from wsharding.serve import Workload

@@ -339,7 +339,7 @@ def _close_all() -> None:
 class RankCluster:
     """``world_size`` rank processes that run package functions on every rank.
 
-    >>> from wsharding.cluster import RankCluster
+    >>> from wsharding.lab.cluster import RankCluster
     >>> from wsharding.lab.tasks.layout import describe_rank      # doctest: +SKIP
     >>> with RankCluster(2) as cluster:                       # doctest: +SKIP
     ...     cluster.run(describe_rank)

@@ -1,19 +1,18 @@
-"""A KV cache counted in tokens, for continuous batching: any token of the pool can hold any sequence's K/V.
+"""The model side of serving: K/V stored in token rows, and one step of rows of many sequences.
 
-:class:`~wsharding.models.kv_cache.KVCachePool` hands out whole sequences of ``max_len`` tokens that
+:class:`~wsharding.models.kv_cache.KVCachePool` holds whole sequences of ``max_len`` tokens that
 advance together -- right for a batch that starts and ends at once. A server admits requests of
-different lengths at different times, so here the pool is a flat array of token rows per layer
-(``k[layer]`` is ``[tokens + 1, kv_heads, head_dim]``) and each sequence owns a list of rows, taken
-when it is admitted and given back when it finishes. Nothing fragments: a request fits exactly when
-the pool has as many free rows as it will write.
+different lengths at different times, so here K/V is a flat array of token rows per layer
+(:class:`KVRows`: ``k[layer]`` is ``[tokens + 1, kv_heads, head_dim]``) that any sequence's token can
+use; which rows a sequence owns is the serving pool's business (``wsharding.serve.blocks.BlockPool``
+hands them out in blocks of 16).
 
-:class:`ServeStep` is one forward of a fixed number of rows. Why fixed: a row's result must not
-depend on which other requests share its step, or replicated and sharded -- whose pools differ, so
-whose steps hold different requests -- could not be compared bit for bit. Matrix products of a fixed
-shape compute each row the same way wherever it sits; of a different shape they may pick another
-kernel (and another summation order). So every step has ``rows`` rows (unused ones are padding) and
-its attention has fixed shapes too: per group of sequences that share a context bucket, a count of
-entries, a query length and a width of gathered pool rows (masked beyond each row's own position).
+:class:`ServeStep` is one forward of the scheduler's step: its rows (tokens rounded up to a bucket,
+unused ones padding that writes the scratch row) and its attention groups (per context bucket of the
+step's sequences: a count of entries, a query length, a width of gathered rows masked beyond each
+row's own position). Its shape (:attr:`ServeStep.shape`) is what two steps must share to run the same
+kernels: the row count differs from step to step ([Note: bits across buckets] in
+``wsharding/serve/step.py`` says what that changes and what it does not).
 """
 
 from __future__ import annotations
@@ -23,15 +22,11 @@ from typing import Any
 
 import torch
 
-from wsharding.core.errors import InvalidArgument, WshardingError
+from wsharding.core.errors import InvalidArgument
 from wsharding.models.kv_cache import kv_token_bytes
 
 
-class KVPoolFull(WshardingError, RuntimeError):
-    """The pool has fewer free token rows than asked for."""
-
-
-class TokenKVPool:
+class KVRows:
     """``tokens`` token rows of K and V for every layer, plus one scratch row that padding rows write and read.
 
     Zero-filled: a masked position still enters attention's product with V at weight 0, and 0 times a
@@ -41,48 +36,26 @@ class TokenKVPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, tokens: int,
                  device: torch.device | str) -> None:
         if tokens < 1:
-            raise InvalidArgument(f"TokenKVPool: tokens must be >= 1, got {tokens}")
+            raise InvalidArgument(f"KVRows: tokens must be >= 1, got {tokens}")
         shape = (layers, tokens + 1, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.tokens = tokens
-        #: The row padding writes into and reads from; never handed to a sequence.
+        #: The row padding writes into and reads from; never a sequence's.
         self.scratch = tokens
         self.bytes_per_token = kv_token_bytes(layers, kv_heads, head_dim, dtype)
-        self._free = list(range(tokens - 1, -1, -1))  # popped from the end: lowest rows first
 
     @classmethod
-    def for_model(cls, model: Any, tokens: int, device: torch.device | str | None = None) -> TokenKVPool:
-        """A pool for ``model`` (a :class:`~wsharding.models.ToyDecoder`: its layers, KV heads, head size, dtype)."""
+    def for_model(cls, model: Any, tokens: int, device: torch.device | str | None = None) -> KVRows:
+        """Rows for ``model`` (a :class:`~wsharding.models.ToyDecoder`: its layers, KV heads, head size, dtype)."""
         attn = model.layers[0].attn
         dev = device if device is not None else model.embed.weight.device
         return cls(len(model.layers), attn.kv_heads, attn.head_dim, model.cfg.torch_dtype, tokens, dev)
 
     @property
-    def free_tokens(self) -> int:
-        return len(self._free)
-
-    @property
-    def used_tokens(self) -> int:
-        return self.tokens - len(self._free)
-
-    @property
     def nbytes(self) -> int:
         """Bytes allocated, scratch row included."""
         return (self.tokens + 1) * self.bytes_per_token
-
-    def take(self, count: int) -> list[int]:
-        """``count`` free rows for one sequence. Raises :class:`KVPoolFull` when fewer are free."""
-        if count > len(self._free):
-            raise KVPoolFull(f"{count} KV tokens asked, {len(self._free)} of {self.tokens} free: "
-                             "admit the request later, when finished sequences have given theirs back")
-        rows = self._free[len(self._free) - count:][::-1]
-        del self._free[len(self._free) - count:]
-        return rows
-
-    def give_back(self, rows: list[int]) -> None:
-        """Return a finished sequence's rows."""
-        self._free.extend(reversed(rows))
 
 
 @dataclass(frozen=True)
@@ -115,7 +88,7 @@ class AttnGroup:
 
 @dataclass(frozen=True)
 class ServeStep:
-    """One forward of ``rows`` token rows (see the module's note on why the shapes are fixed).
+    """One forward of ``rows`` token rows (the step's tokens rounded up to a bucket; see the module's docstring).
 
     ``tokens[i]`` is row i's token id; its K/V go to pool row ``write[i]``. Attention runs in
     ``groups`` (:class:`AttnGroup`), each a batch of entries of one width -- the context bucket of
@@ -125,7 +98,7 @@ class ServeStep:
     results are not read.
     """
 
-    pool: TokenKVPool
+    pool: KVRows
     tokens: torch.Tensor  # [rows] int64
     write: torch.Tensor  # [rows] int64
     groups: tuple[AttnGroup, ...]
