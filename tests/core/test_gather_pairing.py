@@ -21,9 +21,10 @@ from wsharding.core.runner import shard_blocks
 
 @pytest.fixture(scope="module")
 def short_timeouts():
-    """Two ranks whose collectives time out after 6 s, for the cases where a rank waits for a peer that
-    never comes. The test without the drain comes last: its timeout closes the group's gloo pairs."""
-    with RankCluster(2, backend="gloo", collective_timeout=6, task_timeout=90) as c:
+    """Two ranks whose collectives time out after 2 s (a gather that completes takes milliseconds), for the
+    cases where a rank waits for a peer that never comes. The test without the drain comes last: its
+    timeout closes the group's gloo pairs."""
+    with RankCluster(2, backend="gloo", collective_timeout=2, task_timeout=90) as c:
         yield c
 
 
@@ -48,9 +49,8 @@ def one_rank_reverses(ctx, on_miss: str, drain: bool = True, steps: int = 4) -> 
             if not p._missed:
                 type(p).abort_step(p)
                 return
-            for s, layer in enumerate(p._inflight):
-                if layer is not None:
-                    p._join_slot(s)
+            for s in p.state.landing_slots():
+                p._join_slot(s)
             p._close_step()
 
         p.abort_step = abort_as_before
