@@ -57,7 +57,7 @@ from wsharding.core.replay import Plan, flatten
 from wsharding.core.schedule import GatherSchedule, lookahead_schedule, slot_name
 from wsharding.core.slot_state import SlotState
 from wsharding.core.slots import SlotPool
-from wsharding.core.stamp import STAMP_BYTES, MismatchedGatherError, read_stamp, stamp_of
+from wsharding.core.stamp import STAMP_BYTES, LandedSamples, MismatchedGatherError, read_stamp, stamp_of
 from wsharding.core.step_owner import (
     EXPORT_REFUSED,
     ConcurrentStepError,
@@ -122,7 +122,11 @@ class WeightShardPlanner(StepOwner):
                 what=f"layer {i}: gather of {st.layout.total_bytes} B into slot {slot_name(slots.slot_of(i))}")
             for i, st in layers.items()
         }
-        self.state = SlotState(slots.count, self.gathers, self.slot_of)
+        # [Note: the sample of a steps' gather]: CPU ranks with peers (collective: every rank builds its planner)
+        samples = (LandedSamples(comm, {i: st.chunk for i, st in layers.items()},
+                                 {i: slots.full_buffer(i) for i in layers})
+                   if not self.cuda and comm.world_size > 1 and layers else None)
+        self.state = SlotState(slots.count, self.gathers, self.slot_of, samples)
         # [Note: in-place edits of bound weights]: each layer's bound weights and their versions now.
         self.versions = BoundVersions({i: st.weights for i, st in layers.items()}, comm.rank)
         self._bound, self._bound_versions = self.versions.aliases, self.versions.at_finalize
@@ -328,7 +332,7 @@ class WeightShardPlanner(StepOwner):
         for s in self.state.landing_slots():  # a gather in flight must not write into freed memory
             try:
                 self._join_slot(s)
-            except CommError:
+            except (CommError, MismatchedGatherError):
                 pass
         ahead = self.state.ahead(self.step)
         if self.cuda and ahead:

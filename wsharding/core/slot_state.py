@@ -23,6 +23,7 @@ import torch
 
 from wsharding.core.comm import PreparedGather
 from wsharding.core.schedule import slot_name
+from wsharding.core.stamp import LandedSamples
 
 EMPTY, LANDING, READY = "empty", "landing", "ready"
 
@@ -43,8 +44,11 @@ class Slot:
 class SlotState:
     """Every slot's :class:`Slot`, and the prepared gather of every sharded layer into its slot."""
 
-    def __init__(self, count: int, gathers: dict[int, PreparedGather], slot_of: dict[int, int]) -> None:
+    def __init__(self, count: int, gathers: dict[int, PreparedGather], slot_of: dict[int, int],
+                 samples: LandedSamples | None = None) -> None:
         self.slots = [Slot() for _ in range(count)]
+        #: The check of what landed ([Note: the sample of a steps' gather]); None where none is made.
+        self.samples = samples
         #: Everything a layer's gather needs, worked out once ([Note: the hot path]).
         self.gathers = gathers
         self.slot_of = slot_of
@@ -122,7 +126,8 @@ class SlotState:
 
     def join(self, slot: int, stream: torch.cuda.Stream | None) -> int | None:
         """Wait for the gather landing in ``slot`` (``stream`` waits, on CUDA; the host, on CPU); the
-        slot then holds its layer. A failed gather leaves the slot empty and raises. Returns the layer."""
+        slot then holds its layer. A failed gather, or one whose bytes are another gather's ([Note: the
+        sample of a steps' gather]), leaves the slot empty and raises. Returns the layer."""
         s = self.slots[slot]
         if s.state is not LANDING:
             return None
@@ -132,6 +137,8 @@ class SlotState:
             join()
         else:
             self.gathers[s.layer].wait(stream)
+        if self.samples is not None:
+            self.samples.check(s.layer, s.step)
         s.state = READY
         return s.layer
 

@@ -1,4 +1,5 @@
-"""A gather outside the steps, each rank's chunk sent with a stamp of its layer and step.
+"""What tells a gather paired with a different one: the stamp of a gather outside the steps, and the
+sampled bytes of every chunk that a steps' gather is checked against when it lands.
 
 [Note: the stamp of a gather outside the steps]
 The channel for gathers outside the steps pairs whatever its ranks send: rank 0 calling block 0 on
@@ -73,3 +74,61 @@ def gather_stamped(comm: Communicator, full: torch.Tensor, chunk: torch.Tensor, 
             "model's forward gathers its layer on its own: every rank of the shard group must make the same "
             "call, the same layer after the same steps")
     full.view(n, c).copy_(rows[:, :c])
+
+
+class LandedSamples:
+    """Every rank's chunk of every layer, sampled at finalize: eight known bytes per rank and layer,
+    compared after each of the steps' gathers lands.
+
+    [Note: the sample of a steps' gather]
+    The steps' gathers pair by order ([Note: one collective sequence per step] in
+    :mod:`wsharding.core.step_owner`), and their chunks carry no stamp: a weight spans chunk
+    boundaries, so bytes inserted per chunk would break the layer's zero-copy views. Ranks whose
+    steps issue different sequences -- a step over blocks ``[0, L)`` on one rank and ``[1, L)`` on
+    another -- would pair layer 0 with layer 1, and every rank would compute with a layer made of
+    both: wrong outputs, no error. So once, at finalize, every rank takes from each of its chunks
+    the first eight bytes that are not zero (their offset and value), and the ranks exchange them
+    (one small gather outside the steps). After each of the steps' gathers lands, the rank reads
+    those eight bytes of every rank's part of the slot -- one index and one compare, the same cost
+    for any layer size -- and a part that holds other bytes is another gather's:
+    :class:`MismatchedGatherError` on every rank that received it, nothing computed from the slot,
+    the step given up. A gather of the same layer in another step carries the same bytes and is
+    not told apart: it is harmless. Reading the slot on a GPU would wait for the GPU, so CUDA ranks
+    make no such check.
+    """
+
+    def __init__(self, comm: Communicator, chunks: dict[int, torch.Tensor], fulls: dict[int, torch.Tensor]) -> None:
+        self.rank = comm.rank
+        layers = sorted(chunks)
+        mine = torch.zeros(len(layers), 2, dtype=torch.int64)
+        for k, layer in enumerate(layers):
+            words = chunks[layer].view(torch.int64)
+            nonzero = torch.nonzero(words)
+            at = int(nonzero[0, 0]) if len(nonzero) else 0
+            mine[k, 0], mine[k, 1] = at, words[at]
+        n = comm.world_size
+        got = torch.empty(n * mine.numel(), dtype=torch.int64)
+        comm.gather_outside_steps(got.view(torch.uint8), mine.view(torch.uint8).view(-1),
+                                  what="the samples of every rank's chunks")
+        got = got.view(n, len(layers), 2)
+        self.fulls = {layer: fulls[layer].view(torch.int64) for layer in layers}
+        #: Per layer: where each rank's sample lies in the slot (in 8-byte words), and its value.
+        self.at: dict[int, torch.Tensor] = {}
+        self.expect: dict[int, torch.Tensor] = {}
+        for k, layer in enumerate(layers):
+            words = chunks[layer].numel() // 8
+            self.at[layer] = torch.arange(n, dtype=torch.int64) * words + got[:, k, 0]
+            self.expect[layer] = got[:, k, 1].clone()
+
+    def check(self, layer: int, step: int) -> None:
+        """Raise :class:`MismatchedGatherError` when ``layer``'s slot holds another gather's bytes."""
+        seen = self.fulls[layer].index_select(0, self.at[layer])
+        if torch.equal(seen, self.expect[layer]):
+            return
+        others = [r for r in range(len(seen)) if seen[r] != self.expect[layer][r]]
+        raise MismatchedGatherError(
+            f"layer {layer} on rank {self.rank}: its gather of step {step} was paired with another gather on "
+            f"rank(s) {others}: the bytes they sent are not their part of layer {layer} ([Note: the sample of a "
+            "steps' gather]). Nothing computed with them. The ranks of the shard group issued different gathers: "
+            "every rank must run the same steps over the same blocks (the same start and end, the same schedule "
+            "and plug-ins). The group is out of step: close this sharding and shard the model again")

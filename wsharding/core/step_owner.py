@@ -403,6 +403,9 @@ class StepOwner:
             self.state.join(slot, self.compute if self.cuda else None)
         except CommError as e:
             self._fail(layer, e)
+        except MismatchedGatherError:
+            self._failed = True  # the group is out of step: every later gather would pair wrongly too
+            raise
         if seen:
             self._point(layer, "wait_end")
 
