@@ -39,11 +39,13 @@ def _outcome(model, ref, x) -> object:
 # ---- a rank that refuses (on_miss="raise") ----------------------------------------------------------
 def one_rank_reverses(ctx, on_miss: str, drain: bool = True, steps: int = 4) -> list:
     """Rank 1 runs step 1's blocks in reverse; every step's outcome on every rank. ``drain=False`` gives
-    a refused step up the way the planner did before: the rest of its schedule left unissued."""
+    a refused step up the way the planner did before: the rest of its schedule left unissued, and the
+    steps' gathers unchecked when they land."""
     model, ref = Model(5), Model(5)
     ws = shard_blocks(model, "layers", ["fc*"], ctx.comm, on_miss=on_miss)
     if not drain:
         p = ws.planner
+        p.state.samples = None  # which would catch the mispairing too ([Note: the sample of a steps' gather])
 
         def abort_as_before() -> None:  # a step that left its schedule: joined, the rest never issued
             if not p._missed:

@@ -259,10 +259,10 @@ class WeightShardPlanner(StepOwner):
     def finish_step(self) -> StepTrace | None:
         """End the step (:meth:`end_step`), tell the observers (a trace is closed: on CUDA the events
         are synchronised and resolved) and return the step's trace (None when untraced)."""
-        if self.observers:
-            return self._observed("finish_step", self._finish_step)
-        self._end_step()
-        return None
+        if not self.observers:
+            return self._end_step()
+        with self._observed("finish_step"):
+            return self._finish_step()
 
     def _finish_step(self) -> StepTrace | None:
         self._end_step()

@@ -34,6 +34,7 @@ from wsharding.core.options import ShardingOptions, layer_indices
 from wsharding.core.planner import WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.sharding import ShardingError, WeightSharding, abandon_sharding
+from wsharding.core.step_owner import StepOwner
 
 
 def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
@@ -48,7 +49,7 @@ def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
 def run_layers(
     layers: Sequence[nn.Module],
     hidden: Any,
-    planner: WeightShardPlanner | None,
+    planner: StepOwner | None,
     start_layer: int = 0,
     end_layer: int | None = None,
     call: Callable[[nn.Module, Any], Any] | None = None,

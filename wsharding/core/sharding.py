@@ -111,6 +111,12 @@ class WeightSharding:
     in ``wsharding/accel/mapped_slots.py``; NCCL >= 2.30): ``"auto"`` (the default) where it runs and
     holds no more than plain slots, True forces it, False keeps plain slots; other communicators
     have plain slots only. ``map_own_chunk_reason`` says which and why.
+
+    ``options``: all of the above as one :class:`~wsharding.core.options.ShardingOptions` (what
+    :func:`~wsharding.core.runner.shard_blocks` passes), instead of the keyword arguments.
+
+    ``observers`` (an attribute, a list): who watches finalize and every step ([Note: observers] in
+    :mod:`wsharding.core.observe`); ``trace=True`` attaches a tracer.
     """
 
     def __init__(
@@ -137,6 +143,10 @@ class WeightSharding:
         elif not isinstance(options, ShardingOptions):
             raise ShardingError(f"options: got a {type(options).__name__}; pass a ShardingOptions (or the keyword "
                                 "arguments alone)")
+        elif (sharded_layers, lookahead, trace, keep_initial_weights, plugins, map_own_chunk, prefetch_depth, on_miss,
+              verify_replicas) != (None, True, False, True, (), "auto", 1, "gather", True):
+            raise ShardingError("options: given with other keyword arguments of WeightSharding; pass the options "
+                                "either as one ShardingOptions or as keyword arguments, not both")
         #: Every option, checked once ([Note: observers] aside: who watches is not an option).
         self.options = options
         #: Who watches finalize and every step ([Note: observers] in wsharding/core/observe.py); the

@@ -88,7 +88,7 @@ class LandedSamples:
     another -- would pair layer 0 with layer 1, and every rank would compute with a layer made of
     both: wrong outputs, no error. So once, at finalize, every rank takes from each of its chunks
     the first eight bytes that are not zero (their offset and value), and the ranks exchange them
-    (one small gather outside the steps). After each of the steps' gathers lands, the rank reads
+    (one small gather, before the first step). After each of the steps' gathers lands, the rank reads
     those eight bytes of every rank's part of the slot -- one index and one compare, the same cost
     for any layer size -- and a part that holds other bytes is another gather's:
     :class:`MismatchedGatherError` on every rank that received it, nothing computed from the slot,
@@ -108,8 +108,8 @@ class LandedSamples:
             mine[k, 0], mine[k, 1] = at, words[at]
         n = comm.world_size
         got = torch.empty(n * mine.numel(), dtype=torch.int64)
-        comm.gather_outside_steps(got.view(torch.uint8), mine.view(torch.uint8).view(-1),
-                                  what="the samples of every rank's chunks")
+        comm.all_gather_into(got.view(torch.uint8), mine.view(torch.uint8).view(-1),
+                             what="finalize: the samples of every rank's chunks")
         got = got.view(n, len(layers), 2)
         self.fulls = {layer: fulls[layer].view(torch.int64) for layer in layers}
         #: Per layer: where each rank's sample lies in the slot (in 8-byte words), and its value.
@@ -128,7 +128,8 @@ class LandedSamples:
         others = [r for r in range(len(seen)) if seen[r] != self.expect[layer][r]]
         raise MismatchedGatherError(
             f"layer {layer} on rank {self.rank}: its gather of step {step} was paired with another gather on "
-            f"rank(s) {others}: the bytes they sent are not their part of layer {layer} ([Note: the sample of a "
-            "steps' gather]). Nothing computed with them. The ranks of the shard group issued different gathers: "
+            f"rank(s) {others}: the bytes they sent are not their part of layer {layer} "
+            "([Note: the sample of a steps' gather]). Nothing computed with them. The ranks of the shard group "
+            "issued different gathers: "
             "every rank must run the same steps over the same blocks (the same start and end, the same schedule "
             "and plug-ins). The group is out of step: close this sharding and shard the model again")

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -113,46 +114,53 @@ class StepOwner:
         Every rank of the shard group runs the same steps over the same ranges. The step ends at
         :meth:`end_step`; a step of the same thread left open (an exception outside any block) is
         ended first."""
-        if self.observers:
-            return self._observed("begin_step", self._begin_step, start_layer, end_layer)
-        self._begin_step(start_layer, end_layer)
+        if not self.observers:
+            return self._begin_step(start_layer, end_layer)
+        with self._observed("begin_step"):
+            self._begin_step(start_layer, end_layer)
 
     def block_start(self, block: int) -> None:
         """Block ``block`` is about to compute: its own layer's bytes are in its slot when this
         returns ([Note: checked at use]); then the gathers this hook issues are issued."""
-        if self.observers:
-            return self._observed("block_start", self._block_start, block)
-        self._block_start(block)
+        if not self.observers:
+            return self._block_start(block)
+        with self._observed("block_start"):
+            self._block_start(block)
 
     def block_end(self, block: int) -> None:
         """Block ``block`` finished computing: record its end (a gate), issue what this hook issues
         and what was held behind this block."""
-        if self.observers:
-            return self._observed("block_end", self._block_end, block)
-        self._block_end(block)
+        if not self.observers:
+            return self._block_end(block)
+        with self._observed("block_end"):
+            self._block_end(block)
 
     def ensure(self, layer: int) -> None:
         """A target linear of ``layer`` is about to compute: make sure its slot holds it (a linear
         called on its own, outside its block's forward). O(1) when it does."""
-        if self.observers:
-            return self._observed("ensure", self._ensure, layer)
-        self._ensure(layer)
+        if not self.observers:
+            return self._ensure(layer)
+        with self._observed("ensure"):
+            self._ensure(layer)
 
     def end_step(self) -> None:
         """End the step: issue every gather of the schedule not yet issued (a block skipped or given
         up: the peers issue them) and join every gather of this step nobody joined, so that none
         lands in a slot later. Idempotent; the next step may start on another thread."""
-        if self.observers:
-            return self._observed("end_step", self._end_step)
-        self._end_step()
+        if not self.observers:
+            return self._end_step()
+        with self._observed("end_step"):
+            self._end_step()
 
-    def _observed(self, name: str, call: Callable[..., Any], *args: Any) -> Any:
-        for o in self.observers:
+    @contextmanager
+    def _observed(self, name: str) -> Iterator[None]:
+        observers = list(self.observers)
+        for o in observers:
             o.call(name)
         try:
-            return call(*args)
+            yield
         finally:
-            for o in self.observers:
+            for o in observers:
                 o.returned(name)
 
     def _point(self, layer: int, point: str) -> None:
@@ -210,9 +218,9 @@ class StepOwner:
 
     def _wait_for_gpu(self) -> None:  # [Note: backpressure]: the one host wait of a step
         if not self.observers:
+            return self._step_forks.wait(self.step, self.compute)
+        with self._observed(WAIT_FOR_GPU):
             self._step_forks.wait(self.step, self.compute)
-            return
-        self._observed(WAIT_FOR_GPU, self._step_forks.wait, self.step, self.compute)
 
     def _take_ahead(self, plan: Plan, capturing: bool) -> None:
         """The gathers issued for this step by the previous one (or before it): this step's now, or
