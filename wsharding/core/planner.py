@@ -344,6 +344,7 @@ class WeightShardPlanner(StepOwner):
         for g in self.gathers.values():
             g.close()  # a captured gather graph goes before the windows it references
         self.closed = True
+        self.state.samples = None  # they read the slots in place: not after the memory is released
         self.gathers.clear()
         # the aliases of the bound weights view the slots: nothing may keep those alive
         self.versions.release()

@@ -47,6 +47,9 @@ class SlotState:
     def __init__(self, count: int, gathers: dict[int, PreparedGather], slot_of: dict[int, int],
                  samples: LandedSamples | None = None) -> None:
         self.slots = [Slot() for _ in range(count)]
+        #: Per slot, the layer it holds ready, else None: the same account, kept as a list for the one
+        #: read a block makes before it computes ([Note: the hot path] in wsharding/core/planner.py).
+        self.ready: list[int | None] = [None] * count
         #: The check of what landed ([Note: the sample of a steps' gather]); None where none is made.
         self.samples = samples
         #: Everything a layer's gather needs, worked out once ([Note: the hot path]).
@@ -56,8 +59,7 @@ class SlotState:
     # ---- what a slot holds ---------------------------------------------------------------------------
     def holds(self, slot: int) -> int | None:
         """The layer whose bytes the slot holds, ready to compute with; None when none."""
-        s = self.slots[slot]
-        return s.layer if s.state is READY else None
+        return self.ready[slot]
 
     def landing(self, slot: int) -> int | None:
         """The layer whose gather into the slot is issued and not joined; None when none."""
@@ -84,6 +86,7 @@ class SlotState:
         """A gather of ``layer`` for ``step`` was issued into ``slot``."""
         s = self.slots[slot]
         s.state, s.layer, s.step, s.join = LANDING, layer, step, join
+        self.ready[slot] = None
 
     def filled(self, slot: int, layer: int, step: int) -> int | None:
         """``slot`` holds ``layer`` now (gathered outside the schedule); returns the layer of a gather
@@ -91,22 +94,26 @@ class SlotState:
         s = self.slots[slot]
         replaced = s.layer if s.step > step and s.layer != layer else None
         s.state, s.layer, s.step, s.join = READY, layer, step, None
+        self.ready[slot] = layer
         return replaced
 
     def emptied(self, slot: int) -> None:
         """Nothing usable in ``slot`` (its gather failed): the record of what was issued stays."""
         s = self.slots[slot]
         s.state, s.join = EMPTY, None
+        self.ready[slot] = None
 
     def forget(self, slot: int) -> None:
         """Nothing in ``slot``, and no gather issued into it (lent to a gather outside the planner)."""
         self.slots[slot] = Slot()
+        self.ready[slot] = None
 
     def set_state(self, slot: int, state: str) -> str:
         """Set ``slot``'s state alone (a gather outside the schedule is receiving into it, or was
         refused and left it as it was); returns the state it had."""
         s = self.slots[slot]
         before, s.state = s.state, state
+        self.ready[slot] = s.layer if state is READY else None
         return before
 
     def not_ahead(self, slot: int) -> None:
@@ -120,6 +127,7 @@ class SlotState:
         prepared = self.gathers[layer]
         s = self.slots[slot]
         s.state, s.layer, s.step, s.join = EMPTY, layer, step, None  # receiving: not yet in flight
+        self.ready[slot] = None
         prepared.start(gate, marks, inline=inline)
         s.state = LANDING
         return prepared
@@ -133,6 +141,7 @@ class SlotState:
             return None
         join, s.join = s.join, None
         s.state = EMPTY  # whatever happens now, the slot is not read until the join succeeded
+        self.ready[slot] = None
         if join is not None:
             join()
         else:
@@ -140,6 +149,7 @@ class SlotState:
         if self.samples is not None:
             self.samples.check(s.layer, s.step)
         s.state = READY
+        self.ready[slot] = s.layer
         return s.layer
 
     def landing_slots(self, upto_step: int | None = None) -> list[int]:

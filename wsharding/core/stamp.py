@@ -14,6 +14,8 @@ changes, and the steps' own gathers pay nothing.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from wsharding.core.comm import Communicator
@@ -89,8 +91,8 @@ class LandedSamples:
     both: wrong outputs, no error. So once, at finalize, every rank takes from each of its chunks
     the first eight bytes that are not zero (their offset and value), and the ranks exchange them
     (one small gather, before the first step). After each of the steps' gathers lands, the rank reads
-    those eight bytes of every rank's part of the slot -- one index and one compare, the same cost
-    for any layer size -- and a part that holds other bytes is another gather's:
+    those eight bytes of every rank's part of the slot in place -- one read and one compare per
+    rank, the same cost for any layer size -- and a part that holds other bytes is another gather's:
     :class:`MismatchedGatherError` on every rank that received it, nothing computed from the slot,
     the step given up. A gather of the same layer in another step carries the same bytes and is
     not told apart: it is harmless. Reading the slot on a GPU would wait for the GPU, so CUDA ranks
@@ -111,25 +113,26 @@ class LandedSamples:
         comm.all_gather_into(got.view(torch.uint8), mine.view(torch.uint8).view(-1),
                              what="finalize: the samples of every rank's chunks")
         got = got.view(n, len(layers), 2)
-        self.fulls = {layer: fulls[layer].view(torch.int64) for layer in layers}
-        #: Per layer: where each rank's sample lies in the slot (in 8-byte words), and its value.
-        self.at: dict[int, torch.Tensor] = {}
-        self.expect: dict[int, torch.Tensor] = {}
+        #: Per layer: each rank's sampled word, read in place in the slot (host memory: CPU ranks only),
+        #: and the value it must hold.
+        self.cells: dict[int, list[ctypes.c_int64]] = {}
+        self.expect: dict[int, list[int]] = {}
         for k, layer in enumerate(layers):
-            words = chunks[layer].numel() // 8
-            self.at[layer] = torch.arange(n, dtype=torch.int64) * words + got[:, k, 0]
-            self.expect[layer] = got[:, k, 1].clone()
+            base, words = fulls[layer].data_ptr(), chunks[layer].numel() // 8
+            self.cells[layer] = [ctypes.c_int64.from_address(base + 8 * (r * words + int(got[r, k, 0])))
+                                 for r in range(n)]
+            self.expect[layer] = [int(v) for v in got[:, k, 1]]
 
     def check(self, layer: int, step: int) -> None:
         """Raise :class:`MismatchedGatherError` when ``layer``'s slot holds another gather's bytes."""
-        seen = self.fulls[layer].index_select(0, self.at[layer])
-        if torch.equal(seen, self.expect[layer]):
+        expect = self.expect[layer]
+        others = [r for r, cell in enumerate(self.cells[layer]) if cell.value != expect[r]]
+        if not others:
             return
-        others = [r for r in range(len(seen)) if seen[r] != self.expect[layer][r]]
         raise MismatchedGatherError(
             f"layer {layer} on rank {self.rank}: its gather of step {step} was paired with another gather on "
             f"rank(s) {others}: the bytes they sent are not their part of layer {layer} "
             "([Note: the sample of a steps' gather]). Nothing computed with them. The ranks of the shard group "
-            "issued different gathers: "
-            "every rank must run the same steps over the same blocks (the same start and end, the same schedule "
-            "and plug-ins). The group is out of step: close this sharding and shard the model again")
+            "issued different gathers: every rank must run the same steps over the same blocks (the same start "
+            "and end, the same schedule and plug-ins). The group is out of step: close this sharding and shard "
+            "the model again")

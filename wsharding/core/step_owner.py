@@ -89,6 +89,7 @@ class StepOwner:
 
     def _init_step(self) -> None:
         self.replay = Replay(self._issue, self._held)
+        self._ready = self.state.ready  # the slot state's own list, read on the hot path
         self._owner: int | None = None  # the thread running a step (or a block outside one)
         self._lock = threading.Lock()
         self._outside = False  # a block runs outside any step
@@ -139,6 +140,9 @@ class StepOwner:
         """A target linear of ``layer`` is about to compute: make sure its slot holds it (a linear
         called on its own, outside its block's forward). O(1) when it does."""
         if not self.observers:
+            slot = self.slot_of.get(layer)
+            if slot is None or self._ready[slot] == layer:  # [Note: the hot path]: the usual answer, inline
+                return None
             return self._ensure(layer)
         with self._observed("ensure"):
             self._ensure(layer)
@@ -257,7 +261,7 @@ class StepOwner:
         slot = self.slot_of.get(block)
         if slot is not None:
             self.waits_this_step += 1
-            if self.state.holds(slot) != block:
+            if self._ready[slot] != block:
                 self._join_or_miss(block, slot)
             elif self.observers:  # joined already (ahead of the step)
                 self._point(block, "wait_start")
@@ -284,7 +288,7 @@ class StepOwner:
 
     def _ensure(self, layer: int) -> None:
         slot = self.slot_of.get(layer)
-        if slot is None or self.state.holds(slot) == layer:
+        if slot is None or self._ready[slot] == layer:
             return
         if self._owner is None:  # outside any step: the same as calling the block on its own
             self._irregular_start(layer)
@@ -300,7 +304,7 @@ class StepOwner:
         [Note: reads of a bound weight] in ``wsharding/core/bound.py``)."""
         slot = self.slot_of.get(layer)
         return (self._computing == layer and self._owner == threading.get_ident() and slot is not None
-                and self.state.holds(slot) == layer and not self._failed)
+                and self._ready[slot] == layer and not self._failed)
 
     def _end_step(self) -> None:
         if self._owner != threading.get_ident():
