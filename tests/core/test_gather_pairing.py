@@ -1,8 +1,9 @@
-"""No gather pairs different layers or steps, on CPU ranks (gloo): a rank that refuses or misses leaves
-the group in step, and a gather outside the steps that would combine different layers is refused on
-every rank ([Note: one collective sequence per step] and [Note: the stamp of a gather outside the
-steps] in wsharding/core/planner.py). Each case also shows what the same calls produced without the
-guard: wrong outputs, no error."""
+"""No gather pairs different layers, on CPU ranks (gloo): a rank that refuses or misses leaves the group
+in step ([Note: one collective sequence per step] in wsharding/core/step_owner.py), a gather outside
+the steps that would combine different layers is refused on every rank ([Note: the stamp of a gather
+outside the steps] in wsharding/core/stamp.py), and so is a steps' gather that lands with another
+layer's bytes ([Note: the sample of a steps' gather], there too). Each case also shows what the same
+calls produced without the guard: wrong outputs, no error."""
 
 from __future__ import annotations
 

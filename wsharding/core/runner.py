@@ -205,7 +205,7 @@ def shard_blocks(
     ``prefetch_depth``: gathers in flight ahead of the computing block (``k``; ``k + 1`` slots, resident
     ``R/N + (k+1) max|T_l|``). ``on_miss``: what a block does when its slot does not hold its weights
     (called out of order, on its own, after a peer failed): ``"gather"`` them now and warn once, or
-    ``"raise"`` ([Note: checked at use] in ``wsharding/core/planner.py``).
+    ``"raise"`` ([Note: checked at use] in ``wsharding/core/step_owner.py``).
 
     ``verify_replicas``: finalize refuses ranks whose weights, kept as built, differ (no common seed),
     naming the first such weight on every rank; False skips the check (:class:`WeightSharding`).

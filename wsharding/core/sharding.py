@@ -104,7 +104,7 @@ class WeightSharding:
     ``prefetch_depth``: gathers issued ahead of the computing layer (``k``, default 1): ``k + 1``
     slots, ``R/N + (k+1) max|T_l|`` resident. ``on_miss``: a layer about to compute whose slot does
     not hold its weights is gathered now (``"gather"``, warned once) or refused (``"raise"``) --
-    [Note: checked at use] in ``wsharding/core/planner.py``.
+    [Note: checked at use] in ``wsharding/core/step_owner.py``.
 
     ``map_own_chunk``: passed to ``comm.slot_policy``. Our NCCL communicator maps each layer's own
     slice over its resident chunk, so no gather copies it ([Note: the own chunk mapped, not copied]

@@ -206,7 +206,7 @@ class ReadTwiceBlock(nn.Module):
     that lands in the slot during the pause changes the second read, and so the output.
 
     Both reads go straight to the slot, as GPU kernels queued at the layer's start read it long after
-    the host checked it: the check at use ([Note: checked at use] in ``wsharding/core/planner.py``)
+    the host checked it: the check at use ([Note: checked at use] in ``wsharding/core/step_owner.py``)
     runs where the runner starts the block (``block_start``), and the forward runs under
     :data:`~wsharding.core.bound.raw_access`, so that the host-side guard of a direct read ([Note:
     reads of a bound weight] in ``wsharding/core/bound.py``) does not stand in for the GPU's order:
