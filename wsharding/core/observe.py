@@ -7,7 +7,9 @@ sharding, so none of it is written into the planner: a sharding keeps one list o
 named points below, in order, on the model's thread. An observer subclasses :class:`StepObserver`
 and overrides the points it needs; the rest do nothing. With no observer attached a point costs
 one test of an empty list. Observers are attached and removed between steps; they must not change
-what the planner does (they see, they do not steer), so every rank may attach different ones.
+what the planner does (they see, they do not steer), so every rank may attach different ones -- but
+for the planner's own tracer (``trace=True``): a traced step issues no gather for the next step
+(:class:`~wsharding.accel.next_step.NextStepPrefetch`), so trace every rank of a group or none.
 """
 
 from __future__ import annotations
