@@ -88,7 +88,7 @@ class StepOwner:
     cuda: bool
 
     def _init_step(self) -> None:
-        self.replay = Replay(self._issue, self._held)
+        self.replay = Replay(self._issue, self._seen_held)
         self._ready = self.state.ready  # the slot state's own list, read on the hot path
         self._owner: int | None = None  # the thread running a step (or a block outside one)
         self._lock = threading.Lock()
@@ -171,7 +171,7 @@ class StepOwner:
         for o in self.observers:
             o.layer_point(layer, point)
 
-    def _held(self, layer: int) -> None:
+    def _seen_held(self, layer: int) -> None:
         if self.observers:
             self._point(layer, "held")
 
