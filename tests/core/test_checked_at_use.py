@@ -1,5 +1,5 @@
 """A layer never computes with bytes that are not its own ([Note: checked at use] in
-wsharding/core/planner.py), on CPU ranks: what a hostile caller does to the schedule -- blocks in reverse,
+wsharding/core/step_owner.py), on CPU ranks: what a hostile caller does to the schedule -- blocks in reverse,
 a linear or a block called on its own, one rank alone, a peer that raises mid-step and keeps serving,
 two threads -- and depth k. Each case shows, where it can, what the slot held before the check."""
 

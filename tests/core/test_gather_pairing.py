@@ -1,8 +1,9 @@
-"""No gather pairs different layers or steps, on CPU ranks (gloo): a rank that refuses or misses leaves
-the group in step, and a gather outside the steps that would combine different layers is refused on
-every rank ([Note: one collective sequence per step] and [Note: the stamp of a gather outside the
-steps] in wsharding/core/planner.py). Each case also shows what the same calls produced without the
-guard: wrong outputs, no error."""
+"""No gather pairs different layers, on CPU ranks (gloo): a rank that refuses or misses leaves the group
+in step ([Note: one collective sequence per step] in wsharding/core/step_owner.py), a gather outside
+the steps that would combine different layers is refused on every rank ([Note: the stamp of a gather
+outside the steps] in wsharding/core/stamp.py), and so is a steps' gather that lands with another
+layer's bytes ([Note: the sample of a steps' gather], there too). Each case also shows what the same
+calls produced without the guard: wrong outputs, no error."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from wsharding.lab.cluster import RankCluster
 
 @pytest.fixture(scope="module")
 def short_timeouts():
-    """Two ranks whose collectives time out after 6 s, for the cases where a rank waits for a peer that
-    never comes. The test without the drain comes last: its timeout closes the group's gloo pairs."""
-    with RankCluster(2, backend="gloo", collective_timeout=6, task_timeout=90) as c:
+    """Two ranks whose collectives time out after 2 s (a gather that completes takes milliseconds), for the
+    cases where a rank waits for a peer that never comes. The test without the drain comes last: its
+    timeout closes the group's gloo pairs."""
+    with RankCluster(2, backend="gloo", collective_timeout=2, task_timeout=90) as c:
         yield c
 
 
@@ -38,19 +40,20 @@ def _outcome(model, ref, x) -> object:
 # ---- a rank that refuses (on_miss="raise") ----------------------------------------------------------
 def one_rank_reverses(ctx, on_miss: str, drain: bool = True, steps: int = 4) -> list:
     """Rank 1 runs step 1's blocks in reverse; every step's outcome on every rank. ``drain=False`` gives
-    a refused step up the way the planner did before: the rest of its schedule left unissued."""
+    a refused step up the way the planner did before: the rest of its schedule left unissued, and the
+    steps' gathers unchecked when they land."""
     model, ref = Model(5), Model(5)
     ws = shard_blocks(model, "layers", ["fc*"], ctx.comm, on_miss=on_miss)
     if not drain:
         p = ws.planner
+        p.state.samples = None  # which would catch the mispairing too ([Note: the sample of a steps' gather])
 
         def abort_as_before() -> None:  # a step that left its schedule: joined, the rest never issued
             if not p._missed:
                 type(p).abort_step(p)
                 return
-            for s, layer in enumerate(p._inflight):
-                if layer is not None:
-                    p._join_slot(s)
+            for s in p.state.landing_slots():
+                p._join_slot(s)
             p._close_step()
 
         p.abort_step = abort_as_before
@@ -191,3 +194,61 @@ def test_a_stamp_reads_back_as_its_layer_and_step():
     assert read_stamp(s) == (7, 123456789012)
     assert read_stamp(torch.zeros(16, dtype=torch.uint8)) is None  # no magic: not a stamp
     assert MismatchedGatherError.__mro__[1].__name__ == "ShardingError"
+
+
+# ---- steps over different blocks on different ranks: the steps' gathers pair different layers ------------
+class SameSizeBlocks(torch.nn.Module):
+    """Five blocks of one size: a gather of one layer fits another's slot exactly, as in a decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.core.test_library_edges import Block
+
+        self.layers = torch.nn.ModuleList(Block(16, seed=i) for i in range(5))
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return x
+
+
+def steps_over_different_blocks(ctx, guard: bool) -> list:
+    """Step 0 over every block on both ranks; step 1 over blocks [r, 5) and step 2 over [1 - r, 5) on rank
+    r (each rank issues as many gathers in all). ``guard=False`` takes the sampled bytes off, as the
+    planner was before ([Note: the sample of a steps' gather])."""
+    from wsharding.core.runner import run_layers
+
+    model, ref = SameSizeBlocks(), SameSizeBlocks()
+    ws = shard_blocks(model, "layers", ["fc"], ctx.comm)
+    if not guard:
+        ws.planner.state.samples = None
+    out = []
+    with torch.no_grad():
+        for s, start in enumerate((0, ctx.rank, 1 - ctx.rank)):
+            x = torch.randn(2, 16, generator=torch.Generator().manual_seed(10 * s + ctx.rank))
+            expected = x
+            for b in ref.layers[start:]:
+                expected = b(expected)
+            try:
+                out.append(bool(torch.equal(run_layers(model.layers, x, ws.planner, start), expected)))
+            except ShardingError as e:
+                out.append(f"{type(e).__name__}: {e}")
+    ws.close()
+    return out
+
+
+def test_steps_over_different_blocks_raise_on_every_rank_never_compute(cluster_of):
+    r0, r1 = cluster_of(2).run(steps_over_different_blocks, True)
+    for rank, r in enumerate((r0, r1)):
+        assert r[0] is True
+        layer = rank  # rank 0's layer 0 met rank 1's layer 1, and the other way round
+        assert r[1].startswith(f"MismatchedGatherError: layer {layer} on rank {rank}: its gather of step 1 was "
+                               f"paired with another gather on rank(s) [{1 - rank}]"), r[1]
+        assert "every rank must run the same steps over the same blocks" in r[1]
+        assert r[2].startswith("MismatchedGatherError: layer ") and "on rank(s)" in r[2], r[2]
+
+
+def test_without_the_samples_steps_over_different_blocks_compute_with_mixed_layers(cluster_of):
+    r0, r1 = cluster_of(2).run(steps_over_different_blocks, False)
+    assert r0 == [True, False, True]  # step 1: each layer made of rank 1's next layer's chunk; no error
+    assert r1 == [True, False, False]  # step 2's layer 0 met rank 0's layer 4 of step 1

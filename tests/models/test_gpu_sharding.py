@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,9 +119,18 @@ def cuda_gate_race(ctx, gate: bool):
             ref = b(ref)
         ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(6)}).setup().finalize()
         planner = ws.planner
-        planner.gate = gate
-        # two ahead over two slots: each gather targets the slot the layer starting now is about to read
-        planner.set_schedule(lambda sharded, slot_of, start, end: lookahead_schedule(sharded, slot_of, 2, start, end))
+
+        def two_ahead(sharded, slot_of, start, end):
+            # two ahead over two slots: each gather targets the slot the layer starting now is about to read;
+            # without its gates (gate None on every gather) nothing orders it after that layer: the race
+            sched = lookahead_schedule(sharded, slot_of, 2, start, end)
+            if gate:
+                return sched
+            bare = lambda gs: tuple(dataclasses.replace(g, gate=None) for g in gs)  # noqa: E731
+            return dataclasses.replace(sched, at_step_start=bare(sched.at_step_start),
+                                       at_block_start={b: bare(gs) for b, gs in sched.at_block_start.items()})
+
+        planner.set_schedule(two_ahead)
         h = run_layers(blocks, x, planner)
         torch.cuda.synchronize(dev)
     return bool(torch.equal(h, ref))

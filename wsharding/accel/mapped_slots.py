@@ -243,7 +243,7 @@ class MappedSlotPool(SlotPool):
         return {v.untyped_storage().data_ptr() for v in self._views.values()}
 
     def __repr__(self) -> str:
-        return f"MappedSlotPool({self.count} x {self.slot_bytes} B, {len(self._views)} layer views, occupancy={self.occupancy()})"
+        return f"MappedSlotPool({self.count} x {self.slot_bytes} B, {len(self._views)} layer views)"
 
 
 class MappedSlotPolicy(SlotPolicy):

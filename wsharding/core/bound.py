@@ -39,7 +39,7 @@ linear's forward; the weight's own class, a Parameter, has none.) A flag read by
 ``__torch_function__`` instead would cost a Python call on every op of every linear.
 
 Inside its own block the weight is the right layer's too: the block's start confirmed its slot
-([Note: checked at use] in ``wsharding/core/planner.py``) and the gate keeps every other gather out
+([Note: checked at use] in ``wsharding/core/step_owner.py``) and the gate keeps every other gather out
 of it until the block ends. A block that reads a target's weight directly (``F.linear(x,
 self.fc.weight)``, ``x @ self.fc.weight.t()``) is a real model's code, so there a read runs (at the
 cost of one Python call per op): ``__torch_function__`` asks the planner whether the weight's block

@@ -170,7 +170,7 @@ class Communicator:
 
     def gather_outside_steps(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str) -> None:
         """Gather a layer outside the step's schedule, synchronously ([Note: checked at use] in
-        ``wsharding/core/planner.py``): on CUDA ordered after the current stream, which is ordered after
+        ``wsharding/core/step_owner.py``): on CUDA ordered after the current stream, which is ordered after
         it on return. A backend gives it a channel of its own, so that a rank that makes this call alone
         waits there (and times out) instead of pairing it with a peer's next scheduled gather; this
         default uses the same channel as the steps."""

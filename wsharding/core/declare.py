@@ -13,8 +13,7 @@ is refused, as sharded it would round differently from the replica. A layer's ta
 from __future__ import annotations
 
 import difflib
-import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,28 +83,6 @@ def tp_size(module: nn.Module) -> int:
 def row_blocks(module: nn.Module, rows: int) -> list[RowBlock]:
     fn = getattr(module, "row_sub_blocks", None)
     return list(fn()) if fn is not None else [(None, 0, rows, 0)]
-
-
-def layer_indices(sharded_layers: Iterable[int] | None) -> list[int] | None:
-    """``sharded_layers`` as a list of layer indices, or None for every layer. A float, a bool or a
-    single int would otherwise be read as no layer at all (a set of floats matches no layer id)."""
-    if sharded_layers is None:
-        return None
-    example = "e.g. [1, 2] or range(1, 8)"
-    if isinstance(sharded_layers, (str, bytes)) or not isinstance(sharded_layers, Iterable):
-        raise ShardingError(f"sharded_layers: got the {type(sharded_layers).__name__} {sharded_layers!r}; pass the "
-                            f"layer indices as a list or range, {example}"
-                            + (f" ([{sharded_layers}] for that one layer)" if isinstance(sharded_layers, int) else ""))
-    layer_ids = []
-    for i in sharded_layers:
-        try:
-            layer_ids.append(operator.index(i) if not isinstance(i, bool) else None)
-        except TypeError:
-            layer_ids.append(None)
-        if layer_ids[-1] is None:
-            raise ShardingError(f"sharded_layers: {i!r} (a {type(i).__name__}) is not a layer index; pass whole "
-                                f"numbers, {example}")
-    return layer_ids
 
 
 def validate_target(layer_id: int, layer: nn.Module, name: str, world_size: int,

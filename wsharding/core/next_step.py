@@ -14,7 +14,7 @@ step finds it issued and only joins it. The rules the planner keeps for it:
   collectives stay aligned;
 * a layer gathered into that slot before the next step (a layer called on its own after the step)
   first joins the prefetch; the next step's first layer then finds its slot without it and is
-  gathered on its own ([Note: checked at use] in ``wsharding/core/planner.py``);
+  gathered on its own ([Note: checked at use] in ``wsharding/core/step_owner.py``);
 * a CUDA graph replays alone, with nothing pending before it: no prefetch is issued under capture,
   and capturing a step that would consume one is refused (turn it off and run one eager step);
 * it gathers the same slot as the draft's own first-layer prefetch, so the two are not combined.

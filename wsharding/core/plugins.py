@@ -9,14 +9,14 @@ who wants another policy writes one ``shape`` function.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 from wsharding.core.errors import InvalidType
 from wsharding.core.schedule import GatherSchedule
 
-if TYPE_CHECKING:
-    from wsharding.core.planner import WeightShardPlanner
-
+#: The planner a plug-in is attached to (:class:`~wsharding.core.planner.WeightShardPlanner`; not
+#: imported here: the planner's options import this module).
+WeightShardPlanner = Any
 P = TypeVar("P", bound="PlannerPlugin")
 
 

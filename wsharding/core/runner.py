@@ -28,12 +28,13 @@ from torch import nn
 from wsharding.core import graph_ops
 from wsharding.core.comm import Communicator
 from wsharding.core.contract import ParallelLinear
-from wsharding.core.declare import UnmatchedPatternWarning, close_names, layer_indices
+from wsharding.core.declare import UnmatchedPatternWarning, close_names
 from wsharding.core.graph_ops import compiled_block, register_planner
+from wsharding.core.options import ShardingOptions, layer_indices
 from wsharding.core.planner import WeightShardPlanner
 from wsharding.core.plugins import PlannerPlugin
-from wsharding.core.schedule import check_depth
 from wsharding.core.sharding import ShardingError, WeightSharding, abandon_sharding
+from wsharding.core.step_owner import StepOwner
 
 
 def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
@@ -48,7 +49,7 @@ def prepare_layer_weight_shard_forward(layer: nn.Module) -> None:
 def run_layers(
     layers: Sequence[nn.Module],
     hidden: Any,
-    planner: WeightShardPlanner | None,
+    planner: StepOwner | None,
     start_layer: int = 0,
     end_layer: int | None = None,
     call: Callable[[nn.Module, Any], Any] | None = None,
@@ -204,7 +205,7 @@ def shard_blocks(
     ``prefetch_depth``: gathers in flight ahead of the computing block (``k``; ``k + 1`` slots, resident
     ``R/N + (k+1) max|T_l|``). ``on_miss``: what a block does when its slot does not hold its weights
     (called out of order, on its own, after a peer failed): ``"gather"`` them now and warn once, or
-    ``"raise"`` ([Note: checked at use] in ``wsharding/core/planner.py``).
+    ``"raise"`` ([Note: checked at use] in ``wsharding/core/step_owner.py``).
 
     ``verify_replicas``: finalize refuses ranks whose weights, kept as built, differ (no common seed),
     naming the first such weight on every rank; False skips the check (:class:`WeightSharding`).
@@ -218,17 +219,12 @@ def shard_blocks(
     finalized :class:`WeightSharding` (``.planner`` has the counters and trace).
     """
     block_list, patterns, sharded_layers = check_shard_blocks_args(model, blocks, patterns, comm, sharded_layers)
-    check_depth(prefetch_depth)
-    if on_miss not in ("gather", "raise"):
-        raise ShardingError(f"on_miss must be 'gather' (such a layer is gathered now, warned) or 'raise', got "
-                            f"{on_miss!r}")
+    options = ShardingOptions(sharded_layers, lookahead, trace, keep_initial_weights, plugins, map_own_chunk,
+                              prefetch_depth, on_miss, verify_replicas)
     try:
         targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
         warn_unmatched_patterns(block_list, patterns, targets, comm.rank)
-        ws = WeightSharding(comm, block_list, targets, sharded_layers=sharded_layers, lookahead=lookahead,
-                            trace=trace, keep_initial_weights=keep_initial_weights,
-                            plugins=plugins, map_own_chunk=map_own_chunk, prefetch_depth=prefetch_depth,
-                            on_miss=on_miss, verify_replicas=verify_replicas)
+        ws = WeightSharding(comm, block_list, targets, options=options)
         ws.refuse_tied_to(model)  # a head or embedding tied to a target: only the whole model shows it
         ws.setup()
         if load is not None:
@@ -300,7 +296,7 @@ class PlannedBlockForward:
                 return inner(*args, **kwargs)
             if graph_ops.enabled and torch.compiler.is_compiling():
                 return compiled_block(inner, key, layer, args, kwargs)
-            planner.block_start(layer)  # looked up per call: a timer (bench's PlannerCallTimer) may wrap it
+            planner.block_start(layer)
             try:
                 out = inner(*args, **kwargs)
             except BaseException:

@@ -30,13 +30,14 @@ from torch import nn
 from wsharding.core.bound import bound_parameter, guard_bound_weight
 from wsharding.core.comm import CommError, Communicator
 from wsharding.core.contract import rebind_tensor
-from wsharding.core.declare import ShardDecision, ShardingSkipWarning, layer_indices, target_name, validate_target
+from wsharding.core.declare import ShardDecision, ShardingSkipWarning, target_name, validate_target
 from wsharding.core.edits import refuse_edits
-from wsharding.core.errors import require_bool
 from wsharding.core.guards import BoundWeightGuards
 from wsharding.core.layout import FlatLayout
+from wsharding.core.observe import StepObserver
+from wsharding.core.options import ShardingOptions
 from wsharding.core.planner import NOT_COPIED, ShardedLayer, WeightShardPlanner
-from wsharding.core.plugins import PlannerPlugin, check_plugins
+from wsharding.core.plugins import PlannerPlugin
 from wsharding.core.redistribute import agree_or_raise, redistribute_layer, set_weight_data
 from wsharding.core.replicas import weight_digest
 from wsharding.core.resident import resident_formula
@@ -103,13 +104,19 @@ class WeightSharding:
     ``prefetch_depth``: gathers issued ahead of the computing layer (``k``, default 1): ``k + 1``
     slots, ``R/N + (k+1) max|T_l|`` resident. ``on_miss``: a layer about to compute whose slot does
     not hold its weights is gathered now (``"gather"``, warned once) or refused (``"raise"``) --
-    [Note: checked at use] in ``wsharding/core/planner.py``.
+    [Note: checked at use] in ``wsharding/core/step_owner.py``.
 
     ``map_own_chunk``: passed to ``comm.slot_policy``. Our NCCL communicator maps each layer's own
     slice over its resident chunk, so no gather copies it ([Note: the own chunk mapped, not copied]
     in ``wsharding/accel/mapped_slots.py``; NCCL >= 2.30): ``"auto"`` (the default) where it runs and
     holds no more than plain slots, True forces it, False keeps plain slots; other communicators
     have plain slots only. ``map_own_chunk_reason`` says which and why.
+
+    ``options``: all of the above as one :class:`~wsharding.core.options.ShardingOptions` (what
+    :func:`~wsharding.core.runner.shard_blocks` passes), instead of the keyword arguments.
+
+    ``observers`` (an attribute, a list): who watches finalize and every step ([Note: observers] in
+    :mod:`wsharding.core.observe`); ``trace=True`` attaches a tracer.
     """
 
     def __init__(
@@ -127,25 +134,32 @@ class WeightSharding:
         prefetch_depth: int = 1,
         on_miss: Literal["gather", "raise"] = "gather",
         verify_replicas: bool = True,
+        options: ShardingOptions | None = None,
     ) -> None:
         self.comm = comm
+        if options is None:
+            options = ShardingOptions(sharded_layers, lookahead, trace, keep_initial_weights, plugins, map_own_chunk,
+                                      prefetch_depth, on_miss, verify_replicas)
+        elif not isinstance(options, ShardingOptions):
+            raise ShardingError(f"options: got a {type(options).__name__}; pass a ShardingOptions (or the keyword "
+                                "arguments alone)")
+        elif (sharded_layers, lookahead, trace, keep_initial_weights, plugins, map_own_chunk, prefetch_depth, on_miss,
+              verify_replicas) != (None, True, False, True, (), "auto", 1, "gather", True):
+            raise ShardingError("options: given with other keyword arguments of WeightSharding; pass the options "
+                                "either as one ShardingOptions or as keyword arguments, not both")
+        #: Every option, checked once ([Note: observers] aside: who watches is not an option).
+        self.options = options
+        #: Who watches finalize and every step ([Note: observers] in wsharding/core/observe.py); the
+        #: planner shares this list.
+        self.observers: list[StepObserver] = []
         #: Gathers in flight ahead of the computing layer: ``prefetch_depth + 1`` slots.
-        self.prefetch_depth = check_depth(prefetch_depth)
-        if on_miss not in ("gather", "raise"):
-            raise ShardingError(f"on_miss must be 'gather' or 'raise', got {on_miss!r}")
-        self.on_miss = on_miss
-        if map_own_chunk not in (True, False, "auto"):
-            raise ShardingError(f"map_own_chunk must be True, False or 'auto', got {map_own_chunk!r}")
+        self.prefetch_depth = options.prefetch_depth
         #: How the slots are laid out: the communicator's choice for ``map_own_chunk`` (its NCCL
         #: binding's mapped layer views), else plain slots. Asked before anything is declared: a
         #: mapped chunk must be whole pages.
-        self.slot_policy: SlotPolicy = comm.slot_policy(map_own_chunk) or plain_slot_policy(comm, map_own_chunk)
-        self.lookahead = require_bool(lookahead, "lookahead")
-        self.plugins = check_plugins(plugins)
-        self.trace = require_bool(trace, "trace")
-        self.keep_initial_weights = require_bool(keep_initial_weights, "keep_initial_weights")
-        self.verify_replicas = require_bool(verify_replicas, "verify_replicas")
-        indices = layer_indices(sharded_layers)
+        self.slot_policy: SlotPolicy = (comm.slot_policy(options.map_own_chunk)
+                                        or plain_slot_policy(comm, options.map_own_chunk))
+        indices = options.sharded_layers
         self.sharded_range = None if indices is None else set(indices)
         self.stage = "declared"
         self.layers: dict[int, nn.Module] = {}
@@ -302,7 +316,7 @@ class WeightSharding:
         rank, world, dev = self.comm.rank, self.comm.world_size, self.comm.device
         for t in self.targets[layer_id]:
             p = t.module.weight
-            keep = self.keep_initial_weights and not p.is_meta
+            keep = self.options.keep_initial_weights and not p.is_meta
             self.built_whole_bytes += 0 if p.is_meta else t.nbytes
             inner = getattr(p, "weight_loader", None)
             if t.mode == "rows":
@@ -313,7 +327,7 @@ class WeightSharding:
             else:
                 data = p.data.to(dev) if keep else torch.zeros(t.shape, dtype=t.dtype, device=dev)
                 loader = FullShapeLoader(t, inner)
-            if keep and self.verify_replicas:  # the full weight, before the shrink: [Note: digest before the shrink]
+            if keep and self.options.verify_replicas:  # the full weight, before the shrink: [Note: digest before the shrink]
                 loader.digest = weight_digest(p.data)
             p = set_weight_data(t.module, data)  # the full storage is released when nothing else holds it
             if keep:
@@ -337,7 +351,7 @@ class WeightSharding:
         return self
 
     # ---- 3. finalize: row shards -> flat chunks, slots, views --------------------------------------
-    def finalize(self, observe: Callable[[str, int | None], None] | None = None) -> WeightSharding:
+    def finalize(self) -> WeightSharding:
         """Redistribute row shards into flat chunks, run the after-loading step, bind the views.
 
         Collective: every rank calls it. First every rank checks its targets (every row loaded, shape
@@ -359,14 +373,13 @@ class WeightSharding:
         4. the weights become zero-copy views of their slot.
 
         Chunks are registered in one more collective call at the end, in layer order on every rank.
-        ``observe(stage, layer)``, when given, is called after each of these steps (figures of the
-        redistribution peak: notebook 04 §3).
+        The observers (:attr:`observers`) see each of these steps (``finalize_stage``).
         """
         def seen(stage: str, layer: int | None = None) -> None:
             if stage == "rows packed" and self.after_rows_freed is not None:
                 self.after_rows_freed()
-            if observe is not None:
-                observe(stage, layer)
+            for o in self.observers:
+                o.finalize_stage(stage, layer)
 
         if self.stage == "declared":
             self.setup()
@@ -398,10 +411,8 @@ class WeightSharding:
             {i: ShardedLayer(i, self.layouts[i], self.slots.gather_chunk(i, self.chunks[i]),
                              tuple((t.label, t.module.weight) for t in self.targets[i])) for i in self.targets},
             self.slots,
-            lookahead=self.lookahead,
-            trace=self.trace,
-            plugins=self.plugins,
-            on_miss=self.on_miss,
+            self.options,
+            self.observers,
         )
         for i, layer in self.layers.items():
             layer._weight_shard = (self.planner, i)

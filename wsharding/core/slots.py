@@ -9,7 +9,8 @@ lands inside one.
 
 Which slot a layer uses is fixed at init by its position among the sharded layers (modulo the slot
 count), so the binding of a layer's weights to slot views never changes: nothing is decided inside
-forward. Which layer a slot *holds* is the planner's to know (it issues and joins the gathers).
+forward. Which layer a slot *holds* is the planner's one account to keep
+(:mod:`wsharding.core.slot_state`): it issues and joins the gathers.
 """
 
 from __future__ import annotations
@@ -44,9 +45,6 @@ class SlotPool:
         self._previous_occupant = {
             layer: (self.layer_ids[k - count] if k >= count else None) for k, layer in enumerate(self.layer_ids)
         }
-        #: Which layer's weights each slot was last filled with outside the steps (``full_state_dict``,
-        #: finalize); during steps the planner keeps its own account.
-        self.occupant: list[int | None] = [None] * count
 
     def _allocate(self, comm: Communicator, tag: str) -> tuple[torch.Tensor, ...]:
         return tuple(comm.alloc(self.slot_bytes, tag=f"{tag}.{slot_name(s)}") for s in range(self.count))
@@ -109,15 +107,8 @@ class SlotPool:
         """The layer's weights as zero-copy views of its slot."""
         return self.layouts[layer].views(self.full_buffer(layer))
 
-    def occupy(self, layer: int) -> None:
-        self.occupant[self.slot_of(layer)] = layer
-
-    def occupancy(self) -> dict[str, int | None]:
-        """``{"A": layer or None, "B": layer or None, ...}``."""
-        return {slot_name(s): layer for s, layer in enumerate(self.occupant)}
-
     def __repr__(self) -> str:
-        return f"SlotPool({self.count} x {self.slot_bytes} B, occupancy={self.occupancy()})"
+        return f"SlotPool({self.count} x {self.slot_bytes} B)"
 
 
 class SlotPolicy:

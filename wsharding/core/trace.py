@@ -1,5 +1,7 @@
 """What happened in a step, per layer: gather issue/start/end, wait start/end, compute start/end,
-and the slot used. Off by default; when off the planner never touches it (no cost).
+and the slot used. Off by default: :class:`StepTracer` is an observer ([Note: observers] in
+:mod:`wsharding.core.observe`) that a sharding attaches when asked (``trace=True``), so an untraced
+step never touches it.
 
 CPU ranks: times from ``time.perf_counter`` (the gather's end is stamped by gloo's completion
 callback, on gloo's thread). CUDA: events recorded on the stream where each thing happens, resolved
@@ -12,6 +14,8 @@ import time
 from typing import Any
 
 import torch
+
+from wsharding.core.observe import StepObserver
 
 KINDS = (
     "issue", "held", "gather_start", "gather_end", "wait_start", "wait_end", "compute_start", "compute_end",
@@ -107,3 +111,42 @@ class StepTrace:
     def gather_us(self) -> float:
         """Sum of gather durations (start to end) in this step."""
         return sum(m["gather_end"] - m["gather_start"] for m in self.layers.values() if "gather_end" in m)
+
+
+class StepTracer(StepObserver):
+    """Records a :class:`StepTrace` of every step: the observer behind ``trace=True``."""
+
+    def __init__(self) -> None:
+        #: The trace of the step running now (None between steps).
+        self.trace: StepTrace | None = None
+        #: The traces of the finished steps, oldest first.
+        self.traces: list[StepTrace] = []
+
+    def step_started(self, step: int, rank: int, device: Any) -> None:
+        if self.trace is not None:  # a step that ended without finish_step: kept as it is
+            self.traces.append(self.trace)
+        cuda = device is not None and device.type == "cuda"
+        self.trace = StepTrace(step, rank, cuda, device)
+        self.trace.start()
+
+    def gather_issued(self, layer: int, slot: str, gather: Any) -> tuple[Any, Any] | None:
+        trace = self.trace
+        if trace is None:
+            return None
+        return trace.gather_issued(layer, slot)
+
+    def gather_started(self, layer: int, gather: Any) -> None:
+        trace = self.trace
+        if trace is not None and not trace.cuda:  # its end from the gather's done callback (gloo's thread)
+            gather.add_done_callback(lambda: trace.mark(layer, "gather_end", time.perf_counter()))
+
+    def layer_point(self, layer: int, point: str) -> None:
+        if self.trace is not None:
+            self.trace.mark(layer, point)
+
+    def step_ended(self) -> StepTrace | None:
+        done, self.trace = self.trace, None
+        if done is not None:
+            done.finish()
+            self.traces.append(done)
+        return done

@@ -311,7 +311,7 @@ class NcclCommunicator(NcclWaits, Communicator):
     def gather_outside_steps(self, full: torch.Tensor, chunk: torch.Tensor, *, what: str) -> None:
         """Over the CPU group (gloo), through host memory: a channel apart from the NCCL communicator's, so
         that a rank that makes this call alone cannot pair it with a peer's scheduled gather (a rare,
-        warned path: [Note: checked at use] in ``wsharding/core/planner.py``)."""
+        warned path: [Note: checked at use] in ``wsharding/core/step_owner.py``)."""
         if self.world_size == 1:
             if full.data_ptr() != chunk.data_ptr():
                 full.copy_(chunk)

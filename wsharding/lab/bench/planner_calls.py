@@ -8,9 +8,10 @@ Two other numbers of ``bench step`` bound it from either side, and neither is it
 * the paired difference of the sharded and replicated forwards (``host_overhead_*``) holds our
   calls and everything else that differs, torch's own launches slowing included.
 
-:class:`PlannerCallTimer` wraps the planner's six calls on the model's thread (``begin_step``,
-``end_step``, ``finish_step`` per step; ``block_start``, ``block_end`` and the layer's own check,
-``ensure``, per layer) for a few real forwards, and adds up the time spent inside them:
+:class:`PlannerCallTimer` is an observer of the planner's six calls on the model's thread
+(``begin_step``, ``end_step``, ``finish_step`` per step; ``block_start``, ``block_end`` and the
+layer's own check, ``ensure``, per layer; [Note: observers] in ``wsharding/core/observe.py``) for a
+few real forwards, and adds up the time spent inside them:
 issue, hand-over to the thread, the check that it ran, the stream waits and event records. The
 timer's own cost (two ``perf_counter`` calls) is measured around a call that does nothing and taken
 off, so what is left is the calls' own time.
@@ -18,7 +19,7 @@ off, so what is left is the calls' own time.
 [Note: steady forwards, the GPU wait taken out]
 A decode loop runs forward after forward without draining the GPU, so the calls are timed that way
 by default. Where the GPU is the bound (two ranks time-slicing one GPU, or a large gather), the
-planner's backpressure (``_backpressure``, called from ``begin_step``) makes the host wait for the
+planner's backpressure (reported as the call ``wait_for_gpu`` inside ``begin_step``) makes the host wait for the
 GPU to reach the step before last: that is the GPU's time, not the host's, so it is timed apart
 (``waiting_s``) and taken off the call it ran in. With ``drain`` the GPU is synchronised before each
 forward instead (outside the timing): the calls then run on an idle GPU, as the first step of a
@@ -31,13 +32,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-#: The planner's calls that a step makes on the model's thread.
-CALLS = ("begin_step", "block_start", "block_end", "ensure", "end_step", "finish_step")
+from wsharding.core.observe import CALLS, WAIT_FOR_GPU, StepObserver, observing
+
 #: Where a call waits for the GPU rather than works: timed apart ([Note: steady forwards, the GPU wait taken out]).
-GPU_WAITS = ("_backpressure",)
+GPU_WAITS = (WAIT_FOR_GPU,)
+
+__all__ = ["CALLS", "GPU_WAITS", "PlannerCallTimer", "planner_calls_us_per_layer"]
 
 
-class PlannerCallTimer:
+class PlannerCallTimer(StepObserver):
     """Times the planner's own calls inside real forwards, on the model's thread.
 
     Why: neither the bare planner loop nor the difference of two whole forwards is what the planner
@@ -50,7 +53,9 @@ class PlannerCallTimer:
         t.by_call      # seconds per call name, one entry per name in CALLS
         t.waiting_s    # seconds the calls waited for the GPU (GPU_WAITS), not counted in ``seconds``
 
-    The calls go back to the planner class's own methods on exit."""
+    It observes the planner ([Note: observers] in ``wsharding/core/observe.py``) inside the block and
+    is removed from its observers on exit. A call made from inside a timed one (``ensure`` from a
+    block's start, ``end_step`` from ``finish_step``) is counted once, with the outer one."""
 
     def __init__(self, planner: Any) -> None:
         self.planner = planner
@@ -58,9 +63,10 @@ class PlannerCallTimer:
         self.calls = 0
         self.by_call = dict.fromkeys(CALLS, 0.0)
         self.waiting_s = 0.0
-        self._depth = 0  # a timed call made from inside another (pre_dispatch from the draft's variant)
+        self._open: list[tuple[str, float]] = []  # the calls running now, outermost first, and their start
         self._waited_inside = 0.0  # GPU waits inside the timed call now running
         self._overhead_s = _timer_overhead_s()
+        self._within: Any = None
 
     def __repr__(self) -> str:
         """What was timed so far, in microseconds, without the planner's internals."""
@@ -68,51 +74,32 @@ class PlannerCallTimer:
         return (f"PlannerCallTimer({self.calls} calls, {self.seconds * 1e6:.1f} us inside them"
                 + (f": {calls}" if calls else "") + f"; {self.waiting_s * 1e6:.1f} us waiting for the GPU)")
 
-    def timed_steps(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.perf_counter
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return inner(*args, **kwargs)
-            self._depth += 1
+    def call(self, name: str) -> None:
+        if not self._open:
             self._waited_inside = 0.0
-            t0 = clock()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                took = clock() - t0 - self._overhead_s - self._waited_inside
-                self.seconds += took
-                self.by_call[name] += took
-                self.calls += 1
-                self._depth -= 1
+        self._open.append((name, time.perf_counter()))
 
-        return timed
-
-    def _waiting(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.perf_counter
-
-        def waiting(*args: Any, **kwargs: Any) -> Any:
-            t0 = clock()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                took = clock() - t0
-                self.waiting_s += took
-                self._waited_inside += took
-
-        return waiting
+    def returned(self, name: str) -> None:
+        _, t0 = self._open.pop()
+        took = time.perf_counter() - t0
+        if name in GPU_WAITS:
+            self.waiting_s += took
+            self._waited_inside += took
+            return
+        if self._open:  # inside another timed call: counted with it
+            return
+        took -= self._overhead_s + self._waited_inside
+        self.seconds += took
+        self.by_call[name] += took
+        self.calls += 1
 
     def __enter__(self) -> PlannerCallTimer:
-        for name in CALLS:
-            setattr(self.planner, name, self.timed_steps(name, getattr(self.planner, name)))
-        for name in GPU_WAITS:
-            if hasattr(self.planner, name):
-                setattr(self.planner, name, self._waiting(getattr(self.planner, name)))
+        self._within = observing(self.planner.observers, self)
+        self._within.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in (*CALLS, *GPU_WAITS):
-            self.planner.__dict__.pop(name, None)
+        self._within.__exit__(*exc)
 
 
 def _timer_overhead_s(samples: int = 2001) -> float:

@@ -39,8 +39,8 @@ import torch
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
+from wsharding.core.observe import StepObserver, observing
 from wsharding.io_checks import read_saved_report
-from wsharding.lab.bench.planner_calls import CALLS
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.cliargs import check_output_path, int_at_least
@@ -68,8 +68,8 @@ COLUMNS = ("start_us", "end_us", "class", "name")
 @contextmanager
 def labelled(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, every layer of ``model`` runs inside ``record_function("layer i")`` and every
-    planner call (:data:`~wsharding.lab.bench.planner_calls.CALLS`) inside ``"planner.<call>"``:
-    the host lane of the timeline. Hooks and wrappers are removed on exit."""
+    planner call (:data:`~wsharding.core.observe.CALLS`) inside ``"planner.<call>"``, by an observer:
+    the host lane of the timeline. Hooks and the observer are removed on exit."""
     handles = []
     open_ranges: dict[int, Any] = {}
 
@@ -91,26 +91,36 @@ def labelled(model: torch.nn.Module) -> Iterator[None]:
         handles.append(layer.register_forward_pre_hook(enter(i)))
         handles.append(layer.register_forward_hook(leave(i)))
     planner = getattr(model, "planner", None)
-
-    def wrapped(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with torch.profiler.record_function(PLANNER_LABEL + name):
-                return inner(*args, **kwargs)
-        return call
-
-    if planner is not None:
-        for name in CALLS:
-            setattr(planner, name, wrapped(name, getattr(planner, name)))
+    labels = PlannerLabels()
     try:
-        yield
+        with observing(planner.observers if planner is not None else [], labels):
+            yield
     finally:
         for h in handles:
             h.remove()
         for rf in open_ranges.values():
             rf.__exit__(None, None, None)
-        if planner is not None:
-            for name in CALLS:
-                planner.__dict__.pop(name, None)
+        labels.close()
+
+
+class PlannerLabels(StepObserver):
+    """An observer ([Note: observers] in ``wsharding/core/observe.py``) that runs every planner call
+    inside ``record_function("planner.<call>")``."""
+
+    def __init__(self) -> None:
+        self.open: list[Any] = []
+
+    def call(self, name: str) -> None:
+        rf = torch.profiler.record_function(PLANNER_LABEL + name)
+        rf.__enter__()
+        self.open.append(rf)
+
+    def returned(self, name: str) -> None:
+        self.open.pop().__exit__(None, None, None)
+
+    def close(self) -> None:
+        while self.open:
+            self.open.pop().__exit__(None, None, None)
 
 
 # ---- the trace -> lanes ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ the steps of all depths are timed in rounds of rotating order (:mod:`wsharding.l
 that each ratio compares steps measured side by side. Each depth's output is compared bit for bit with
 the replicated model's, and its resident bytes with the formula ``R/N + (k+1) max|T_l|``.
 
-The check at use ([Note: checked at use] in ``wsharding/core/planner.py``) is timed on the host where a
+The check at use ([Note: checked at use] in ``wsharding/core/step_owner.py``) is timed on the host where a
 layer pays it: ``planner.ensure(layer)`` on a layer whose slot holds it (what every target linear and
 every block of ours calls at its start; ``block_start`` makes the same test), the median of many calls;
 beside it the planner's whole host time per layer of a step.

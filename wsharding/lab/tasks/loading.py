@@ -16,6 +16,7 @@ import torch
 from wsharding.checkpoint import load_checkpoint, load_sharded, save_checkpoint
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
+from wsharding.core.observe import StepObserver, observing
 from wsharding.core.runner import aligned_forward
 from wsharding.core.sharding import WeightSharding
 from wsharding.linear.fp8 import fp8_gemm_path
@@ -26,6 +27,17 @@ from wsharding.models.equality import tokens_for
 #: The Llama projections weight sharding takes (all of them: DP-attention style, tp 1).
 HF_LLAMA_PATTERNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+class FinalizeStages(StepObserver):
+    """Calls ``fn(stage, layer)`` at every stage of a sharding's finalize ([Note: observers] in
+    ``wsharding/core/observe.py``): the memory samples behind the redistribution figures."""
+
+    def __init__(self, fn: Callable[[str, int | None], object]) -> None:
+        self.fn = fn
+
+    def finalize_stage(self, stage: str, layer: int | None) -> None:
+        self.fn(stage, layer)
 
 
 def held_peak_bytes(result: dict[str, Any]) -> int:
@@ -77,7 +89,8 @@ def load_variant(ctx: RankContext, preset: str | DecoderConfig, variant: str, pa
         base = torch.cuda.memory_allocated(comm.device) if cuda else rss_bytes()
         loaded = load_checkpoint(model, path)
         observe("loaded", None)
-        ws.finalize(observe=observe)
+        with observing(ws.observers, FinalizeStages(observe)):
+            ws.finalize()
     equal, max_diff = [], 0.0
     with torch.no_grad():
         for s in range(len(counts)):
@@ -232,7 +245,8 @@ def build_pair_measured(cfg: DecoderConfig, comm, **kwargs: Any) -> tuple[ToyDec
     gc.collect()
     outside = outside_allocator_bytes(comm)
     with PeakMeter(comm.device, held_bytes=ws.held_bytes()["weights"], outside_allocator=outside) as meter:
-        ws.finalize(observe=lambda stage, layer: meter.sample())
+        with observing(ws.observers, FinalizeStages(lambda stage, layer: meter.sample())):
+            ws.finalize()
     load = {**meter.result.as_dict(), "bound_bytes": ws.finalize_bound_bytes(),
             "largest_weight_bytes": ws.largest_weight_bytes()}
     return replicated, sharded, load

@@ -8,6 +8,7 @@ the tests all call them through ``cluster.run``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -22,7 +23,7 @@ from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.planner import ScheduleMissWarning
 from wsharding.core.runner import aligned_forward, run_layers
-from wsharding.core.schedule import lookahead_schedule, slot_name
+from wsharding.core.schedule import GatherSchedule, ScheduledGather, lookahead_schedule, slot_name
 from wsharding.core.sharding import WeightSharding
 from wsharding.models import DecoderConfig, ToyDecoder, decoder_config
 
@@ -205,7 +206,7 @@ class ReadTwiceBlock(nn.Module):
     that lands in the slot during the pause changes the second read, and so the output.
 
     Both reads go straight to the slot, as GPU kernels queued at the layer's start read it long after
-    the host checked it: the check at use ([Note: checked at use] in ``wsharding/core/planner.py``)
+    the host checked it: the check at use ([Note: checked at use] in ``wsharding/core/step_owner.py``)
     runs where the runner starts the block (``block_start``), and the forward runs under
     :data:`~wsharding.core.bound.raw_access`, so that the host-side guard of a direct read ([Note:
     reads of a bound weight] in ``wsharding/core/bound.py``) does not stand in for the GPU's order:
@@ -275,11 +276,22 @@ class LandingGather:
         self.inner.wait(stream)
 
 
+def without_gates(schedule: GatherSchedule) -> GatherSchedule:
+    """``schedule`` with every gather's gate removed: each is issued at its hook, whoever still reads its
+    slot -- the race the gate prevents ([Note: the gate] in ``wsharding/core/planner.py``), shown."""
+    def bare(gs: tuple[ScheduledGather, ...]) -> tuple[ScheduledGather, ...]:
+        return tuple(dataclasses.replace(g, gate=None) for g in gs)
+
+    return dataclasses.replace(schedule, at_step_start=bare(schedule.at_step_start),
+                               at_block_start={b: bare(gs) for b, gs in schedule.at_block_start.items()},
+                               at_block_end={b: bare(gs) for b, gs in schedule.at_block_end.items()})
+
+
 def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layers: int = 6, d: int = 32,
                     ahead: int = 2) -> dict[str, Any]:
     """A schedule ``ahead`` layers deep over two slots (the weight-sharding design gathers one ahead), so
-    that the gather of layer ``i+2`` targets the slot layer ``i`` is reading, with and without the
-    planner's gate.
+    that the gather of layer ``i+2`` targets the slot layer ``i`` is reading, with its gates and with
+    them removed (:func:`without_gates`).
 
     Between its two reads each layer waits until every gather in flight has landed (CPU ranks; see
     :class:`LandingComm`). With the gate the early gather is held until layer ``i`` is done (trace
@@ -298,9 +310,10 @@ def gate_experiment(ctx: RankContext, gate: bool, *, pause: float = 0.0, n_layer
             expected = b(expected)
     ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(n_layers)}, trace=True).setup().finalize()
     planner = ws.planner
-    planner.gate = gate
     # deeper than the two slots allow: each gather is issued while its slot's last reader still computes
-    planner.set_schedule(lambda sharded, slot_of, start, end: lookahead_schedule(sharded, slot_of, ahead, start, end))
+    keep = (lambda s: s) if gate else without_gates
+    planner.set_schedule(lambda sharded, slot_of, start, end: keep(lookahead_schedule(sharded, slot_of, ahead, start,
+                                                                                      end)))
     # The planner's ScheduleMissWarning (a slot found without its layer at use) is part of what this
     # experiment shows: kept and returned, not written to the rank's stderr (a notebook would print it
     # in red, with the planner's file path, on every run).

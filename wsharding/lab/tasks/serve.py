@@ -27,10 +27,11 @@ import torch.distributed as dist
 from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
+from wsharding.core.observe import observing
 from wsharding.core.sharding import WeightSharding
 from wsharding.costmodel.bill import bill_for_layouts
 from wsharding.lab.progress import rank_stage
-from wsharding.lab.tasks.loading import outside_allocator_bytes
+from wsharding.lab.tasks.loading import FinalizeStages, outside_allocator_bytes
 from wsharding.lab.tasks.planner import align_ranks
 from wsharding.linear import process_weights
 from wsharding.memory import PeakMeter
@@ -98,7 +99,8 @@ def _build(variant: str, cfg, comm, seed: int) -> tuple[ToyDecoder, WeightShardi
                                 map_own_chunk=False if variant == PLAIN else "auto")
             model = ToyDecoder(cfg, seed=seed, weight_sharding=ws, device=comm.device).eval()
             process_weights(model)
-            ws.finalize(observe=lambda stage, layer: meter.sample())
+            with observing(ws.observers, FinalizeStages(lambda stage, layer: meter.sample())):
+                ws.finalize()
     peak = meter.result
     return model, ws, {"load_peak_bytes": peak.device_peak_bytes, "load_peak_is_host": peak.device_is_host}
 
