@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from wsharding.core.emulation import CPU_EMULATION_SHORT
-from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
+from wsharding.lab.args.info import add_arguments as add_arguments
+from wsharding.lab.cliargs import check_output_path, emit_json
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
 FEATURES = ("symmetric_windows", "copy_engine_allgather", "multi_rank_per_gpu", "mapped_layer_views")
@@ -116,10 +117,6 @@ def format_info(info: dict[str, Any]) -> str:
     for k, v in info["env"].items():
         lines.append(f"env {k}={v}")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_json_option(p, "the facts")
 
 
 def main(args: argparse.Namespace) -> int:
