@@ -27,6 +27,7 @@ planner plug-ins (``shard_blocks(..., plugins=[NextStepPrefetch()])``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below, for type checkers and editors; at run time ``__getattr__`` imports them
@@ -78,6 +79,9 @@ _HOME: dict[str, str] = {
 def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
     if home is None:
+        # a subpackage read as an attribute (``help(wsharding.core)``), as when this file imported it
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module 'wsharding' has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value  # the next read is a plain attribute

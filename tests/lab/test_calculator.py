@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from wsharding.core.errors import NotFound
 from wsharding.lab.calculator import STAGES, Calculator
 from wsharding.lab.printing import WIDTH
 
@@ -74,7 +75,7 @@ def test_so_far_reads_every_stage_up_to_the_notebook_and_fits_the_output_area(ca
     assert text.splitlines()[0].startswith("the calculator, notebooks 00-08: kimi-k3-b200-moe-bf16 on 8 x B200")
     assert len(text.splitlines()) == 1 + len(calc.so_far("08"))
     assert max(map(len, text.splitlines())) <= WIDTH
-    with pytest.raises(KeyError, match="stages 00, 01"):
+    with pytest.raises(NotFound, match="stages 00, 01"):
         calc.stage("09")
 
 

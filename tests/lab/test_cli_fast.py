@@ -70,6 +70,7 @@ def test_the_package_face_still_offers_every_name():
     from wsharding.core.runner import shard_blocks
 
     assert wsharding.shard_blocks is shard_blocks
+    assert wsharding.core.__doc__.startswith("The essential path")  # a subpackage read as an attribute is imported
     assert set(wsharding.__all__) <= set(dir(wsharding))
     for name in wsharding.__all__:
         assert getattr(wsharding, name) is not None

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from wsharding.core.errors import NotFound
 from wsharding.core.units import GB, fmt_bytes
 from wsharding.costmodel import Deployment, ModelSpec, Plan, bill_for_layouts, estimate, fmt_seconds, get_device
 from wsharding.costmodel.devices import MAPPED_PAGE_BYTES
@@ -92,7 +93,7 @@ class Calculator:
     def stage(self, notebook: str) -> list[Row]:
         """The rows notebook ``notebook`` (``"00"`` .. ``"08"``) adds."""
         if notebook not in STAGES:
-            raise KeyError(f"notebook {notebook!r}: the calculator has stages {', '.join(STAGES)}")
+            raise NotFound(f"notebook {notebook!r}: the calculator has stages {', '.join(STAGES)}")
         return _STAGE_ROWS[notebook](self)
 
     def so_far(self, notebook: str) -> list[Row]:
@@ -105,7 +106,7 @@ class Calculator:
         for row in self.stage(notebook):
             if row.name == name:
                 return row.value
-        raise KeyError(f"notebook {notebook}: no row {name!r}")
+        raise NotFound(f"notebook {notebook}: no row {name!r}")
 
     def table(self, notebook: str) -> str:
         """The calculator so far as text: a title line, then one line per row."""
