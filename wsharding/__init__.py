@@ -24,16 +24,73 @@ communicator (``wsharding.accel.nccl.from_context``), the slot layout it offers 
 planner plug-ins (``shard_blocks(..., plugins=[NextStepPrefetch()])``).
 """
 
-from wsharding.checkpoint import BuiltWholeWarning, CheckpointError, load_checkpoint, load_sharded, save_checkpoint
-from wsharding.core.comm import CommError
-from wsharding.core.context import ClusterError, RankContext, init_from_env
-from wsharding.core.declare import ShardingSkipWarning, UnmatchedPatternWarning
-from wsharding.core.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
-from wsharding.core.groups import ShardGroupAcrossNodesWarning
-from wsharding.core.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
-from wsharding.core.runner import shard_blocks
-from wsharding.core.sharding import WeightSharding
-from wsharding.empty_build import empty_parameters
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below, for type checkers and editors; at run time ``__getattr__`` imports them
+    from wsharding.checkpoint import BuiltWholeWarning, CheckpointError, load_checkpoint, load_sharded, save_checkpoint
+    from wsharding.core.comm import CommError
+    from wsharding.core.context import ClusterError, RankContext, init_from_env
+    from wsharding.core.declare import ShardingSkipWarning, UnmatchedPatternWarning
+    from wsharding.core.errors import InvalidArgument, InvalidType, NotFound, ShardingError, Unsupported, WshardingError
+    from wsharding.core.groups import ShardGroupAcrossNodesWarning
+    from wsharding.core.layout import FlatLayout, LayoutEntry, LayoutError, OwnedPiece
+    from wsharding.core.runner import shard_blocks
+    from wsharding.core.sharding import WeightSharding
+    from wsharding.empty_build import empty_parameters
+
+# [Note: the package face imports nothing until asked]
+# Every name below is imported from its module the first time it is read (PEP 562), not when the package
+# is. Importing any module of the package runs this file first, and the command's ``--help`` and its
+# argument errors must answer without loading torch (about 2 s, most of the command's start-up): so this
+# file imports nothing of the package itself.
+_HOME: dict[str, str] = {
+    "BuiltWholeWarning": "wsharding.checkpoint",
+    "CheckpointError": "wsharding.checkpoint",
+    "load_checkpoint": "wsharding.checkpoint",
+    "load_sharded": "wsharding.checkpoint",
+    "save_checkpoint": "wsharding.checkpoint",
+    "CommError": "wsharding.core.comm",
+    "ClusterError": "wsharding.core.context",
+    "RankContext": "wsharding.core.context",
+    "init_from_env": "wsharding.core.context",
+    "ShardingSkipWarning": "wsharding.core.declare",
+    "UnmatchedPatternWarning": "wsharding.core.declare",
+    "InvalidArgument": "wsharding.core.errors",
+    "InvalidType": "wsharding.core.errors",
+    "NotFound": "wsharding.core.errors",
+    "ShardingError": "wsharding.core.errors",
+    "Unsupported": "wsharding.core.errors",
+    "WshardingError": "wsharding.core.errors",
+    "ShardGroupAcrossNodesWarning": "wsharding.core.groups",
+    "FlatLayout": "wsharding.core.layout",
+    "LayoutEntry": "wsharding.core.layout",
+    "LayoutError": "wsharding.core.layout",
+    "OwnedPiece": "wsharding.core.layout",
+    "shard_blocks": "wsharding.core.runner",
+    "WeightSharding": "wsharding.core.sharding",
+    "empty_parameters": "wsharding.empty_build",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        # a subpackage read as an attribute (``help(wsharding.core)``), as when this file imported it
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module 'wsharding' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next read is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
 
 __version__ = "0.1.0"
 __all__ = [

@@ -25,8 +25,12 @@ BUILTIN_ERRORS = {n for n, v in vars(builtins).items()
 def bare_builtin_raises(source: str, filename: str) -> list[str]:
     """``file:line: raise ValueError(...)`` for every raise of a built-in exception class."""
     out = []
-    for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Raise) and node.exc is not None:
+    tree = ast.parse(source, filename)
+    # a module's ``__getattr__`` (PEP 562) answers an unknown name with AttributeError: the protocol itself
+    protocol = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
+                for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and node.exc is not None and id(node) not in protocol:
             if isinstance(node.exc, ast.Name) and node.exc.id == "NotImplementedError":
                 continue  # an abstract method's body: the subclass's to write, not an error a user handles
             exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
@@ -45,6 +49,8 @@ def test_the_raise_check_sees_a_bare_builtin():
     assert bare_builtin_raises("def f():\n    raise ValueError('x')\n", "m.py") == ["m.py:2: raise ValueError"]
     assert bare_builtin_raises("def f():\n    raise InvalidArgument('x')\n", "m.py") == []
     assert bare_builtin_raises("def f():\n    raise NotImplementedError\n", "m.py") == []
+    assert bare_builtin_raises("def __getattr__(name):\n    raise AttributeError(name)\n", "m.py") == []
+    assert bare_builtin_raises("def g(name):\n    raise AttributeError(name)\n", "m.py") == ["m.py:2: raise AttributeError"]
 
 
 def _modules() -> list[str]:

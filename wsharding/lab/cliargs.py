@@ -302,16 +302,6 @@ def error_lines(exc: BaseException, verbose: bool = False) -> list[str]:
     return out
 
 
-def explained_errors() -> tuple[type[BaseException], ...]:
-    """The exception types :func:`run_command` prints as lines (imported late: torch is slow)."""
-    from wsharding.accel.nccl.library import NcclLibraryError
-    from wsharding.core.comm import CommError
-    from wsharding.core.context import ClusterError
-    from wsharding.costmodel import CostModelError
-
-    return (InputError, ClusterError, CommError, NcclLibraryError, CostModelError)
-
-
 def run_command(command: str, main: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a subcommand's ``main``; every error of the package (a :class:`WshardingError`: its
     message names the culprit and says what to do) becomes :func:`fail`'s lines, anything else keeps
@@ -321,7 +311,7 @@ def run_command(command: str, main: Callable[[argparse.Namespace], int | None], 
     verbose = bool(getattr(args, "verbose", False))
     try:
         return int(main(args) or 0)
-    except (WshardingError, *explained_errors()) as e:
+    except WshardingError as e:  # the communicator's, NCCL's, the cost model's and the ranks' errors derive from it
         if verbose:
             import traceback
 
@@ -336,10 +326,10 @@ def is_bad_input(exc: BaseException) -> bool:
     value that cannot work; a ``RuntimeError`` or ``AssertionError`` kind (the ranks', the
     communicator's, NCCL's, a benchmark whose results differ) is a failure -- and anything raised on
     the ranks comes back as a ``RemoteError``, a failure, whatever it was there."""
-    from wsharding.lab.cluster import RemoteError
-
     if isinstance(exc, InputError):
         return True
+    from wsharding.lab.cluster import RemoteError  # imported here: it imports torch, which bad input must not wait for
+
     return (isinstance(exc, WshardingError) and not isinstance(exc, (RemoteError, RuntimeError, AssertionError))
             and isinstance(exc, (ValueError, TypeError, KeyError)))
 

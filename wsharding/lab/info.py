@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from wsharding.comm_by_name import COMMS, resolve_comm
-from wsharding.lab.cliargs import add_json_option, check_output_path, emit_json
+from wsharding.lab.args.info import add_arguments as add_arguments
+from wsharding.lab.cliargs import check_output_path, emit_json
 from wsharding.lab.emulation import CPU_EMULATION_SHORT
 
 #: The features a libnccl version offers (keys of NcclLibrary.describe()).
@@ -118,10 +119,6 @@ def format_info(info: dict[str, Any]) -> str:
     for k, v in info["env"].items():
         lines.append(f"env {k}={v}")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_json_option(p, "the facts")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -36,15 +36,18 @@ from typing import Any
 
 import torch
 
-from wsharding.comm_by_name import COMMS, shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.runner import aligned_forward
 from wsharding.core.units import KiB, MiB
-from wsharding.lab.cliargs import InputError, add_json_option, check_output_path, emit_json, int_at_least
+from wsharding.lab.args.soak import MIN_STEPS as MIN_STEPS
+from wsharding.lab.args.soak import WARMUP
+from wsharding.lab.args.soak import add_arguments as add_arguments
+from wsharding.lab.cliargs import InputError, check_output_path, emit_json
 from wsharding.lab.cluster import RankCluster, RemoteError, TaskTimeout, WorkerDied, choose_backend
 from wsharding.lab.memory import MemoryCheckError, check_demo_fits
-from wsharding.models import PRESETS, build_pair, decoder_config
+from wsharding.models import build_pair, decoder_config
 
 #: Bytes in use by malloc may move by what Python's and torch's free lists keep; a leak of a few
 #: hundred bytes per step is larger than this over a soak of a few hundred steps.
@@ -61,11 +64,6 @@ FR_ENTRIES = 64
 FAULT_MARGIN_S = 10.0
 #: The three fault runs.
 FAULTS = ("kill", "skip", "raise")
-#: Steps before the first count is taken (the flight recorder fills, the allocator settles); growth is
-#: measured from there to the last step.
-WARMUP = 50
-#: The fewest soak steps: the warm-up, then at least one step whose counts are compared with it.
-MIN_STEPS = WARMUP + 1
 
 
 def tokens_at(rank: int, step: int) -> int:
@@ -299,18 +297,6 @@ def format_report(results: list[dict[str, Any]], faults: list[dict[str, Any]]) -
     verdict = (soak_ok(results) if results else []) + [x for f in faults for x in fault_ok(f)]
     lines.append("  verdict: " + ("ok" if not verdict else "FAILED\n    " + "\n    ".join(verdict)))
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int_at_least(1), default=3, help="rank processes (default 3)")
-    p.add_argument("--steps", type=int_at_least(MIN_STEPS, why=f"{WARMUP} warm-up steps, then the checked ones"),
-                   default=1000, help=f"soak steps (default 1000, at least {MIN_STEPS}: the first {WARMUP} warm up)")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="decoder preset (default tiny)")
-    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="gloo: CPU ranks (default); nccl: GPUs")
-    p.add_argument("--comm", default="torch", choices=tuple(COMMS),
-                   help="gather with torch.distributed (default) or our NCCL communicator (GPUs)")
-    p.add_argument("--no-faults", action="store_true", help="skip the three fault runs")
-    add_json_option(p, "the report", "--report")
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -16,16 +16,43 @@ The model side is :class:`~wsharding.models.serve_step.ServeStep` and ``ToyDecod
 ``wsharding bench serve`` runs it for the replicated and the sharded model side by side.
 """
 
-from wsharding.serve.blocks import BLOCK_TOKENS, BlockPool, blocks_for
-from wsharding.serve.budget import (
-    activation_reserve_bytes,
-    budget_for_share,
-    budget_from_device,
-    pool_blocks,
-)
-from wsharding.serve.engine import ServeRun, serve
-from wsharding.serve.scheduler import Scheduler, check_servable
-from wsharding.serve.workload import Request, Workload
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wsharding.serve.blocks import BLOCK_TOKENS, BlockPool, blocks_for
+    from wsharding.serve.budget import activation_reserve_bytes, budget_for_share, budget_from_device, pool_blocks
+    from wsharding.serve.engine import ServeRun, serve
+    from wsharding.serve.scheduler import Scheduler, check_servable
+    from wsharding.serve.workload import Request, Workload
+
+#: Each name's module, imported the first time the name is read ([Note: the package face imports nothing
+#: until asked] in :mod:`wsharding`): ``--slo`` is parsed with :mod:`wsharding.serve.metrics` (no torch),
+#: which runs this file first.
+_HOME: dict[str, str] = {
+    "BLOCK_TOKENS": "wsharding.serve.blocks", "BlockPool": "wsharding.serve.blocks", "blocks_for": "wsharding.serve.blocks",
+    "activation_reserve_bytes": "wsharding.serve.budget", "budget_for_share": "wsharding.serve.budget",
+    "budget_from_device": "wsharding.serve.budget", "pool_blocks": "wsharding.serve.budget",
+    "ServeRun": "wsharding.serve.engine", "serve": "wsharding.serve.engine",
+    "Scheduler": "wsharding.serve.scheduler", "check_servable": "wsharding.serve.scheduler",
+    "Request": "wsharding.serve.workload", "Workload": "wsharding.serve.workload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'wsharding.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
 
 __all__ = ["BLOCK_TOKENS", "BlockPool", "Request", "Scheduler", "ServeRun", "Workload", "activation_reserve_bytes",
            "blocks_for", "budget_for_share", "budget_from_device", "check_servable", "pool_blocks", "serve"]

@@ -27,15 +27,15 @@ import torch
 
 import wsharding.checkpoint as checkpoint_module
 from wsharding.checkpoint import BuiltWholeWarning, load_sharded, save_checkpoint
-from wsharding.comm_by_name import COMM_CHOICES, shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
+from wsharding.lab.args.bench_load import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
-from wsharding.lab.cliargs import check_output_path, int_at_least
-from wsharding.lab.outdir import default_help, default_output
+from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.tasks.loading import outside_allocator_bytes
 from wsharding.memory import PeakMeter, peak_rss_bytes, reset_peak_rss, rss_bytes
-from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, BlocksModel, blocks_config, build_blocks
+from wsharding.models.blocks import BLOCK_TARGETS, BlocksModel, blocks_config, build_blocks
 from wsharding.runtime import gpu_count, in_ci
 
 
@@ -210,21 +210,6 @@ def format_table(results: list[dict[str, Any]], preset: str, tokens: int) -> str
             lines.append("  (at this size the resident set is noise -- the interpreter's own allocations move it as "
                          "much: --model cpu-blocks shows the host numbers at 100 MiB layers)")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
-    p.add_argument("--model", default=None, choices=sorted(BLOCK_PRESETS),
-                   help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
-    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
-                   help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
-    p.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens per rank of the forward (default 256)")
-    checkpoint = default_output("bench_load/{model}.safetensors")
-    p.add_argument("--checkpoint", default=checkpoint,
-                   help="where the checkpoint is written once and read ({model}: the model's name; "
-                        f"{default_help(checkpoint)})")
-    out = default_output("bench_load")
-    p.add_argument("--json", default=out, metavar="PREFIX", help=f"path prefix for .json ('' for none; {default_help(out)})")
 
 
 def main(args: argparse.Namespace) -> int:

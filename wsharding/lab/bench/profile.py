@@ -41,11 +41,11 @@ from wsharding.core.context import RankContext
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.core.observe import StepObserver, observing
 from wsharding.io_checks import read_saved_report
+from wsharding.lab.args.bench_profile import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.report import save_report
-from wsharding.lab.cliargs import check_output_path, int_at_least
-from wsharding.lab.outdir import default_help, default_output
-from wsharding.models import PRESETS, ToyDecoder, decoder_config
+from wsharding.lab.cliargs import check_output_path
+from wsharding.models import ToyDecoder, decoder_config
 from wsharding.runtime import gpu_count, in_ci
 
 #: The labels the bench puts around a step, a layer and a planner call (``record_function``).
@@ -325,20 +325,6 @@ def format_table(report: dict[str, Any]) -> str:
             parts = ", ".join(f"{cls} {us / 1e3:.3f} ms" for cls, us in sorted(busy.items()))
             lines.append(f"    {lane['lane']:<28}{len(lane['intervals']):>5} intervals  {parts}")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="decoder preset (default k3-like on GPUs, tiny on CPU)")
-    p.add_argument("--tokens", type=int_at_least(1), default=8, help="tokens per rank per step (default 8)")
-    p.add_argument("--steps", type=int_at_least(1), default=3,
-                   help="profiled steps (default 3; the last is kept)")
-    p.add_argument("--comm", default="auto", choices=["auto", "torch", "nccl"],
-                   help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
-    out = default_output("bench_profile")
-    p.add_argument("--json", default=out, metavar="PREFIX",
-                   help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
 
 
 def _figure(report: dict[str, Any]) -> Any:

@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from wsharding.comm_by_name import COMM_CHOICES, shard_comm_for
+from wsharding.comm_by_name import shard_comm_for
 from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
+from wsharding.lab.args.bench_schedule import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
 from wsharding.lab.bench.rounds import round_orders
-from wsharding.lab.bench.step import MODELS, check_cost_us, sharded_twin, timed_steps
-from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
-from wsharding.lab.outdir import default_help, default_output
+from wsharding.lab.bench.step import check_cost_us, sharded_twin, timed_steps
+from wsharding.lab.cliargs import check_output_path
 from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, build_blocks
 from wsharding.runtime import gpu_count, in_ci
@@ -114,22 +114,6 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"  check at use, host per call: {report['check_ensure_us']:.3f} us (ensure of a layer its slot "
                  f"holds); the planner's whole step, per layer: {report['planner_us_per_layer']:.2f} us")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
-    p.add_argument("--model", default=None, choices=MODELS, help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
-    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
-                   help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
-    p.add_argument("--tokens", default=None, type=checked_text(number_list(int, 1, "tokens", "1,16,256")),
-                   help="comma-separated tokens per rank (default 1,16,256,2048 on GPUs, 1,16,256 on CPU)")
-    p.add_argument("--depths", default="1,2,3", type=checked_text(number_list(int, 1, "depths", "1,2,3")),
-                   help="lookahead depths to compare, the first is the reference (default 1,2,3)")
-    p.add_argument("--steps", type=int_at_least(1), default=None, help="timed steps per measurement (default 20 GPU, 5 CPU)")
-    p.add_argument("--repeats", type=int_at_least(1), default=None, help="rounds of rotating order (default 5 GPU, 3 CPU)")
-    out = default_output("bench_schedule")
-    p.add_argument("--json", default=out, metavar="PREFIX",
-                   help=f"path prefix for .json ('' for none; {default_help(out)})")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from wsharding.comm_by_name import COMM_CHOICES, graph_unsupported, shard_comm_for
+from wsharding.comm_by_name import graph_unsupported, shard_comm_for
 from wsharding.core.comm import Communicator
 from wsharding.core.context import RankContext
 from wsharding.core.errors import NotFound
@@ -43,14 +43,15 @@ from wsharding.core.sharding import WeightSharding
 from wsharding.core.units import ceil_div
 from wsharding.cuda_graph import capture_graph
 from wsharding.io_checks import read_saved_report
+from wsharding.lab.args.bench_step import MODELS as MODELS
+from wsharding.lab.args.bench_step import add_arguments as add_arguments
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired
 from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.rounds import round_orders
-from wsharding.lab.cliargs import check_output_path, checked_text, int_at_least, number_list
+from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.cluster import RankCluster
-from wsharding.lab.outdir import default_help, default_output
-from wsharding.models import PRESETS, build_pair, decoder_config
+from wsharding.models import build_pair, decoder_config
 from wsharding.models.blocks import BLOCK_PRESETS, BLOCK_TARGETS, build_blocks
 from wsharding.runtime import gpu_count, in_ci
 
@@ -69,7 +70,6 @@ LEGEND = {"sharded_next_step": "sharded, with the next step's first gather issue
 #: The variants that run with the communicator's issue thread on.
 ISSUE_THREAD = ("sharded_issue_thread", "sharded_mapped_issue_thread")
 GRAPH = ("graph_replicated", "graph_sharded", "graph_sharded_mapped")
-MODELS = sorted(BLOCK_PRESETS) + sorted(PRESETS)
 #: Largest tokens per rank that --graph captures (decode sizes).
 GRAPH_MAX_TOKENS = 256
 #: Paired calls behind the host overhead per layer at decode sizes on GPUs (paired_host_us).
@@ -614,29 +614,6 @@ def saved_path(name: str, folder: str | Path = MEASUREMENTS) -> Path:
         raise NotFound(f"{name}: {len(found)} files of that name under {folder}, not 1"
                                 + (f" ({', '.join(map(str, found))})" if found else ""))
     return found[0]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int_at_least(1), default=None, help="ranks (default: all GPUs, or 2 CPU ranks)")
-    p.add_argument("--model", default=None, choices=MODELS,
-                   help="default: llama8b-blocks on GPUs, tiny-blocks on CPU")
-    p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
-                   help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
-    p.add_argument("--tokens", default=None, type=checked_text(number_list(int, 1, "tokens", "1,16,256")),
-                   help="comma-separated tokens per rank (default 1,16,256,2048,8192 on GPUs, 1,16,256 on CPU)")
-    p.add_argument("--steps", type=int_at_least(1), default=None, help="timed steps per measurement (default 20 GPU, 5 CPU)")
-    p.add_argument("--repeats", type=int_at_least(1), default=None,
-                   help="measurements per value, in rounds of rotating order (default 5 on GPUs: enough paired rounds "
-                        "to tell lookahead from no lookahead at 90 %%; 3 on CPU ranks)")
-    p.add_argument("--graph", action="store_true", help="also capture and replay the layer loop in a CUDA graph")
-    p.add_argument("--no-fsdp", action="store_true", help="leave FSDP2 out")
-    p.add_argument("--mapped", action="store_true",
-                   help="also a sharding whose gathers copy nothing of their own (map_own_chunk; NCCL >= 2.30)")
-    p.add_argument("--issue-thread", action="store_true",
-                   help="also the variants whose gathers a native thread issues (our NCCL communicator)")
-    out = default_output("bench_step")
-    p.add_argument("--json", default=out, metavar="PREFIX",
-                   help=f"path prefix for .json and the figure ('' for none; {default_help(out)})")
 
 
 def _figure(report: dict[str, Any]) -> Any:

@@ -16,7 +16,8 @@ import torch
 
 from wsharding.core.errors import InvalidArgument
 from wsharding.core.units import ceil_div
-from wsharding.lab.bench.allgather import SIZES, format_table, run_cpu, run_gpu
+from wsharding.lab.args.bench_allgather import SIZES
+from wsharding.lab.bench.allgather import format_table, run_cpu, run_gpu
 from wsharding.lab.cluster import RankCluster
 from wsharding.lab.viz.comm import allgather_bandwidth_figure
 from wsharding.lab.widgets import pre_html
