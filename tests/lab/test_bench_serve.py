@@ -380,3 +380,21 @@ def test_reports_of_one_set_up_at_other_budgets_merge_into_one_crossover(tmp_pat
     assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "high.json"), str(tmp_path / "other.json"),
                      "--json", ""]) == 2
     assert "its trials differs from" in capsys.readouterr().err
+
+
+#: The GPU run the README and notebook 07 quote (one H100, two ranks time-slicing it).
+GPU_RUN = SAVED.parents[1] / "h100-2026-12-05-pair" / "bench_serve_k3-like_2ranks-1gpu_h100_kv-steady.json"
+
+
+def test_the_saved_gpu_run_says_what_the_readme_says():
+    from wsharding.lab.bench.serve import read_serve_report
+    from wsharding.lab.bench.serve_report import answer_text
+
+    report = read_serve_report(GPU_RUN)
+    (row,) = report["rows_by_budget"]
+    assert (row["replicated"]["pool_tokens"], row["sharded"]["pool_tokens"]) == (16_432, 50_032)
+    assert answer_text(row, report["variants"]) == (
+        "per rank, replicated sustains 4/s, fails at 6/s; sharded at least 6/s (nothing failed); "
+        "goodput sharded/replicated 4/s 1.08x (pool-limited), 6/s 1.80x (pool-limited)")
+    readme = (SAVED.parents[3] / "README.md").read_text()
+    assert "sustains 4/s and fails at 6/s" in readme and "1.80x at 6/s" in readme
