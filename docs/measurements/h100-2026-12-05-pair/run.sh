@@ -6,6 +6,8 @@
 #   run.sh compute OUTDIR SECONDS  # 10 GiB per rank: neither pool limits at these rates (no token check)
 #   run.sh kv-steady OUTDIR SECONDS  # 8.5 GiB, 150 requests at 4 and 6/s: long enough to be steady (tokens
 #                                    # were checked by the kv run)
+#   run.sh compute-steady OUTDIR SECONDS  # 10 GiB, the same 150 requests at 4 and 6/s: neither pool limits;
+#                                         # --from-json with kv-steady gives both regimes and the crossover
 set -uo pipefail
 which=$1 out=$2 limit=$3
 export WSHARDING_NCCL_LIBRARY=${WSHARDING_NCCL_LIBRARY:-/tmp/nccl/libnccl.so.2} NCCL_MULTI_RANK_GPU_ENABLE=1 PYTHONPATH=.
@@ -15,7 +17,8 @@ case $which in
   kv) extra=(--budget-gib 8.5) ;;
   compute) extra=(--budget-gib 10 --no-check) ;;
   kv-steady) extra=(--budget-gib 8.5 --no-check --requests 150 --rate 4,6) ;;
-  *) echo "run.sh: kv or compute, not $which" >&2; exit 2 ;;
+  compute-steady) extra=(--budget-gib 10 --no-check --requests 150 --rate 4,6) ;;
+  *) echo "run.sh: kv, compute, kv-steady or compute-steady, not $which" >&2; exit 2 ;;
 esac
 timeout "$limit" python3 -m wsharding bench serve "${setup[@]}" "${extra[@]}" --json "$out/bench_serve_k3-like_2ranks-1gpu_$which" \
     > "$out/bench_serve_k3-like_2ranks-1gpu_$which.txt" 2>&1

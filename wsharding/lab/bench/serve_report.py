@@ -394,8 +394,8 @@ def format_table(report: dict[str, Any]) -> str:
                  "trial, the first alternating; goodput over the arrival window of the measured requests, common "
                  "to both; replicated ranks run free, sharded ranks aligned (their idle steps counted)")
     lines.append(f"  steps: at most {report['token_budget']} tokens (chunked prefill, admission by the chunk's blocks), "
-                 f"padded to the next power of two; attention over the step's longest context, padded likewise "
-                 f"(<= {report['max_context']}); KV in blocks of {BLOCK_TOKENS}, {report['kv_bytes_per_token']:,} B per "
+                 f"padded to the next power of two; each sequence attends over its own context, padded likewise "
+                 f"(<= {report['max_context']}; sequences grouped by that bucket); KV in blocks of {BLOCK_TOKENS}, {report['kv_bytes_per_token']:,} B per "
                  "token" + (f"; at most {report['max_concurrency']} requests in flight" if report.get("max_concurrency") else ""))
     lines.append("  resident: " + ", ".join(f"{v} {_mib(s[v]['resident_bytes'])}" for v in variants)
                  + f"; reserve for activations {_mib(s['replicated']['reserve_bytes'])}")

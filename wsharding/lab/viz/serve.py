@@ -83,9 +83,12 @@ def goodput_figure(report: dict[str, Any], title: str | None = None) -> go.Figur
                      tickvals=xs, ticktext=[rate_label(r) for r in rates])
     fig.update_yaxes(title_text="goodput per rank (req/s)", rangemode="tozero", col=1)
     slo = report.get("slo_text") or "no SLO given"
-    fig.update_layout(title={"text": (title or f"Goodput within the SLO: {slo}") + f"<br><sub>{_setup(report)}</sub>",
+    setup = _setup(report)
+    # the subtitle's lines (workload, then each note) sit above the panel titles: the top margin grows with them
+    top = 110 + 22 * (setup.count("<br>") + 1)
+    fig.update_layout(title={"text": (title or f"Goodput within the SLO: {slo}") + f"<br><sub>{setup}</sub>",
                              "y": 0.97, "yanchor": "top"},
-                      height=580, margin={"t": 170, "b": 150}, font={"size": 13},
+                      height=410 + top, margin={"t": top, "b": 150}, font={"size": 13},
                       # below the x-axis title, not over it (its title sits about 0.15 of the plot below the axis)
                       legend={"orientation": "h", "y": -0.3, "yanchor": "top"})
     return fig
