@@ -335,6 +335,7 @@ def graph_counts(results: list[dict[str, Any]], variant: str, b: int) -> dict[st
     return {"graphed_steps": sum(run["graphed_steps"] for run in runs),
             "eager_steps": sum(run["eager_steps"] for run in runs),
             "shapes": max(i["shapes"] for i in info), "capture_s": max(i["capture_s"] for i in info),
+            "pools": max(i["pools"] for i in info),
             "replay_graphed_steps": sum(i["replay_graphed_steps"] for i in info),
             "replay_eager_steps": sum(i["replay_eager_steps"] for i in info)}
 

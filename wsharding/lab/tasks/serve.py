@@ -322,7 +322,11 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     # one runner (and its pool) per (variant, budget, "run" or "replay"), kept for every point at that budget
     runners: dict[tuple[str, int, str], StepRunner] = {}
     shapes_at: dict[int, list[Any]] = {}
-    graph_info: list[dict[str, dict[str, Any]]] = [{} for _ in budgets]
+    # per budget and variant: pools made (one for its runs, one for a sharded variant's replay), the
+    # shapes captured on its run pool and their seconds, the replay's steps replayed and run eagerly
+    graph_info: list[dict[str, dict[str, Any]]] = [
+        {v: {"pools": 0, "shapes": 0, "capture_s": 0.0, "replay_graphed_steps": 0, "replay_eager_steps": 0}
+         for v in variants} for _ in budgets]
 
     def runner_for(variant: str, b: int, requests: list[Any], replay_blocks: int | None = None) -> StepRunner:
         """The variant's runner at budget ``b``, its pool reset (a fresh pool's blocks, K/V zeroed);
@@ -332,6 +336,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
         if runner is None:
             pool = sized_pool(variant, b, requests, blocks=replay_blocks)
             runner = runners[key] = StepRunner(built[variant][0], pool, graphs=eager_reason is None)
+            graph_info[b][variant]["pools"] += 1
             if b in shapes_at:
                 runner.capture(shapes_at[b])
         else:
@@ -390,8 +395,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             outputs[variant][(b, ri, t)] = run.outputs
             if variant == "replicated" and t == 0:
                 replays[(b, ri)] = {"times": run.schedule_times, "blocks": runner.pool.blocks}
-            info = graph_info[b].setdefault(variant, {"replay_graphed_steps": 0, "replay_eager_steps": 0})
-            info.update(shapes=len(runner.captured), capture_s=runner.capture_s)
+            graph_info[b][variant].update(shapes=len(runner.captured), capture_s=runner.capture_s)
         if t == 0 and check:
             # [Note: bits across buckets]: the replicated run's steps, on each sharded model, token for token;
             # the ranks' free schedules differ in length, so each replay is padded to the longest with idle steps
