@@ -95,6 +95,8 @@ def test_cpu_ranks_run_both_variants_eagerly_on_one_pool_per_budget_and_say_why_
         (info,) = g["by_budget"]
         # one pool per variant for its 4 runs; the sharded variant's replays (one per rate) share a second
         assert {v: i["pools"] for v, i in info.items()} == {"replicated": 1, "sharded": 2}
+        # every run after a pool's first is served on it reset (tests/serve/test_pool_reuse.py: as a fresh one)
+        assert {v: i["resets"] for v, i in info.items()} == {"replicated": 3, "sharded": 3 + 1}
         assert all(i["shapes"] == 0 and i["capture_s"] == 0.0 and i["replay_graphed_steps"] == 0 for i in info.values())
         assert info["sharded"]["replay_eager_steps"] > 0
         for v in ("replicated", "sharded"):
@@ -138,3 +140,22 @@ def test_a_graphed_report_says_per_variant_what_was_replayed_and_reads_back(serv
     path.write_text(json.dumps(report))
     with pytest.raises(InvalidArgument, match=r"field rows_by_budget\[0\]\.sharded\.graphs\.eager_steps is missing"):
         read_serve_report(path)
+
+
+def test_a_later_trial_one_rank_cannot_fit_on_its_reused_pool_stops_every_rank(cluster_of):
+    """The first trial fits both ranks' pools of 2 blocks; the second trial's requests on rank 1 need 3.
+    The reused pool is checked for every trial's requests on every rank: rank 0 stops too, rather than
+    wait alone at the barrier after its run for a rank that raised."""
+    from wsharding.lab.bench.serve import replicated_footprint
+    from wsharding.serve import BLOCK_TOKENS, blocks_for
+
+    wl = Workload(requests=4, prompt=(4, 30), output=(3, 6))
+    need = [[blocks_for(max(q.kv_tokens for q in wl.with_(seed=t).for_rank(r, 192))) for r in (0, 1)] for t in (0, 1)]
+    assert need == [[2, 2], [2, 3]], "the seed must give trial 2 alone a request of 3 blocks, on rank 1"
+    f = replicated_footprint("tiny-deep", None, 32, wl)
+    budget = f["resident_bytes"] + f["reserve_bytes"] + 3 * BLOCK_TOKENS * f["kv_bytes_per_token"]  # 2 + scratch
+    with pytest.raises(RemoteError) as err:
+        cluster_of(2).run(serve_rank, "tiny-deep", workload=wl.as_dict(), budgets=[{"bytes": budget}], rates=[None],
+                          trials=2, token_budget=32)
+    text = str(err.value)
+    assert "of rank 1 needs" in text and "the whole pool holds 32" in text and "another rank refused" in text

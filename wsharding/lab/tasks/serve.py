@@ -322,10 +322,11 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     # one runner (and its pool) per (variant, budget, "run" or "replay"), kept for every point at that budget
     runners: dict[tuple[str, int, str], StepRunner] = {}
     shapes_at: dict[int, list[Any]] = {}
-    # per budget and variant: pools made (one for its runs, one for a sharded variant's replay), the
-    # shapes captured on its run pool and their seconds, the replay's steps replayed and run eagerly
+    # per budget and variant: pools made (one for its runs, one for a sharded variant's replay) and runs
+    # served on a pool reset, the shapes captured on its run pool and their seconds, the replay's steps
     graph_info: list[dict[str, dict[str, Any]]] = [
-        {v: {"pools": 0, "shapes": 0, "capture_s": 0.0, "replay_graphed_steps": 0, "replay_eager_steps": 0}
+        {v: {"pools": 0, "resets": 0, "shapes": 0, "capture_s": 0.0, "replay_graphed_steps": 0,
+             "replay_eager_steps": 0}
          for v in variants} for _ in budgets]
 
     def runner_for(variant: str, b: int, requests: list[Any], replay_blocks: int | None = None) -> StepRunner:
@@ -342,6 +343,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
         else:
             servable(runner.pool, requests)
             runner.pool.reset()
+            graph_info[b][variant]["resets"] += 1
         return runner
 
     def serve_on(variant: str, runner: StepRunner, requests: list[Any], **replay: Any) -> tuple[ServeRun, tuple[int, int]]:
