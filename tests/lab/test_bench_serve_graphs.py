@@ -34,7 +34,7 @@ def _comm(device: str = "cuda", world_size: int = 2, captures: bool = True, shar
 def test_the_pair_is_graphed_or_eager_together_and_says_why():
     assert pair_eager_reason("auto", _comm()) is None  # our NCCL, one GPU per rank
     assert pair_eager_reason("on", _comm(world_size=1, captures=False)) is None  # one rank: its gathers are copies
-    assert pair_eager_reason("off", _comm()) == "graphs turned off (--graphs off): both variants run every step eagerly"
+    assert pair_eager_reason("off", _comm()) == "turned off: both variants run every step eagerly"
     sliced = pair_eager_reason("auto", _comm(shared=True))
     assert sliced == ("both variants run every step eagerly: the sharded variant's steps cannot be captured here "
                       "(several ranks share one GPU: capturing their gathers hung when tried there)")
@@ -60,11 +60,15 @@ def test_the_option_parses_and_refuses_a_mode_it_does_not_know(capsys):
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
-def test_graphs_on_without_a_gpu_is_refused_before_any_rank_starts(monkeypatch):
+def test_graphs_on_without_a_gpu_is_refused_before_any_rank_starts(monkeypatch, capsys):
     import wsharding.lab.bench.serve as bench
+    from wsharding.lab import cli
 
     monkeypatch.setattr(bench, "gpu_count", lambda: 0)
     monkeypatch.setattr(bench, "bench_cluster", lambda *a, **k: pytest.fail("a rank was started"))
+    assert cli.main(["bench", "serve", "--graphs", "on", "--json", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--graphs on: CUDA graphs need a GPU and this machine has none" in err and len(err.splitlines()) == 1
     with pytest.raises(InvalidArgument, match="--graphs on: CUDA graphs need a GPU and this machine has none"):
         run_serve_bench(2, "tiny-deep", WORKLOAD, budgets=[1 << 30], token_budget=32, graphs="on")
     with pytest.raises(InvalidArgument, match="graphs: one of auto, on, off"):

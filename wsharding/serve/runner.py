@@ -90,7 +90,7 @@ def pair_eager_reason(mode: str, comm: Any) -> str | None:
     if mode not in GRAPH_MODES:
         raise InvalidArgument(f"graphs: one of {', '.join(GRAPH_MODES)}, got {mode!r}")
     if mode == "off":
-        return "graphs turned off (--graphs off): both variants run every step eagerly"
+        return "turned off: both variants run every step eagerly"
     why = graph_unsupported(comm)
     if why is None:
         return None
