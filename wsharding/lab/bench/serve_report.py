@@ -8,7 +8,9 @@ goodput ratio at every rate and each point's regime (pool-limited where the repl
 else compute-limited); :func:`crossover` sets the ratio of sustained rates against the pool ratio,
 beside what the cost model makes of the two (pool ratio / step-time ratio, the step times measured in
 the same run). Beside it: per sharded layer, gather against compute at the shapes the run used, with
-the cost model's prediction for the same layer on the GPUs of its datasheet.
+the cost model's prediction for the same layer on the GPUs of its datasheet; and how the steps ran --
+per budget and variant, the steps replayed from CUDA graphs and run eagerly, the shapes captured and
+the capture's seconds (:func:`graph_counts`), or, in one line, why both variants ran every step eagerly.
 
 :func:`read_serve_report` reads a saved report back after checking it against the report's schema
 (:func:`~wsharding.lab.bench.serve_schema.check_report`): every figure it reads is there, of its type and in its range, before any is
