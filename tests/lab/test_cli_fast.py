@@ -29,7 +29,7 @@ CASES = [
     ("bench draft --help", 0), ("bench draft --commit-ms 5000", 2),
     ("bench profile --help", 0), ("bench profile --preset nope", 2),
     ("bench serve --help", 0), ("bench serve --kv-share 2", 2), ("bench serve --slo ttft=x", 2),
-    ("bench serve --rate x", 2),
+    ("bench serve --rate x", 2), ("bench serve --graphs sometimes", 2),
 ]
 
 PROBE = r"""

@@ -102,7 +102,7 @@ def test_the_runner_is_eager_on_cpu_and_says_so(model):
         runner.capture([(8, ((2, 1, 16), (1, 4, 16)))])
     run = serve(model, runner.pool, reqs, token_budget=16, max_context=48, runner=runner)
     assert run.outputs == plain.outputs
-    assert runner.counts() == {"graphed_steps": 0, "eager_steps": run.steps, "graphs": 0,
+    assert runner.counts() == {"graphed_steps": 0, "eager_steps": run.steps, "graphs": 0, "capture_s": 0.0,
                                "eager_reason": runner.eager_reason}
     assert runner.missed and all(all(n == 1 for _, n, _ in groups) for _, groups in runner.missed)
     assert shapes_of_every_rank(list(runner.missed)) == sorted(runner.missed)

@@ -56,6 +56,17 @@ class BlockPool:
             raise InvalidArgument(f"BlockPool: blocks must be >= 1, got {blocks}")
         return cls(KVRows.for_model(model, (blocks + 1) * BLOCK_TOKENS - 1, device))
 
+    def reset(self) -> None:
+        """Back to a fresh pool's state, in place: every block free in a fresh pool's order and the K/V
+        zeroed (as :class:`~wsharding.models.serve_step.KVRows` starts), so that a trial served on a
+        reused pool hands out the blocks and reads the rows a fresh pool would -- nothing of an earlier
+        trial. In place because a CUDA graph captured on this pool (:mod:`wsharding.serve.runner`)
+        holds the storage's addresses: new tensors would leave the graph reading the old ones."""
+        self.storage.k.zero_()
+        self.storage.v.zero_()
+        self._free = list(range(self.blocks - 1, -1, -1))
+        self._is_free[:] = b"\x01" * self.blocks
+
     @property
     def tokens(self) -> int:
         """Tokens the blocks hold (the scratch block not counted)."""

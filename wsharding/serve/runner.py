@@ -21,6 +21,10 @@ graph]), so the gathers pair as between eager steps -- what the runner's GPU tes
 The replicated model holds no collective, but is given the same shapes, so that both variants run
 the same steps from graphs.
 
+A benchmark serves a **pair** (:func:`pair_eager_reason`): the replicated and the sharded model both
+replay graphs, or both run every step eagerly -- a pair with graphs on one side only would time the
+host's launch cost against no launch cost, not sharding against replication.
+
 Where the runner stays eager, it says why (:attr:`StepRunner.eager_reason`): CPU ranks, or graphs
 turned off. Graphs asked for on a GPU whose sharded model's communicator cannot capture its gathers
 (:func:`wsharding.comm_by_name.graph_unsupported`) are refused with the reason, not run eagerly unsaid.
@@ -72,6 +76,30 @@ def graph_refusal(model: Any, device: torch.device, shared_gpu: bool = False) ->
     return None
 
 
+#: ``bench serve --graphs``: ``auto`` replays graphs where :func:`pair_eager_reason` finds none refused.
+GRAPH_MODES = ("auto", "on", "off")
+
+
+def pair_eager_reason(mode: str, comm: Any) -> str | None:
+    """Why both variants of a pair served over ``comm`` (the sharded variant's communicator) run every
+    step eagerly, or None when both replay graphs; ``mode`` one of :data:`GRAPH_MODES`. The replicated
+    model captures wherever there is CUDA, the sharded one only where its gathers can be captured
+    (:func:`~wsharding.comm_by_name.graph_unsupported`; ranks sharing one GPU are refused, no opt-in):
+    either refused, both run eagerly, so that the pair stays fair. ``on`` where they cannot is refused
+    (:class:`~wsharding.core.errors.Unsupported`, the reason said), before anything is served."""
+    if mode not in GRAPH_MODES:
+        raise InvalidArgument(f"graphs: one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+    if mode == "off":
+        return "turned off: both variants run every step eagerly"
+    why = graph_unsupported(comm)
+    if why is None:
+        return None
+    if mode == "on":
+        raise Unsupported(f"--graphs on: the sharded variant's steps cannot be captured in CUDA graphs here: {why}; "
+                          "pass --graphs auto (both variants then run eagerly, said in the report) or --graphs off")
+    return f"both variants run every step eagerly: the sharded variant's steps cannot be captured here ({why})"
+
+
 @dataclass
 class _Graph:
     static: ServeStep
@@ -104,6 +132,8 @@ class StepRunner:
         self.eager_reason: str | None = why
         self.graphed_steps = 0
         self.eager_steps = 0
+        #: Seconds spent in :meth:`capture` (warm-ups included), to the device's end.
+        self.capture_s = 0.0
         #: Decode-only shapes met and run eagerly (no graph of theirs): what a later capture could take.
         self.missed: Counter[Shape] = Counter()
         self._graphs: dict[Shape, _Graph] = {}
@@ -117,7 +147,7 @@ class StepRunner:
     def counts(self) -> dict[str, Any]:
         """What a report keeps: steps replayed and run eagerly, the graphs, and why none where none."""
         return {"graphed_steps": self.graphed_steps, "eager_steps": self.eager_steps, "graphs": len(self._graphs),
-                "eager_reason": self.eager_reason}
+                "capture_s": self.capture_s, "eager_reason": self.eager_reason}
 
     def capture(self, shapes: list[Shape], *, warmup: int = 2) -> int:
         """Capture a graph for each decode-only shape of ``shapes`` not captured yet; returns how many
@@ -132,6 +162,7 @@ class StepRunner:
         if self.eager_reason is not None:
             return 0
         done = 0
+        t0 = time.perf_counter()
         for shape in shapes:
             if shape in self._graphs:
                 continue
@@ -141,6 +172,8 @@ class StepRunner:
                                            warmup=warmup, pool=self._mempool)
             self._graphs[shape] = _Graph(static, graph, out)
             done += 1
+        torch.cuda.synchronize(self.pool.device)
+        self.capture_s += time.perf_counter() - t0
         return done
 
     def close(self) -> None:

@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comm", default="auto", choices=COMM_CHOICES,
                    help="gather with torch.distributed or our NCCL binding (auto: ours where it runs)")
     p.add_argument("--plain", action="store_true", help="also serve the sharded model with plain slots where it maps its own chunk")
+    p.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
+                   help="replay each captured decode step shape from a CUDA graph, as servers do (auto: where CUDA "
+                        "and the communicator can capture; both variants or neither, the report says why)")
     p.add_argument("--no-check", action="store_true", help="skip the replay that checks the tokens (not for a saved result)")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
     p.add_argument("--from-json", default=None, metavar="SAVED", nargs="+",

@@ -35,6 +35,7 @@ from wsharding.lab.tasks.serve import serve_rank
 from wsharding.runtime import gpu_count
 from wsharding.serve import Workload, activation_reserve_bytes
 from wsharding.serve.metrics import SLO
+from wsharding.serve.runner import GRAPH_MODES
 from wsharding.serve.step import context_buckets
 
 __all__ = ["ServeMismatch", "default_cpu_budgets", "format_table", "kv_room", "read_serve_report",
@@ -90,15 +91,17 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
                     token_budget: int | None = None, rows: int | None = None, slo: SLO | None = None,
                     warmup: int | None = None, max_seqs: int | None = None, max_concurrency: int | None = None,
                     reserve_bytes: int | None = None, comm: str = "auto", layers: int | None = None, seed: int = 0,
-                    plain: bool = False, check: bool = True, cluster: RankCluster | None = None,
-                    progress: str | None = None) -> dict[str, Any]:
+                    plain: bool = False, check: bool = True, graphs: str = "auto",
+                    cluster: RankCluster | None = None, progress: str | None = None) -> dict[str, Any]:
     """Run the serving benchmark on ``ranks`` ranks and return its report (:func:`summarize`).
 
     Budgets per rank, one of: ``budgets`` (bytes), ``kv_shares`` (the replicated pool's share of the
     budget), ``utilization`` of ``memory_bytes`` (default the GPU's total memory); none given: the
     replicated pool is 30 % of the budget. ``rates``: requests per second per rank (None: all at once;
     default the workload's). ``token_budget``: tokens per step (``rows``: its old name, kept for
-    notebook 07). ``cluster``: an open :class:`RankCluster` of ``ranks`` ranks to reuse. ``progress``:
+    notebook 07). ``graphs``: ``auto``, ``on`` or ``off`` -- both variants' decode steps replayed from
+    CUDA graphs, or both eager (:func:`~wsharding.serve.runner.pair_eager_reason`); ``on`` with no GPU
+    is refused here, before any rank starts. ``cluster``: an open :class:`RankCluster` of ``ranks`` ranks to reuse. ``progress``:
     the command's name, for rank 0 to tell its stages on standard error.
     """
     token_budget = token_budget or rows or (512 if gpu_count() else 64)
@@ -114,10 +117,15 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
         workload.with_(rate=math.inf if r is None else r)
     if not 1 <= trials:
         raise InvalidArgument(f"trials: need at least 1, got {trials}")
+    if graphs not in GRAPH_MODES:
+        raise InvalidArgument(f"graphs: one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
+    if graphs == "on" and not gpu_count():
+        raise InvalidArgument("--graphs on: CUDA graphs need a GPU and this machine has none (the ranks would be "
+                              "CPU ranks); pass --graphs auto or off")
     kwargs = {"workload": workload.as_dict(), "budgets": specs, "rates": rates, "trials": trials,
               "token_budget": token_budget, "max_seqs": max_seqs, "max_concurrency": max_concurrency,
               "reserve_bytes": reserve_bytes, "comm": auto_comm(comm), "layers": layers, "seed": seed, "plain": plain,
-              "check": check, "progress": progress}
+              "check": check, "graphs": graphs, "progress": progress}
     if cluster is not None:
         if cluster.world_size != ranks:
             raise InvalidArgument(f"run_serve_bench: ranks={ranks}, but the cluster given has {cluster.world_size}")
@@ -223,7 +231,8 @@ def main(args: argparse.Namespace) -> int:
         rates=[None if math.isinf(r) else r for r in rates], trials=args.trials, token_budget=token_budget,
         slo=slo, warmup=args.warmup, max_seqs=args.max_seqs, max_concurrency=args.max_concurrency,
         reserve_bytes=None if args.reserve_mib is None else int(args.reserve_mib * 2**20), comm=args.comm,
-        layers=args.layers, seed=args.seed, plain=args.plain, check=not args.no_check, progress="wsharding bench serve")
+        layers=args.layers, seed=args.seed, plain=args.plain, check=not args.no_check, graphs=args.graphs,
+        progress="wsharding bench serve")
     print(format_table(report))
     if args.json:
         _save(report, args.json)

@@ -8,7 +8,9 @@ goodput ratio at every rate and each point's regime (pool-limited where the repl
 else compute-limited); :func:`crossover` sets the ratio of sustained rates against the pool ratio,
 beside what the cost model makes of the two (pool ratio / step-time ratio, the step times measured in
 the same run). Beside it: per sharded layer, gather against compute at the shapes the run used, with
-the cost model's prediction for the same layer on the GPUs of its datasheet.
+the cost model's prediction for the same layer on the GPUs of its datasheet; and how the steps ran --
+per budget and variant, the steps replayed from CUDA graphs and run eagerly, the shapes captured and
+the capture's seconds (:func:`graph_counts`), or, in one line, why both variants ran every step eagerly.
 
 :func:`read_serve_report` reads a saved report back after checking it against the report's schema
 (:func:`~wsharding.lab.bench.serve_schema.check_report`): every figure it reads is there, of its type and in its range, before any is
@@ -292,6 +294,8 @@ def summarize(results: list[dict[str, Any]], slo: SLO | None = None, warmup: int
                       "kv_share": run["pool_bytes"] / budget,
                       "max_concurrency": max(p[v]["max_concurrency"] for p in row["points"]),
                       "preemptions": sum(sum(p[v]["counts_by_trial"]["preemptions"]) for p in row["points"])}
+            if "graphs" in r0:
+                row[v]["graphs"] = graph_counts(results, v, b)
         row["predicted"] = {"replicated": {"pool_tokens": row["replicated"]["pool_tokens"]}}
         for v in variants[1:]:
             resident = sizing["replicated"]["resident_bytes"] - sizing[v]["net_saving_bytes_predicted"]
@@ -315,12 +319,51 @@ def summarize(results: list[dict[str, Any]], slo: SLO | None = None, warmup: int
     return {"bench": "serve", "schema": SCHEMA, "date": time.strftime("%Y-%m-%d"), **{k: r0.get(k) for k in keep},
             "workload": workload, "slo": None if slo is None else slo.as_dict(),
             "slo_text": None if slo is None else slo.describe(), "warmup_requests": warmup, "variants": variants,
-            "sizing": sizing, "rows_by_budget": rows, "crossover": crossover(rows, variants), "notes": notes(r0),
+            "sizing": sizing, "graphs": {k: r0["graphs"][k] for k in ("mode", "eager_reason")} if "graphs" in r0 else None,
+            "rows_by_budget": rows, "crossover": crossover(rows, variants), "notes": notes(r0),
             "layer_times": predicted_layers(r0["layer_times"], r0["world_size"], itemsize) if r0["layer_times"] else [],
             "layer_times_by_rank": [r["layer_times"] for r in results],
             "requests": request_records(results, variants, slo, warmup),
             "differ": differ, "equal": not differ and bool(r0["checked"]),
             "own_schedule_differ": {"requests": own, "of": compared}}
+
+
+def graph_counts(results: list[dict[str, Any]], variant: str, b: int) -> dict[str, Any]:
+    """One variant's CUDA graphs at budget ``b``, over every rank and measured run there: steps replayed
+    and run eagerly (summed), the shapes captured on its pool (the same on every rank) and the seconds
+    the captures took (the slowest rank's)."""
+    runs = [run for r in results for key, run in r["runs"][variant].items() if key.startswith(f"{b}/")]
+    info = [r["graphs"]["by_budget"][b][variant] for r in results]
+    return {"graphed_steps": sum(run["graphed_steps"] for run in runs),
+            "eager_steps": sum(run["eager_steps"] for run in runs),
+            "shapes": max(i["shapes"] for i in info), "capture_s": max(i["capture_s"] for i in info),
+            "pools": max(i["pools"] for i in info),
+            "replay_graphed_steps": sum(i["replay_graphed_steps"] for i in info),
+            "replay_eager_steps": sum(i["replay_eager_steps"] for i in info)}
+
+
+def graphs_lines(report: dict[str, Any], row: dict[str, Any]) -> list[str]:
+    """A budget's CUDA graphs per variant, one line; none where every step ran eagerly (the report's
+    one line says why) or the report predates graphs."""
+    g = report.get("graphs")
+    if not g or g["eager_reason"] is not None:
+        return []
+    return ["   CUDA graphs: " + "; ".join(
+        f"{v} {row[v]['graphs']['graphed_steps']:,} steps replayed, {row[v]['graphs']['eager_steps']:,} eager, "
+        f"{row[v]['graphs']['shapes']} shapes captured in {row[v]['graphs']['capture_s']:.2f} s"
+        for v in report["variants"] if "graphs" in row[v])]
+
+
+def graphs_line(report: dict[str, Any]) -> list[str]:
+    """How the steps ran, one line: decode steps from CUDA graphs, or every step eagerly and why."""
+    g = report.get("graphs")
+    if not g:
+        return []
+    if g["eager_reason"] is not None:
+        return [f"  CUDA graphs: none (--graphs {g['mode']}): {g['eager_reason']}"]
+    return [f"  CUDA graphs (--graphs {g['mode']}): both variants replay the decode-only steps of the shapes a warm-up "
+            "trial met on any rank (captured on each variant's pool, one per budget, reused and reset per trial); "
+            "other steps run eagerly"]
 
 
 def request_records(results: list[dict[str, Any]], variants: list[str], slo: SLO | None,
@@ -397,6 +440,7 @@ def format_table(report: dict[str, Any]) -> str:
                  f"padded to the next power of two; each sequence attends over its own context, padded likewise "
                  f"(<= {report['max_context']}; sequences grouped by that bucket); KV in blocks of {BLOCK_TOKENS}, {report['kv_bytes_per_token']:,} B per "
                  "token" + (f"; at most {report['max_concurrency']} requests in flight" if report.get("max_concurrency") else ""))
+    lines += graphs_line(report)
     lines.append("  resident: " + ", ".join(f"{v} {_mib(s[v]['resident_bytes'])}" for v in variants)
                  + f"; reserve for activations {_mib(s['replicated']['reserve_bytes'])}")
     lines.append(f"  SLO: {report['slo_text'] or 'none given (no goodput)'}")
@@ -412,6 +456,7 @@ def format_table(report: dict[str, Any]) -> str:
                      + ", ".join(f"{v} {row[v]['pool_tokens']:,} tokens = {row[v]['kv_share']:.1%} of the budget"
                                  for v in variants)
                      + "; cost model: " + ", ".join(f"{v} {row['predicted'][v]['pool_tokens']:,}" for v in variants[1:]))
+        lines += graphs_lines(report, row)
         a = row["answer"]
         for p, ok, reg in zip(row["points"], a["steady"], a["regime"], strict=True):
             real = p["realised_rate"]["mean"]
@@ -525,7 +570,7 @@ def read_saved_report_text(path: str | os.PathLike[str]) -> str:
 
 #: What reports merged into one must share (:func:`merge_saved`): the same set-up, other budgets.
 SAME_SETUP = ("preset", "layers", "world_size", "variants", "rates", "trials", "slo", "workload_text", "token_budget",
-              "device", "mode", "warmup_requests")
+              "device", "mode", "warmup_requests", "graphs")
 
 
 def merge_saved(reports: list[dict[str, Any]], paths: list[Any]) -> dict[str, Any]:

@@ -214,6 +214,10 @@ def check_report(report: Any, path: str | os.PathLike[str]) -> None:
     if len(variants) < 2 or variants[0] != "replicated" or not all(isinstance(v, str) for v in variants) \
             or len(set(variants)) != len(variants) or any(v in ("rate", "realised_rate") for v in variants):
         raise c.fail("variants", "is not 'replicated' followed by the sharded variants")
+    graphs = report.get("graphs")  # absent or null in reports written before steps were replayed from graphs
+    if graphs is not None:
+        c.field(graphs, "mode", "graphs", str)
+        c.field(graphs, "eager_reason", "graphs", str, none=True)
     sizing = c.field(report, "sizing", "", dict)
     for v in variants:
         sv = c.field(sizing, v, "sizing", dict)
@@ -245,6 +249,11 @@ def check_report(report: Any, path: str | os.PathLike[str]) -> None:
                 c.field(pv, key, f"{w}.{v}", lo=1, integer=True)
             c.field(pv, "kv_share", f"{w}.{v}", lo=0.0, above=True)
             c.field(pv, "max_concurrency", f"{w}.{v}", lo=0, integer=True)
+            if graphs is not None and graphs["eager_reason"] is None:  # read by the text beside each budget
+                gv = c.field(pv, "graphs", f"{w}.{v}", dict)
+                for key in ("graphed_steps", "eager_steps", "shapes"):
+                    c.field(gv, key, f"{w}.{v}.graphs", lo=0, integer=True)
+                c.field(gv, "capture_s", f"{w}.{v}.graphs", lo=0.0)
             c.field(c.field(predicted, v, f"{w}.predicted", dict), "pool_tokens", f"{w}.predicted.{v}", lo=0,
                     integer=True)
         points = c.field(row, "points", w, list)

@@ -12,6 +12,15 @@ idle steps are counted. The replicated run of each point's first trial records w
 each step; each sharded model then replays those steps with the replicated pool's size, padded with
 idle steps to the longest rank's schedule (every rank replays its own) -- the same steps, so every
 token must be equal ([Note: bits across buckets] in :mod:`wsharding.serve.step`).
+
+Steps as a server runs them (``graphs``): each variant keeps **one pool per budget**, reused by every
+trial and rate there and reset before each (:meth:`~wsharding.serve.blocks.BlockPool.reset`: a trial
+sees no earlier trial's K/V or block table), with a :class:`~wsharding.serve.runner.StepRunner` on it.
+Where the pair can be captured (:func:`~wsharding.serve.runner.pair_eager_reason`), a first trial at
+each budget runs every step eagerly, unmeasured (a **warm-up trial**): the decode-only shapes it met,
+merged over ranks and variants (:func:`~wsharding.serve.runner.shapes_of_every_rank`), are captured on
+every variant's pool before the measured trials, which replay them and run any other step eagerly,
+both counted. Where it cannot, both variants run every step eagerly and the result says why, once.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from wsharding.serve import (
     serve,
 )
 from wsharding.serve.engine import ServeRun
+from wsharding.serve.runner import StepRunner, pair_eager_reason, shapes_of_every_rank
 from wsharding.serve.scheduler import check_servable
 from wsharding.serve.step import build_step, context_buckets, token_buckets
 from wsharding.serve.workload import realised_rate
@@ -148,9 +158,11 @@ def kv_trace(times: list[float], blocks: list[int], samples: int = KV_SAMPLES) -
             "blocks": [max(blocks[a:b]) for a, b in zip(edges, edges[1:], strict=False)]}
 
 
-def _summary(run: ServeRun, pool: BlockPool, requests: list[Any], first: bool) -> dict[str, Any]:
+def _summary(run: ServeRun, pool: BlockPool, requests: list[Any], first: bool,
+             steps: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """What the report keeps of one run: counts, per-bucket step times, KV blocks over time, the
-    per-request records. ``first``: whether this variant went first at its point."""
+    per-request records. ``first``: whether this variant went first at its point; ``steps``: its
+    steps replayed from CUDA graphs and run eagerly."""
     by_bucket: dict[int, list[float]] = {}
     for b, s, n in zip(run.step_bucket, run.step_s, run.step_tokens, strict=True):
         c = by_bucket.setdefault(b, [0, 0.0, 0, 0])
@@ -170,7 +182,7 @@ def _summary(run: ServeRun, pool: BlockPool, requests: list[Any], first: bool) -
             "steps_by_bucket": {str(b): {"steps": c[0], "seconds": c[1], "tokens": c[2], "working": c[3]} for b, c in sorted(by_bucket.items())},
             "contexts": dict(Counter(w for w, n in zip(run.step_context, run.step_tokens, strict=True) if n)),
             "kv_blocks": kv_trace(run.schedule_times, run.step_blocks),
-            "records": run.records}
+            "graphed_steps": steps[0], "eager_steps": steps[1], "records": run.records}
 
 
 def _summed(ctx: RankContext, counts: list[int]) -> list[int]:
@@ -220,7 +232,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
                rates: list[float | None], trials: int = 3, token_budget: int = 64, max_seqs: int | None = None,
                max_concurrency: int | None = None, comm: str = "torch", layers: int | None = None, seed: int = 0,
                reserve_bytes: int | None = None, plain: bool = False, probe_steps: int = 3,
-               check: bool = True, progress: str | None = None) -> dict[str, Any]:
+               check: bool = True, graphs: str = "auto", progress: str | None = None) -> dict[str, Any]:
     """Serve this rank's requests with each variant under each budget, at each rate (None: all at
     once), ``trials`` times with other seeds; the variants built once and interleaved per point.
 
@@ -229,10 +241,15 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
     used most and at its largest; and, per (budget, rate), the requests whose tokens differ between
     the replicated run and the sharded model's replay of it (``differ``, which must be empty) and
     between the replicated run and the sharded model's own run (``own_differ``, informative).
-    ``progress``: the command's name; rank 0 then tells each build and each run on standard error.
+    ``graphs``: ``auto``, ``on`` or ``off`` (:data:`~wsharding.serve.runner.GRAPH_MODES`); the result's
+    ``graphs`` holds why both variants ran eagerly (or None) and, per budget and variant, the shapes
+    captured and the seconds the captures took. ``progress``: the command's name; rank 0 then tells each build and each run on standard error.
     """
     cfg = decoder_config(preset, layers)
     comm_ = shard_comm_for(ctx, comm)
+    # decided before anything is built: every rank's communicator answers alike, so --graphs on that
+    # cannot be kept is refused on every rank at once, and a pair never runs half graphed
+    eager_reason = pair_eager_reason(graphs, comm_)
     device = comm_.device
     share = ranks_sharing_device(ctx.world_size, device)
     base = Workload.from_dict(workload)
@@ -284,7 +301,8 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
                     raise InvalidArgument(
                         f"rank {ctx.rank}: a budget of {resolved[b] / 2**30:.2f} GiB asks for a KV pool of "
                         f"{(blocks + 1) * 16 * per_token / 2**30:.2f} GiB, but only {room / 2**30:.2f} GiB is free "
-                        "for this rank on its GPU (every variant's model is resident): give a smaller budget")
+                        "for this rank on its GPU (every variant's model and its pools at this budget are "
+                        "resident): give a smaller budget")
             pool = BlockPool.for_model(model, blocks)
             check_servable(requests, pool, max_context)
         except WshardingError as e:
@@ -292,30 +310,94 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
         _all_ranks_ready(ctx, problem)
         return pool
 
+    def servable(pool: BlockPool, requests: list[Any]) -> None:
+        """A reused pool checked for this trial's requests, refused on every rank when any rank's is."""
+        problem = None
+        try:
+            check_servable(requests, pool, max_context)
+        except WshardingError as e:
+            problem = e
+        _all_ranks_ready(ctx, problem)
+
+    # one runner (and its pool) per (variant, budget, "run" or "replay"), kept for every point at that budget
+    runners: dict[tuple[str, int, str], StepRunner] = {}
+    shapes_at: dict[int, list[Any]] = {}
+    # per budget and variant: pools made (one for its runs, one for a sharded variant's replay) and runs
+    # served on a pool reset, the shapes captured on its run pool and their seconds, the replay's steps
+    graph_info: list[dict[str, dict[str, Any]]] = [
+        {v: {"pools": 0, "resets": 0, "shapes": 0, "capture_s": 0.0, "replay_graphed_steps": 0,
+             "replay_eager_steps": 0}
+         for v in variants} for _ in budgets]
+
+    def runner_for(variant: str, b: int, requests: list[Any], replay_blocks: int | None = None) -> StepRunner:
+        """The variant's runner at budget ``b``, its pool reset (a fresh pool's blocks, K/V zeroed);
+        made, and given the budget's graphs, the first time. Collective (pool checks, captures)."""
+        key = (variant, b, "run" if replay_blocks is None else "replay")
+        runner = runners.get(key)
+        if runner is None:
+            pool = sized_pool(variant, b, requests, blocks=replay_blocks)
+            runner = runners[key] = StepRunner(built[variant][0], pool, graphs=eager_reason is None)
+            graph_info[b][variant]["pools"] += 1
+            if b in shapes_at:
+                runner.capture(shapes_at[b])
+        else:
+            servable(runner.pool, requests)
+            runner.pool.reset()
+            graph_info[b][variant]["resets"] += 1
+        return runner
+
+    def serve_on(variant: str, runner: StepRunner, requests: list[Any], **replay: Any) -> tuple[ServeRun, tuple[int, int]]:
+        """One run of ``variant`` through ``runner``; its steps replayed and run eagerly."""
+        before = (runner.graphed_steps, runner.eager_steps)
+        align_ranks(ctx)
+        if variant == "replicated" and not replay:  # free: no lockstep, no idle steps; a barrier after
+            run = serve(built[variant][0], runner.pool, requests, token_budget=token_budget, max_context=max_context,
+                        max_seqs=max_seqs, max_concurrency=max_concurrency, runner=runner)
+            align_ranks(ctx)
+        else:
+            run = serve(built[variant][0], runner.pool, requests, token_budget=token_budget, max_context=max_context,
+                        max_seqs=max_seqs, max_concurrency=max_concurrency, runner=runner, **replay,
+                        agree=None if replay else lambda has_work: _any_rank(ctx, has_work))
+        return run, (runner.graphed_steps - before[0], runner.eager_steps - before[1])
+
+    def close_budget(b: int) -> None:
+        """Drop budget ``b``'s runners and pools (graphs before the communicator: NCCL's destroy waits for them)."""
+        for key in [k for k in runners if k[1] == b]:
+            runners.pop(key).close()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     for b, ri, t in points:
         rate = "all at once" if rates[ri] is None else f"{rates[ri]:g}/s"
         requests = workload_at(ri, t).for_rank(ctx.rank, cfg.vocab)
+        if ri == 0 and t == 0 and b > 0:
+            close_budget(b - 1)
+        if ri == 0 and t == 0 and eager_reason is None:
+            # the warm-up trial: every step eager, unmeasured; the decode shapes any rank met, captured for all
+            met: list[Any] = []
+            for variant in variants:
+                rank_stage(ctx.rank, progress, f"{variant}: budget {b + 1} of {len(budgets)}, warm-up trial "
+                                               "(eager; its decode shapes are captured)")
+                runner = runner_for(variant, b, requests)
+                serve_on(variant, runner, requests)
+                met += list(runner.missed)
+            shapes_at[b] = shapes_of_every_rank(met)
+            rank_stage(ctx.rank, progress, f"capturing {len(shapes_at[b])} step shapes per variant")
+            for variant in variants:
+                runners[(variant, b, "run")].capture(shapes_at[b])
         order = variants if t % 2 == 0 else variants[::-1]  # which goes first alternates per trial
         for variant in order:
             rank_stage(ctx.rank, progress, f"{variant}: budget {b + 1} of {len(budgets)}, rate {rate}, trial "
                                            f"{t + 1} of {trials}")
-            model = built[variant][0]
-            pool = sized_pool(variant, b, requests)
-            align_ranks(ctx)
-            if variant == "replicated":  # free: no lockstep, no idle steps; a barrier after
-                run = serve(model, pool, requests, token_budget=token_budget, max_context=max_context,
-                            max_seqs=max_seqs, max_concurrency=max_concurrency)
-                align_ranks(ctx)
-            else:
-                run = serve(model, pool, requests, token_budget=token_budget, max_context=max_context,
-                            max_seqs=max_seqs, max_concurrency=max_concurrency,
-                            agree=lambda has_work: _any_rank(ctx, has_work))
-            runs[variant][f"{b}/{ri}/{t}"] = _summary(run, pool, requests, first=variant == order[0])
+            runner = runner_for(variant, b, requests)
+            run, steps = serve_on(variant, runner, requests)
+            runs[variant][f"{b}/{ri}/{t}"] = _summary(run, runner.pool, requests, first=variant == order[0],
+                                                      steps=steps)
             outputs[variant][(b, ri, t)] = run.outputs
             if variant == "replicated" and t == 0:
-                replays[(b, ri)] = {"times": run.schedule_times, "blocks": pool.blocks}
-            del pool
-            gc.collect()
+                replays[(b, ri)] = {"times": run.schedule_times, "blocks": runner.pool.blocks}
+            graph_info[b][variant].update(shapes=len(runner.captured), capture_s=runner.capture_s)
         if t == 0 and check:
             # [Note: bits across buckets]: the replicated run's steps, on each sharded model, token for token;
             # the ranks' free schedules differ in length, so each replay is padded to the longest with idle steps
@@ -323,14 +405,13 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             longest = _reduced(ctx, len(rep["times"]), dist.ReduceOp.MAX)
             for variant in variants[1:]:
                 rank_stage(ctx.rank, progress, f"{variant}: replaying the replicated run's steps (token check)")
-                replay_pool = sized_pool(variant, b, requests, blocks=rep["blocks"])
-                align_ranks(ctx)
-                again = serve(built[variant][0], replay_pool, requests, token_budget=token_budget,
-                              max_context=max_context, max_seqs=max_seqs, max_concurrency=max_concurrency,
-                              schedule_times=rep["times"], pad_to=longest)
+                runner = runner_for(variant, b, requests, replay_blocks=rep["blocks"])
+                again, steps = serve_on(variant, runner, requests, schedule_times=rep["times"], pad_to=longest)
                 rep.setdefault("outputs", {})[variant] = again.outputs
-                del replay_pool
-                gc.collect()
+                graph_info[b][variant]["replay_graphed_steps"] += steps[0]
+                graph_info[b][variant]["replay_eager_steps"] += steps[1]
+    if budgets:
+        close_budget(len(budgets) - 1)
     probes: list[dict[str, Any]] = []
     model, ws = built["sharded"]
     shapes, width = _probe_shapes(ctx, runs["sharded"].values(), token_budget, max_context)
@@ -358,7 +439,8 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             "communicator": type(comm_).__name__, "world_size": ctx.world_size, "ranks_per_device": share,
             "kv_bytes_per_token": per_token, "dtype": str(cfg.torch_dtype).removeprefix("torch."),
             "budget_specs": budgets, "budgets": resolved, "rates": rates, "trials": trials, "sizing": sizing,
-            "runs": runs, "differ": differ, "own_differ": own_differ, "checked": check, "layer_times": probes,
+            "runs": runs, "graphs": {"mode": graphs, "eager_reason": eager_reason, "by_budget": graph_info},
+            "differ": differ, "own_differ": own_differ, "checked": check, "layer_times": probes,
             "workload": base.as_dict(), "workload_text": base.describe(), "token_budget": token_budget,
             "max_seqs": max_seqs, "max_concurrency": max_concurrency, "max_context": max_context, "preset": preset,
             "layers": cfg.layers}
