@@ -49,7 +49,7 @@ VARIANTS = ("replicated", "sharded")
 #: Llama shapes the command builds from a config (random weights, no download): ``tiny`` for CPU
 #: ranks (float32), the others for a GPU (bfloat16), Llama 3.2 1B and 3B's shapes.
 LLAMAS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024, dtype="float32"),
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, dtype="bfloat16"),
@@ -200,7 +200,7 @@ def engine_bench_rank(ctx: RankContext, model_name: str, *, workload: dict[str, 
             try:
                 pools[v].append(engine_pool_blocks(budget, resident[v], reserve, block_bytes))
             except WshardingError as e:
-                problem = problem or e
+                problem = problem or InvalidArgument(f"rank {ctx.rank}, the {v} model: {e}")
     if problem is not None:  # every rank sizes alike: each refuses the same budget
         raise problem
     runs: dict[str, dict[str, Any]] = {v: {} for v in VARIANTS}
