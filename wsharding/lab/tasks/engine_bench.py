@@ -203,6 +203,12 @@ def engine_bench_rank(ctx: RankContext, model_name: str, *, workload: dict[str, 
                 problem = problem or InvalidArgument(f"rank {ctx.rank}, the {v} model: {e}")
     if problem is not None:  # every rank sizes alike: each refuses the same budget
         raise problem
+    longest = -(-max_context // page_size)
+    if longest > min(min(p) for p in pools.values()):
+        # a request that never fits would wait in the engine's queue for ever
+        raise InvalidArgument(f"rank {ctx.rank}: the workload's longest request needs {longest} blocks of {page_size} "
+                              f"tokens, the smallest pool has {min(min(p) for p in pools.values())}: give a larger "
+                              "budget or shorter requests")
     runs: dict[str, dict[str, Any]] = {v: {} for v in VARIANTS}
     differ: dict[str, list[int]] = {}
     own_differ: dict[str, list[int]] = {}
