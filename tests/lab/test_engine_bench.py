@@ -145,3 +145,28 @@ def test_agreement_over_our_nccl_names(cluster_of):
     staying, none failed)."""
     for names in ("nccl", "torch"):
         assert [r["round"] for r in cluster_of(2).run(agreement_over, names)] == [(1, 2, 0), (1, 2, 0)]
+
+
+def test_ranks_that_sized_other_pools_are_refused():
+    """Every rank sizes its pool from the same budget and the same model: a rank that got another pool
+    (another build, another transformers) would make the pair's pool ratio a mix; the report refuses it."""
+    from wsharding.lab.bench.serve_engine import summarize_engine
+
+    r0 = {"rank": 0, "workload": {"requests": 3}, "pools": {"replicated": [7], "sharded": [13]}}
+    r1 = {**r0, "rank": 1, "pools": {"replicated": [7], "sharded": [12]}}
+    with pytest.raises(InvalidArgument, match=r"rank 1 sized other pools than rank 0"):
+        summarize_engine([r0, r1], warmup=0)
+
+
+def test_a_pool_too_small_for_the_longest_request_is_refused(cluster_of):
+    """A request longer than the smaller pool would wait in the engine's queue for ever: refused on every
+    rank, before any engine starts, naming the blocks. (Budget 1,670,000 B, a reserve of 519,680 B for
+    contexts of 56 tokens: the replicated pool is (1,670,000 - 1,019,200 - 519,680) // 24,576 - 2 = 3 blocks
+    of 16 tokens; the longest request, 24 + 32 tokens, needs 4.)"""
+    from wsharding.lab.cluster import RemoteError
+
+    wl = Workload(requests=3, prompt=(24, 24), output=(32, 32), rate=50.0)
+    with pytest.raises(RemoteError, match=r"the workload's longest request needs 4 blocks of 16 tokens, the smallest "
+                                          r"pool has 3"):
+        run_engine_bench(2, "tiny", wl, budgets=[1_670_000], rates=[50.0], cluster=cluster_of(2),
+                         max_batch_tokens=32, max_requests=8)
