@@ -170,3 +170,36 @@ def test_a_pool_too_small_for_the_longest_request_is_refused(cluster_of):
                                           r"pool has 3"):
         run_engine_bench(2, "tiny", wl, budgets=[1_670_000], rates=[50.0], cluster=cluster_of(2),
                          max_batch_tokens=32, max_requests=8)
+
+
+def engine_bench_other_weights(ctx, **kwargs) -> dict:
+    """Rank task: :func:`~wsharding.lab.tasks.engine_bench.engine_bench_rank` with the sharded model built
+    from another seed than the replicated one (its second build), so that their tokens differ."""
+    from wsharding.lab.tasks import engine_bench
+
+    real, calls = engine_bench.build, []
+
+    def build(config, seed, device):
+        calls.append(seed)
+        return real(config, seed + len(calls) - 1, device)
+
+    engine_bench.build = build
+    try:
+        return engine_bench.engine_bench_rank(ctx, "tiny", **kwargs)
+    finally:
+        engine_bench.build = real
+
+
+def test_the_token_check_finds_other_tokens(cluster_of):
+    """The check is not vacuous: a sharded model of other weights gives other tokens, which the report
+    names per rank (the command then raises EngineMismatch after printing it)."""
+    from wsharding.lab.bench.serve_engine import summarize_engine
+
+    wl = Workload(requests=3, prompt=(4, 8), output=(4, 6), rate=50.0)
+    results = cluster_of(2).run(engine_bench_other_weights, workload=wl.as_dict(), budgets=[{"bytes": BUDGET}],
+                                rates=[50.0], max_batch_tokens=32, max_requests=8)
+    report = summarize_engine(results, warmup=0)
+    assert not report["equal"]
+    assert sorted(d["rank"] for d in report["differ"]) == [0, 1]
+    assert all(d["requests"] == [0, 1, 2] for d in report["differ"]), report["differ"]
+    assert "TOKENS DIFFER in the check: rank 0 requests [0, 1, 2]" in format_engine_table(report)
