@@ -165,7 +165,8 @@ def summarize_engine(results: list[dict[str, Any]], slo: SLO | None = None, warm
         version = transformers.__version__
     except ImportError:  # the ranks imported it; this process may run elsewhere
         version = None
-    return {"bench": "serve", "engine": ENGINE, "transformers": version, "date": time.strftime("%Y-%m-%d"),
+    # not "serve": a saved engine report is not one --from-json can read (its fields differ), and says so
+    return {"bench": "serve-engine", "engine": ENGINE, "transformers": version, "date": time.strftime("%Y-%m-%d"),
             **{k: r0[k] for k in keep}, "workload": {k: v for k, v in r0["workload"].items() if k != "lengths"},
             "slo": None if slo is None else slo.as_dict(), "slo_text": None if slo is None else slo.describe(),
             "warmup_requests": warmup, "variants": variants, "notes": notes, "rows_by_budget": rows,
