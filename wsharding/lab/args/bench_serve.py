@@ -29,6 +29,11 @@ def rate_list(text: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int_at_least(1), default=None,
                    help="ranks (default: every GPU -- two on a single GPU where NCCL >= 2.30 -- or 2 CPU ranks)")
+    p.add_argument("--engine", default="wsharding", choices=["wsharding", "transformers"],
+                   help="the serving engine: the package's own scheduler (default) or transformers' continuous "
+                        "batching over a Llama built from a config (the 'hf' extra; wsharding/lab/bench/serve_engine.py)")
+    p.add_argument("--hf-model", default=None, choices=["tiny", "llama-1b", "llama-3b"],
+                   help="--engine transformers: the Llama's shapes (default llama-1b on GPUs, tiny on CPU)")
     p.add_argument("--preset", default=None, choices=DECODER_PRESETS, help="model (default k3-like on GPUs, tiny-deep on CPU)")
     p.add_argument("--layers", type=int_at_least(2), default=None, help="layers (default: the preset's)")
     p.add_argument("--kv-share", type=number_list(float, 0.0, "fraction", "0.05,0.2,0.6", below=1.0), default=None,

@@ -180,6 +180,10 @@ def _save(report: dict[str, Any], prefix: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.engine == "transformers":
+        from wsharding.lab.bench.serve_engine import main as engine_main
+
+        return engine_main(args)
     if args.from_json is not None:
         saved = [read_serve_report(path) for path in args.from_json]
         report = saved[0] if len(saved) == 1 else merge_saved(saved, args.from_json)
