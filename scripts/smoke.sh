@@ -17,17 +17,12 @@ pip_() {  # quiet unless it fails (this machine's pip config warns about its loc
 }
 # The CPU wheel first, so that resolving the package's "torch>=2.11" does not pull a CUDA build.
 "$VENV/bin/python" -c "import torch" 2>/dev/null || pip_ "torch==2.13.0"
+pip_ --force-reinstall --no-deps .
+pip_ .
 ROOT=$(pwd)
 # Run from outside the checkout, so the installed copy is what gets imported.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# The wheel `pip install .` would build, built once: both stages install it (each build of the
-# checkout sets up an isolated build environment of its own).
-"$VENV/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$work/wheel" . >"$VENV/pip.log" 2>&1 \
-    || { cat "$VENV/pip.log"; exit 1; }
-wheel=$(ls "$work"/wheel/wsharding-*.whl)
-pip_ --force-reinstall --no-deps "$wheel"
-pip_ "$wheel"
 cd "$work"
 err="$work/stderr"
 run() {
@@ -66,7 +61,7 @@ print('core only: torchrun on 2 CPU ranks, sharded equal to the replica bit for 
 " || exit 1
 # Stage 2: with the command line's extra (plotly, pyyaml, tqdm). The notebooks' widgets are left out:
 # JupyterLab is the largest install of all and the main .venv runs every notebook.
-pip_ "$wheel[lab]"
+pip_ "$ROOT[lab]"
 run "$py" -c "
 import importlib, pkgutil, wsharding
 assert 'site-packages' in wsharding.__file__, wsharding.__file__  # the installed copy, not the checkout
