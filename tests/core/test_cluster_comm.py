@@ -143,9 +143,12 @@ def test_mixed_dtype_gather_is_byte_exact(cluster_of, n):
     assert len({i["pid"] for i in infos}) == n
 
 
-def test_world_8_in_two_groups_of_4(cluster_of):
-    results = cluster_of(8).run(split_groups_gather, 4)
-    assert results == [(r // 4, r % 4, 4, True) for r in range(8)]
+def test_world_4_in_two_groups_of_2(cluster_of):
+    """Two shard groups of consecutive ranks, each gathering its own data. World 4 shows what world 8
+    in groups of 4 would (the groups' ranks, sizes and data) on the session's 4-rank cluster, without
+    starting 8 rank processes."""
+    results = cluster_of(4).run(split_groups_gather, 2)
+    assert results == [(r // 2, r % 2, 2, True) for r in range(4)]
 
 
 @pytest.mark.parametrize("n", [1, 3])

@@ -18,10 +18,11 @@ Two CPU ranks (gloo), a small GPT whose every block linear is sharded.
 from __future__ import annotations
 
 import copy
-import time
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.core.gpt_blocks import TinyGPT
@@ -205,6 +206,12 @@ def test_state_dict_of_a_sharded_model_is_refused_and_full_state_dict_is_exact(c
 
 
 # ---- save_checkpoint -------------------------------------------------------------------------------
+def _collectives_issued() -> int:
+    """Collectives this rank has issued so far, over every process group it is in: each one (a
+    barrier, a gather, on any group) moves its group's sequence number by one."""
+    return sum(pg._get_sequence_number_for_group() for pg in dist.distributed_c10d._world.pg_map)
+
+
 def save_sharded(ctx, folder: str):
     ref, model, ws, x = _pair(ctx)
     out = {"rank": ctx.rank}
@@ -212,10 +219,13 @@ def save_sharded(ctx, folder: str):
     with torch.no_grad():
         model(x)
     if ctx.rank == 0:  # the usual "only rank 0 writes": rank 1 calls nothing, so nothing may wait on it
-        t0 = time.monotonic()
+        before = _collectives_issued()
         out["plain"] = _error(lambda: save_checkpoint(model, path))
-        out["plain_s"] = time.monotonic() - t0
+        out["plain_collectives"] = _collectives_issued() - before
+        out["plain_wrote"] = os.path.exists(path)
+    before = _collectives_issued()
     ctx.comm.barrier()
+    out["barrier_collectives"] = _collectives_issued() - before  # the count sees a collective: 1
     by_layer = ws.full_state_dict()  # keyed by layer id: not the model's parameter names
     if ctx.rank == 1:
         out["wrong_keys"] = _error(lambda: save_checkpoint(model, path, state_dict=by_layer))
@@ -239,7 +249,9 @@ def test_save_checkpoint_of_a_sharded_model_says_how_at_once_and_the_recipe_roun
     assert cls == CheckpointError.__name__, msg
     assert msg.startswith("save_checkpoint: blocks.0.q_proj.weight (layer 0 q_proj.weight) is sharded: on rank 0")
     assert "ws.full_state_dict(model)" in msg and "every rank" in msg and "state_dict=full" in msg
-    assert r0["plain_s"] < 2.0  # raised at once: no collective, nothing waited for
+    # raised at once: no collective issued (rank 1 joins none, so one would wait for it), nothing written
+    assert r0["plain_collectives"] == 0 and not r0["plain_wrote"]
+    assert r0["barrier_collectives"] == r1["barrier_collectives"] == 1
     cls, msg = r1["wrong_keys"]
     assert cls == CheckpointError.__name__
     assert msg.startswith("save_checkpoint: blocks.0.q_proj.weight (layer 0 q_proj.weight) is sharded: on rank 1")

@@ -268,15 +268,19 @@ def check_quiz_panels(page, server) -> int:
             # a label cut to "Sho..." shows as text wider than its button
             for b in (check, show):
                 assert b.evaluate("(el) => el.scrollWidth <= el.clientWidth + 1"), f"button cut: {b.inner_text()!r}"
+            # the verdict shows beside the buttons, in the row: wait for it there (each callback's own
+            # output), not for a quiet kernel twice per click; the kernel is waited for once at the end
+            row = check.locator("xpath=..")
             check.click()
-            wait_idle(page, server, 60)
+            row.get_by_text("write your prediction first").first.wait_for(timeout=60_000)
             text = quiz.inner_text()
             assert "write your prediction first" in text, text[:300]
             assert "run the cell" not in text and ".reveal()" not in text, text[:300]
             show.click()
-            wait_idle(page, server, 60)
+            row.get_by_text("answer:").first.wait_for(timeout=60_000)
             assert "answer:" in quiz.inner_text(), quiz.inner_text()[:300]
             n += 1
+    wait_idle(page, server, 60)
     return n
 
 
@@ -398,6 +402,7 @@ def run_notebook(browser, lab, nb: Path) -> dict:
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
     page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
     before = nb.read_bytes()
+    t_open = time.monotonic()
     page.goto(f"{lab['base']}/lab/tree/notebooks/{nb.name}?reset&token={lab['token']}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=60_000)
     page.wait_for_function("() => window.jupyterapp && document.querySelector('.jp-NotebookPanel-toolbar')",
@@ -407,6 +412,7 @@ def run_notebook(browser, lab, nb: Path) -> dict:
     page.wait_for_function(f"() => {{ const s = ({KERNEL_STATE})(); return s && s[0] === 'connected' && s[1] === 'idle'; }}",
                            timeout=90_000)
     t0 = time.monotonic()
+    log(f"{nb.name}: opened, kernel idle, in {t0 - t_open:.1f} s")
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
     time.sleep(1.0)
     wait_idle(page, lab)
@@ -426,6 +432,26 @@ def panel_screenshot(page, panel, name: str) -> Path:
     return path
 
 
+#: The notebook panel's layout, read after the browser drew a frame: it changes while Lumino and
+#: plotly lay out again (after a resize, a scroll).
+LAYOUT = """(sel) => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() => {
+  const s = document.querySelector(sel);
+  done(s ? [s.scrollHeight, s.clientHeight, s.scrollTop] : null);
+})))"""
+
+
+def settle(page, scroller: str, timeout: float = 5.0) -> None:
+    """Until the panel's layout is the same over a quarter of a second (or ``timeout`` s passed)."""
+    deadline = time.monotonic() + timeout
+    last = page.evaluate(LAYOUT, scroller)
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = page.evaluate(LAYOUT, scroller)
+        if now == last:
+            return
+        last = now
+
+
 def screenshot(page, name: str) -> Path:
     """The whole notebook: JupyterLab scrolls inside its panel, so grow the viewport until the panel
     holds every cell, and scroll it back to the top."""
@@ -439,9 +465,9 @@ def screenshot(page, name: str) -> Path:
         size = page.viewport_size
         page.set_viewport_size({"width": size["width"], "height": min(size["height"] + extra + 50, 30000)})
         page.evaluate("() => window.dispatchEvent(new Event('resize'))")  # Lumino lays out on resize
-        time.sleep(1.5)
+        settle(page, scroller)
     page.evaluate(f"() => {{ const s = document.querySelector('{scroller}'); if (s) s.scrollTop = 0; }}")
-    time.sleep(1.0)
+    settle(page, scroller)
     path = SHOTS / f"{name}.png"
     page.screenshot(path=str(path))
     return path
@@ -494,7 +520,9 @@ def test_notebook_in_the_browser(nb, browser, lab):
         assert facts["stderr"] == [], f"{nb.name}: error output after driving the panels:\n" + "\n".join(facts["stderr"])
         assert run["console"] == [], f"{nb.name}: browser console errors:\n" + "\n".join(run["console"])
     finally:
+        t_shot = time.monotonic()
         screenshot(page, nb.stem)
+        log(f"{nb.name}: screenshot in {time.monotonic() - t_shot:.1f} s")
         page.close()
         for k in api(lab, "/api/kernels"):
             api(lab, f"/api/kernels/{k['id']}", method="DELETE")
