@@ -325,9 +325,11 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
                 rank_stage(ctx.rank, progress, f"{variant}: replaying the replicated run's steps (token check)")
                 replay_pool = sized_pool(variant, b, requests, blocks=rep["blocks"])
                 align_ranks(ctx)
+                # no warm-up steps: the replay is timed by nobody (only its tokens are read), and this model
+                # has served this point already
                 again = serve(built[variant][0], replay_pool, requests, token_budget=token_budget,
                               max_context=max_context, max_seqs=max_seqs, max_concurrency=max_concurrency,
-                              schedule_times=rep["times"], pad_to=longest)
+                              schedule_times=rep["times"], pad_to=longest, warmup=0)
                 rep.setdefault("outputs", {})[variant] = again.outputs
                 del replay_pool
                 gc.collect()
