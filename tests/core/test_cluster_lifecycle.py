@@ -39,6 +39,26 @@ def echo_rank(ctx, *args):
     return ctx.rank
 
 
+class _Cycle:
+    """An object that refers to itself: only the cycle collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def collector_state(ctx) -> dict:
+    """What the collector sees on this rank: how many objects are frozen, and whether a cycle made by
+    this task is freed by ``gc.collect()`` (a weak reference to it dies)."""
+    import gc
+    import weakref
+
+    cycle = _Cycle()
+    ref = weakref.ref(cycle)
+    del cycle
+    gc.collect()
+    return {"frozen": gc.get_freeze_count(), "cycle_freed": ref() is None}
+
+
 def mark_and_wait(ctx, folder: str, how: str):
     """Write this rank's pid, then get stuck: rank 0 in a collective that rank 1 never joins, rank 1
     asleep (``how="cpu"``), or every rank in a long GPU wait (``how="gpu"``)."""
@@ -171,6 +191,14 @@ def test_gpu_ranks_die_with_a_sigkilled_parent_inside_a_gpu_wait(tmp_path):
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     parent, pids = _start_parent(tmp_path, "gpu", from_thread=False, backend=backend)
     assert _kill_parent_and_watch(parent, pids, 15.0) == []
+
+
+def test_start_up_objects_are_frozen_and_a_task_garbage_is_still_collected(cluster_of):
+    """[Note: start-up objects frozen]: without the freeze nothing is frozen (``frozen == 0``) and each
+    ``gc.collect()`` of a task walks torch's objects again; with it, a task's own cycles are freed as before."""
+    states = cluster_of(2).run(collector_state)
+    assert [s["cycle_freed"] for s in states] == [True, True]
+    assert all(s["frozen"] > 50_000 for s in states), [s["frozen"] for s in states]
 
 
 def test_rendezvous_port_is_held_from_the_start():

@@ -406,7 +406,10 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             for variant in variants[1:]:
                 rank_stage(ctx.rank, progress, f"{variant}: replaying the replicated run's steps (token check)")
                 runner = runner_for(variant, b, requests, replay_blocks=rep["blocks"])
-                again, steps = serve_on(variant, runner, requests, schedule_times=rep["times"], pad_to=longest)
+                # no warm-up steps: the replay is timed by nobody (only its tokens are read), and this model
+                # has served this point already
+                again, steps = serve_on(variant, runner, requests, schedule_times=rep["times"], pad_to=longest,
+                                        warmup=0)
                 rep.setdefault("outputs", {})[variant] = again.outputs
                 graph_info[b][variant]["replay_graphed_steps"] += steps[0]
                 graph_info[b][variant]["replay_eager_steps"] += steps[1]
