@@ -128,20 +128,23 @@ def test_engine_options_refused():
 
 
 def agreement_over(ctx, names: str) -> dict:
-    """Rank task: a StepAgreement made from a communicator that names its gloo group and timeout as
-    ours (NCCL) does (``cpu_group``, ``timeout_s``), then one round."""
+    """Rank task: a StepAgreement made from a communicator that knows its group as ours (NCCL) does --
+    ``group_ranks`` and a ``timeout``, no process group -- or as the torch backend does, then one round."""
+    from datetime import timedelta
+
     from wsharding.engines.transformers_cb import StepAgreement
 
-    comm = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, cpu_group=None, timeout_s=10.0)
+    comm = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, group=None, group_ranks=(0, 1),
+                           timeout=timedelta(seconds=10))
     if names == "torch":
-        comm = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, group=None, timeout=None)
+        comm = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size, group=None, group_ranks=(), timeout=None)
     a = StepAgreement(comm)
     return {"rank": ctx.rank, "round": a.reduce(ctx.rank == 0, True, False)}
 
 
 def test_agreement_over_our_nccl_names(cluster_of):
-    """Where ranks share one GPU the sharded model gathers with our NCCL communicator, which has no ``group``
-    / ``timeout``: the engine's agreement takes its ``cpu_group`` / ``timeout_s`` (one rank with work, two
+    """Where ranks share one GPU the sharded model gathers with our NCCL communicator, which has no process
+    ``group``: the engine's agreement takes its ``group_ranks`` and ``timeout`` (one rank with work, two
     staying, none failed)."""
     for names in ("nccl", "torch"):
         assert [r["round"] for r in cluster_of(2).run(agreement_over, names)] == [(1, 2, 0), (1, 2, 0)]

@@ -44,7 +44,6 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -108,16 +107,15 @@ class StepAgreement:
             if not dist.is_initialized():
                 raise EngineError("the engine's agreement needs torch.distributed: start the ranks with a RankCluster "
                                   "or torchrun (wsharding.init_from_env())")
-            # torch.distributed's communicator names its group and timeout `group` / `timeout`; ours (NCCL, the
-            # one that gathers where ranks share a GPU) `cpu_group` / `timeout_s`
-            group = getattr(comm, "group", getattr(comm, "cpu_group", None))
-            if group is not None:
-                ranks = dist.get_process_group_ranks(group)
+            # the torch backend names its process group; ours (NCCL, the one that gathers where ranks share a
+            # GPU) lists the group's ranks; neither: the standard group of consecutive ranks
+            if comm.group is not None:
+                ranks = dist.get_process_group_ranks(comm.group)
+            elif comm.group_ranks:
+                ranks = list(comm.group_ranks)
             else:
                 ranks = shard_group_of(dist.get_rank(), dist.get_world_size(), self.size)
-            timeout = getattr(comm, "timeout", None)
-            if timeout is None and getattr(comm, "timeout_s", None) is not None:
-                timeout = timedelta(seconds=comm.timeout_s)
+            timeout = comm.timeout
             kwargs = {"timeout": timeout} if timeout is not None else {}
             self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kwargs)
         self.buffer = torch.zeros(3, dtype=torch.int64)

@@ -33,6 +33,7 @@ and ``issuing.py`` (the opt-in issue thread, imported only when it is switched o
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,6 +165,8 @@ class NcclCommunicator(NcclWaits, Communicator):
         self.teardown = Teardown(self)
         self.pool = SymmetricPool(self)
         self.timeout_s = float(timeout_s)
+        # the base's `timeout`: a gloo group made beside this one (an engine's step agreement) waits as long
+        self.timeout = timedelta(seconds=self.timeout_s)
         self.cta_policy = cta_policy
         self.blocking = bool(blocking)
         # Checks that need no GPU come first, so CPU machines get the real reason.

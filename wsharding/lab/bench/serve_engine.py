@@ -268,9 +268,13 @@ def format_engine_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class NoEngineFigure(WshardingError, ImportError):
+    """No figure for an engine run; an ImportError so that :func:`save_report` says so and saves the JSON."""
+
+
 def _no_figure(report: dict[str, Any]) -> Any:
     """The goodput figure draws the package scheduler's report (its regimes, KV blocks): none for this one."""
-    raise ImportError("an engine run is saved as JSON only (the serve figures read fields this engine does not give)")
+    raise NoEngineFigure("an engine run is saved as JSON only (the serve figures read fields this engine does not give)")
 
 
 def main(args: argparse.Namespace) -> int:
