@@ -65,7 +65,7 @@ def test_graphs_on_without_a_gpu_is_refused_before_any_rank_starts(monkeypatch, 
     from wsharding.lab import cli
 
     monkeypatch.setattr(bench, "gpu_count", lambda: 0)
-    monkeypatch.setattr(bench, "bench_cluster", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(bench, "run_on_ranks", lambda *a, **k: pytest.fail("a rank was started"))
     assert cli.main(["bench", "serve", "--graphs", "on", "--json", ""]) == 2
     err = capsys.readouterr().err
     assert "--graphs on: CUDA graphs need a GPU and this machine has none" in err and len(err.splitlines()) == 1

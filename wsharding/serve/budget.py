@@ -41,6 +41,25 @@ def budget_from_device(memory_bytes: int, utilization: float, ranks_per_device: 
     return int(memory_bytes * utilization) // ranks_per_device
 
 
+def resolve_budget(spec: dict[str, Any], resident_bytes: int, reserve_bytes: int, device: Any,
+                   ranks_per_device: int) -> int:
+    """Bytes per rank for one budget spec as ``bench serve`` gives them: ``{"bytes": B}``, ``{"kv_share": s}``
+    (the replicated pool is s of the budget: :func:`budget_for_share`) or ``{"utilization": u,
+    "memory_bytes": M or None}`` (M None: the total memory of ``device``, a CUDA device)."""
+    if "bytes" in spec:
+        return int(spec["bytes"])
+    if "kv_share" in spec:
+        return budget_for_share(resident_bytes, reserve_bytes, spec["kv_share"])
+    memory = spec.get("memory_bytes")
+    if memory is None:
+        if device.type != "cuda":
+            raise InvalidArgument("a budget from a utilization needs the device's memory on CPU ranks (--memory-gib)")
+        import torch  # here, not at the top: the command's argument checks import this module without torch
+
+        memory = torch.cuda.get_device_properties(device).total_memory
+    return budget_from_device(int(memory), float(spec["utilization"]), ranks_per_device)
+
+
 def activation_reserve_bytes(model: Any, rows: int, max_len: int) -> int:
     """Bytes set aside for the transient tensors of the largest serving step -- ``rows`` tokens (the
     step's token budget) attending over ``max_len`` (the widest context bucket) -- a stated rule, an

@@ -279,6 +279,18 @@ def bracket(rates: list[float], attainments: list[float | None], target: float,
             "stopped": stopped, "kind": kind}
 
 
+def bracket_json(b: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`bracket` as a saved report holds it (JSON has no infinity): all at once is the rate None
+    and is said as such (``all_at_once``), never as a number. Returns a new dict."""
+    b = {**b, "all_at_once": b["sustained"] is not None and math.isinf(b["sustained"])}
+    for key in ("sustained", "fails_at"):
+        if b[key] is not None and math.isinf(b[key]):
+            b[key] = None
+    if b["stopped"] is not None and math.isinf(b["stopped"]["rate"]):
+        b["stopped"] = {**b["stopped"], "rate": None}
+    return b
+
+
 def _rate(rate: float | None) -> str:
     return "all at once" if rate is None or math.isinf(rate) else f"{rate:g}/s"
 

@@ -44,7 +44,7 @@ from wsharding.costmodel.plan import gather_seconds
 from wsharding.serve.blocks import BLOCK_TOKENS, BlockPool
 from wsharding.serve.budget import budget_for_share, pool_blocks
 from wsharding.serve.engine import record
-from wsharding.serve.metrics import SLO, bracket, bracket_text, pair_metrics, pair_steady, regime
+from wsharding.serve.metrics import SLO, bracket, bracket_json, bracket_text, pair_metrics, pair_steady, regime
 from wsharding.serve.scheduler import Scheduler, check_servable
 from wsharding.serve.step import context_buckets, step_buckets, token_buckets
 from wsharding.serve.workload import Request, Workload
@@ -529,18 +529,6 @@ def predict_pair(setting: Setting, blocks: dict[str, int], seconds: dict[str, Se
     return out
 
 
-def _json_bracket(b: dict[str, Any]) -> dict[str, Any]:
-    """A :func:`~wsharding.serve.metrics.bracket` as a report holds it: all at once (infinite) is the
-    rate None, and a sustained burst is said as such (``all_at_once``), never as a number."""
-    b = {**b, "all_at_once": b["sustained"] is not None and math.isinf(b["sustained"]), "label": PREDICTED}
-    for key in ("sustained", "fails_at"):
-        if b[key] is not None and math.isinf(b[key]):
-            b[key] = None
-    if b["stopped"] is not None and math.isinf(b["stopped"]["rate"]):
-        b["stopped"] = {**b["stopped"], "rate": None}
-    return b
-
-
 def pair_sweep(setting: Setting, blocks: dict[str, int], seconds: dict[str, Seconds], rates: Sequence[float], *,
                search: bool = True, refine: int = 3, widen: int = 8) -> dict[str, Any]:
     """Each variant's answer over a sweep of pairs (:func:`predict_pair`), as the bench answers:
@@ -589,7 +577,7 @@ def pair_sweep(setting: Setting, blocks: dict[str, int], seconds: dict[str, Seco
             if not added:
                 break
             got = judge()
-    return {"points": [points[x] for x in sorted(points)], "brackets": {v: _json_bracket(b) for v, b in got.items()},
+    return {"points": [points[x] for x in sorted(points)], "brackets": {v: {**bracket_json(b), "label": PREDICTED} for v, b in got.items()},
             "label": PREDICTED}
 
 

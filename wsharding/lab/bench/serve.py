@@ -25,7 +25,7 @@ from typing import Any
 
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.args.bench_serve import add_arguments as add_arguments
-from wsharding.lab.bench.ranks import auto_comm, bench_cluster
+from wsharding.lab.bench.ranks import auto_comm, run_on_ranks
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path
@@ -126,19 +126,10 @@ def run_serve_bench(ranks: int, preset: str, workload: Workload, *, budgets: lis
               "token_budget": token_budget, "max_seqs": max_seqs, "max_concurrency": max_concurrency,
               "reserve_bytes": reserve_bytes, "comm": auto_comm(comm), "layers": layers, "seed": seed, "plain": plain,
               "check": check, "graphs": graphs, "progress": progress}
-    if cluster is not None:
-        if cluster.world_size != ranks:
-            raise InvalidArgument(f"run_serve_bench: ranks={ranks}, but the cluster given has {cluster.world_size}")
-        results = cluster.run(serve_rank, preset, **kwargs)
-    else:
-        with bench_cluster(ranks, task_timeout=3600) as c:
-            # told once the ranks are up: a refused rank count stays a one-line error
-            stages = Stages(progress) if progress else None
-            if stages:
-                stages.start(f"serving on {ranks} rank processes (rank 0 tells each run)")
-            results = c.run(serve_rank, preset, **kwargs)
-            if stages:
-                stages.done()
+    stages = Stages(progress) if progress and cluster is None else None
+    started = (lambda: stages.start(f"serving on {ranks} rank processes (rank 0 tells each run)")) if stages else None
+    results = run_on_ranks("run_serve_bench", ranks, cluster, serve_rank, preset, started=started,
+                           finished=stages.done if stages else None, **kwargs)
     return summarize(results, slo, warmup)
 
 

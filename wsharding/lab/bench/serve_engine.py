@@ -23,12 +23,21 @@ import time
 from typing import Any
 
 from wsharding.core.errors import InvalidArgument, WshardingError
-from wsharding.lab.bench.ranks import auto_comm, bench_cluster
+from wsharding.lab.bench.ranks import auto_comm, run_on_ranks
 from wsharding.lab.bench.report import save_report
 from wsharding.lab.bench.serve_report import CPU_NOTE, SLICED_NOTE, rate_label
 from wsharding.lab.cluster import RankCluster
 from wsharding.runtime import gpu_count
-from wsharding.serve.metrics import SLO, bracket, bracket_text, interval, over_trials, pair_metrics, pair_steady
+from wsharding.serve.metrics import (
+    SLO,
+    bracket,
+    bracket_json,
+    bracket_text,
+    interval,
+    over_trials,
+    pair_metrics,
+    pair_steady,
+)
 from wsharding.serve.workload import Workload
 
 ENGINE = "transformers continuous batching"
@@ -79,13 +88,7 @@ def run_engine_bench(ranks: int, model: str, workload: Workload, *, budgets: lis
     kwargs = dict(workload=workload.as_dict(), budgets=specs, rates=rates, trials=trials,
                   max_batch_tokens=max_batch_tokens, max_requests=max_requests, page_size=page_size,
                   reserve_bytes=reserve_bytes, comm=comm, layers=layers, seed=seed, check=check)
-    if cluster is not None:
-        if cluster.world_size != ranks:
-            raise InvalidArgument(f"run_engine_bench: ranks={ranks}, but the cluster given has {cluster.world_size}")
-        results = cluster.run(engine_bench_rank, model, **kwargs)
-    else:
-        with bench_cluster(ranks, task_timeout=3600) as c:
-            results = c.run(engine_bench_rank, model, **kwargs)
+    results = run_on_ranks("run_engine_bench", ranks, cluster, engine_bench_rank, model, **kwargs)
     return summarize_engine(results, slo, warmup)
 
 
@@ -144,7 +147,7 @@ def summarize_engine(results: list[dict[str, Any]], slo: SLO | None = None, warm
         if slo is not None:
             xs = [math.inf if p["rate"] is None else p["rate"] for p in row["points"]]
             row["answer"]["brackets"] = {
-                v: _finite(bracket(xs, [p[v]["attainment"]["mean"] for p in row["points"]], target, steady))
+                v: bracket_json(bracket(xs, [p[v]["attainment"]["mean"] for p in row["points"]], target, steady))
                 for v in variants}
             row["answer"]["goodput_ratio"] = [
                 p["sharded"]["goodput"]["mean"] / p["replicated"]["goodput"]["mean"]
@@ -174,18 +177,6 @@ def summarize_engine(results: list[dict[str, Any]], slo: SLO | None = None, warm
             "own_schedule_differ": {"requests": own, "of": sum(len(r["own_differ"]) for r in results) * requests},
             "agreement": [{"rank": r["rank"], "rounds": sum(run["rounds"] for run in r["runs"]["sharded"].values()),
                            "agree_s": sum(run["agree_s"] for run in r["runs"]["sharded"].values())} for r in results]}
-
-
-def _finite(b: dict[str, Any]) -> dict[str, Any]:
-    """A bracket with all at once (an infinite rate) written as None, as JSON has no infinity."""
-    b = dict(b)
-    b["all_at_once"] = b["sustained"] is not None and math.isinf(b["sustained"])
-    for key in ("sustained", "fails_at"):
-        if b[key] is not None and math.isinf(b[key]):
-            b[key] = None
-    if b["stopped"] is not None and math.isinf(b["stopped"]["rate"]):
-        b["stopped"] = {**b["stopped"], "rate": None}
-    return b
 
 
 def _iv(x: dict[str, Any] | None, fmt: str = ",.1f") -> str:

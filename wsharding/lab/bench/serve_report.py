@@ -33,6 +33,7 @@ from wsharding.serve import BLOCK_TOKENS, pool_blocks
 from wsharding.serve.metrics import (
     SLO,
     bracket,
+    bracket_json,
     bracket_text,
     interval,
     over_trials,
@@ -141,15 +142,8 @@ def answer(row: dict[str, Any], rates: list[float | None], variants: list[str], 
     xs = [math.inf if r is None else r for r in rates]
     brackets = {}
     for v in variants:
-        got = bracket(xs, [_mean(p[v], "attainment") for p in row["points"]], slo.attainment, steady)
-        # all at once is the rate None in a report (JSON has no infinity)
-        got["all_at_once"] = got["sustained"] is not None and math.isinf(got["sustained"])
-        for key in ("sustained", "fails_at"):
-            if got[key] is not None and math.isinf(got[key]):
-                got[key] = None
-        if got["stopped"] is not None and math.isinf(got["stopped"]["rate"]):
-            got["stopped"]["rate"] = None
-        brackets[v] = got
+        brackets[v] = bracket_json(bracket(xs, [_mean(p[v], "attainment") for p in row["points"]], slo.attainment,
+                                           steady))
     ratio = {}
     for v in variants[1:]:
         ratio[v] = []

@@ -41,7 +41,7 @@ from wsharding.engines.transformers_cb import AlignedEngine
 from wsharding.lab.tasks.loading import HF_LLAMA_PATTERNS
 from wsharding.lab.tasks.planner import align_ranks
 from wsharding.models.kv_cache import model_bytes, ranks_sharing_device, sharded_model_bytes
-from wsharding.serve.budget import budget_for_share, budget_from_device
+from wsharding.serve.budget import resolve_budget
 from wsharding.serve.workload import Request, Workload, realised_rate
 
 VARIANTS = ("replicated", "sharded")
@@ -106,21 +106,6 @@ def engine_configs(max_new_tokens: int, num_blocks: int, page_size: int, max_bat
                                   max_requests_per_batch=max_requests, use_cuda_graph=False, use_async_batching=False,
                                   auto_switch_to_flash=False)
     return gen, cb
-
-
-def _resolve_budget(spec: dict[str, Any], resident: int, reserve: int, device: torch.device, share: int) -> int:
-    """Bytes per rank for one budget spec, as ``bench serve`` reads them: ``{"bytes": B}``,
-    ``{"kv_share": s}`` (the replicated pool is s of the budget), ``{"utilization": u, "memory_bytes": M}``."""
-    if "bytes" in spec:
-        return int(spec["bytes"])
-    if "kv_share" in spec:
-        return budget_for_share(resident, reserve, spec["kv_share"])
-    memory = spec.get("memory_bytes")
-    if memory is None:
-        if device.type != "cuda":
-            raise InvalidArgument("a budget from a utilization needs the device's memory on CPU ranks (--memory-gib)")
-        memory = torch.cuda.get_device_properties(device).total_memory
-    return budget_from_device(int(memory), float(spec["utilization"]), share)
 
 
 def serve_once(ctx: RankContext, model: Any, comm: Any, requests: list[Request], cfgs: tuple[Any, Any], *,
@@ -192,7 +177,7 @@ def engine_bench_rank(ctx: RankContext, model_name: str, *, workload: dict[str, 
     reserve = engine_reserve_bytes(config, dtype, max_batch_tokens, max_requests, max_context) \
         if reserve_bytes is None else reserve_bytes
     resident = {"replicated": model_bytes(replicated), "sharded": sharded_model_bytes(sharded, ws)}
-    resolved = [_resolve_budget(s, resident["replicated"], reserve, device, share) for s in budgets]
+    resolved = [resolve_budget(s, resident["replicated"], reserve, device, share) for s in budgets]
     pools: dict[str, list[int]] = {v: [] for v in VARIANTS}
     problem: Exception | None = None
     for budget in resolved:

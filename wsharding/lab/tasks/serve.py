@@ -56,11 +56,10 @@ from wsharding.serve import (
     BlockPool,
     Workload,
     activation_reserve_bytes,
-    budget_for_share,
-    budget_from_device,
     pool_blocks,
     serve,
 )
+from wsharding.serve.budget import resolve_budget
 from wsharding.serve.engine import ServeRun
 from wsharding.serve.runner import StepRunner, pair_eager_reason, shapes_of_every_rank
 from wsharding.serve.scheduler import check_servable
@@ -213,21 +212,6 @@ def _probe_shapes(ctx: RankContext, summaries: Any, token_budget: int, max_conte
     return sorted({common, used[-1]}), max(zip(contexts, widths, strict=True))[1]
 
 
-def _resolve_budget(spec: dict[str, Any], resident: int, reserve: int, device: torch.device, share: int) -> int:
-    """Bytes per rank for one budget spec: ``{"bytes": B}``, ``{"kv_share": s}`` (the replicated pool
-    is s of the budget) or ``{"utilization": u, "memory_bytes": M or None}`` (M: the GPU's total)."""
-    if "bytes" in spec:
-        return int(spec["bytes"])
-    if "kv_share" in spec:
-        return budget_for_share(resident, reserve, spec["kv_share"])
-    memory = spec.get("memory_bytes")
-    if memory is None:
-        if device.type != "cuda":
-            raise InvalidArgument("a budget from a utilization needs the device's memory on CPU ranks (--memory-gib)")
-        memory = torch.cuda.get_device_properties(device).total_memory
-    return budget_from_device(int(memory), float(spec["utilization"]), share)
-
-
 def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budgets: list[dict[str, Any]],
                rates: list[float | None], trials: int = 3, token_budget: int = 64, max_seqs: int | None = None,
                max_concurrency: int | None = None, comm: str = "torch", layers: int | None = None, seed: int = 0,
@@ -277,7 +261,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
         reserve = activation_reserve_bytes(model, token_budget, max_context) if reserve_bytes is None else reserve_bytes
         sizing[variant] = {"resident_bytes": resident, "reserve_bytes": reserve, **load}
         if variant == "replicated":
-            resolved = [_resolve_budget(s, resident, reserve, device, share) for s in budgets]
+            resolved = [resolve_budget(s, resident, reserve, device, share) for s in budgets]
         if ws is not None:
             bill = bill_for_layouts(list(ws.layouts.values()), ranks=comm_.world_size, map_own_chunk=ws.map_own_chunk,
                                     granularity=comm_.alloc_granularity)
