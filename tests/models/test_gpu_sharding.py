@@ -109,7 +109,11 @@ def cuda_gate_race(ctx, gate: bool):
     from wsharding.core.schedule import lookahead_schedule
     from wsharding.core.sharding import WeightSharding
 
-    comm = shard_comm_for(ctx, "torch")
+    # Our NCCL communicator, plain slots: its gathers (here the own chunk's copy, a group of one) run on
+    # its gather stream, so only the gate's event orders them after the layer reading the slot. (The
+    # torch.distributed comm issues from the compute stream, which orders it without any gate, and a
+    # mapped own chunk has nothing to copy: neither could show the race.)
+    comm = shard_comm_for(ctx, "nccl")
     dev = comm.device
     blocks = [HeavyBlock(1024, 10 + i, dev) for i in range(6)]
     x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
@@ -117,7 +121,7 @@ def cuda_gate_race(ctx, gate: bool):
         ref = x
         for b in blocks:
             ref = b(ref)
-        ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(6)}).setup().finalize()
+        ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(6)}, map_own_chunk=False).setup().finalize()
         planner = ws.planner
 
         def two_ahead(sharded, slot_of, start, end):

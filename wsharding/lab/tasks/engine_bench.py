@@ -160,8 +160,10 @@ def engine_bench_rank(ctx: RankContext, model_name: str, *, workload: dict[str, 
     pool per budget, the sizing, ``differ`` (requests whose tokens differ in the check: must be empty)
     and ``own_differ`` (in the first trial's timed runs: informative)."""
     config = llama_config(model_name, layers)
-    device = ctx.device
     sharded_comm = shard_comm_for(ctx, comm)
+    # where the gathers land, as the package's own serve task builds: a rank of a CPU-side group (gloo
+    # between ranks that share a GPU through our NCCL communicator) has a CPU context and a CUDA comm
+    device = sharded_comm.device
     share = ranks_sharing_device(ctx.world_size, device)
     base = Workload.from_dict(workload)
     max_context = base.max_len + 1
