@@ -124,17 +124,20 @@ def cuda_gate_race(ctx, gate: bool):
         ws = WeightSharding(comm, blocks, {i: ["fc"] for i in range(6)}, map_own_chunk=False).setup().finalize()
         planner = ws.planner
 
-        def two_ahead(sharded, slot_of, start, end):
-            # two ahead over two slots: each gather targets the slot the layer starting now is about to read;
-            # without its gates (gate None on every gather) nothing orders it after that layer: the race
-            sched = lookahead_schedule(sharded, slot_of, 2, start, end)
+        def ungated(sharded, slot_of, start, end):
+            # one ahead over two slots: at block i's start the host issues layer i+1's gather into the slot
+            # block i-1 read, whose kernels (a long sleep first) are still queued; without its gate (None
+            # on every gather) nothing orders the gather after them on the GPU: the race. (Two ahead over
+            # two slots is caught on the host: the slot's accounting sees layer i's own slot overwritten
+            # and gathers it again, synchronously, with a ScheduleMissWarning.)
+            sched = lookahead_schedule(sharded, slot_of, 1, start, end)
             if gate:
                 return sched
             bare = lambda gs: tuple(dataclasses.replace(g, gate=None) for g in gs)  # noqa: E731
             return dataclasses.replace(sched, at_step_start=bare(sched.at_step_start),
                                        at_block_start={b: bare(gs) for b, gs in sched.at_block_start.items()})
 
-        planner.set_schedule(two_ahead)
+        planner.set_schedule(ungated)
         h = run_layers(blocks, x, planner)
         torch.cuda.synchronize(dev)
     return bool(torch.equal(h, ref))
