@@ -85,6 +85,11 @@ def lab(tmp_path_factory):
     token = secrets.token_hex(16)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), CI=os.environ.get("CI", "true"))
+    # ipykernel captures the kernel's file descriptors 1 and 2 -- where rank processes, which inherit them,
+    # write (a library's log lines, a warning) -- unless PYTEST_CURRENT_TEST is set (it then leaves fd capture to
+    # pytest). pytest sets it while this fixture runs; the server would pass it to every kernel, and a rank's
+    # stderr that a reader sees in red would go to the server's log instead of the page.
+    env.pop("PYTEST_CURRENT_TEST", None)
     log = open(tmp / "lab.log", "w")  # noqa: SIM115 -- closed at teardown
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip", "127.0.0.1", "--port", str(port),

@@ -125,6 +125,43 @@ def test_engine_rows_for_the_notebook(cluster_of):
     assert all(r["kv_blocks_per_rank"] == [32, 32] and r["emulated"] for r in rows)
 
 
+def engine_serve_stderr(ctx, workload, sharded: bool) -> str:
+    """:func:`~wsharding.lab.tasks.engine.engine_serve` on this rank, and what it wrote to the rank's standard
+    error (file descriptor 2, where transformers' logger writes)."""
+    import os
+    import sys
+    import tempfile
+
+    from wsharding.lab.tasks.engine import engine_serve
+
+    sys.stderr.flush()
+    kept = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            engine_serve(ctx, workload, sharded=sharded)
+        finally:
+            sys.stderr.flush()
+            os.dup2(kept, 2)
+            os.close(kept)
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def test_the_engine_writes_nothing_to_stderr(cluster_of):
+    """Notebook 07 runs the engine on its ranks, and a rank's standard error shows under the cell in red:
+    ipykernel reads the kernel's file descriptor 2, which spawned ranks inherit. Without psutil (the hf
+    extra installs it) transformers' engine logs "Cannot get memory breakdown on CPU without psutil" (ERROR)
+    and "psutil is not available" (WARNING) on every rank, for every engine it builds. The browser test
+    would see them too; this sees them in seconds."""
+    from wsharding.serve.workload import Workload
+
+    workload = Workload(requests=1, prompt=(4, 4), output=(2, 2), rate=50.0)
+    for sharded in (True, False):
+        written = cluster_of(2).run(engine_serve_stderr, workload, sharded)
+        assert written == ["", ""], f"sharded={sharded}: the ranks wrote to stderr:\n" + "".join(written)
+
+
 def test_compiled_sharded_model_is_one_graph(cluster_of):
     """torch.compile (aot_eager: functionalization included, no C++ build) of the sharded Llama: one graph with
     no break in the layer loop, as the replicated model, and logits equal to it bit for bit."""

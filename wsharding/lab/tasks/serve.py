@@ -330,17 +330,25 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
             graph_info[b][variant]["resets"] += 1
         return runner
 
+    warmed: set[str] = set()
+
     def serve_on(variant: str, runner: StepRunner, requests: list[Any], **replay: Any) -> tuple[ServeRun, tuple[int, int]]:
         """One run of ``variant`` through ``runner``; its steps replayed and run eagerly."""
         before = (runner.graphed_steps, runner.eager_steps)
+        # serve's warm-up (a padding step of every token bucket, untimed) pays each shape's first-forward costs in
+        # this process: once per variant's model. A later run (another budget or rate: another pool, the same
+        # shapes) has none left to pay, and its warm-up steps -- gathers included -- were CPU time for nothing.
+        warmup = replay.pop("warmup", 0 if variant in warmed else 1)
+        if warmup:
+            warmed.add(variant)
         align_ranks(ctx)
         if variant == "replicated" and not replay:  # free: no lockstep, no idle steps; a barrier after
             run = serve(built[variant][0], runner.pool, requests, token_budget=token_budget, max_context=max_context,
-                        max_seqs=max_seqs, max_concurrency=max_concurrency, runner=runner)
+                        max_seqs=max_seqs, max_concurrency=max_concurrency, runner=runner, warmup=warmup)
             align_ranks(ctx)
         else:
             run = serve(built[variant][0], runner.pool, requests, token_budget=token_budget, max_context=max_context,
-                        max_seqs=max_seqs, max_concurrency=max_concurrency, runner=runner, **replay,
+                        max_seqs=max_seqs, max_concurrency=max_concurrency, runner=runner, warmup=warmup, **replay,
                         agree=None if replay else lambda has_work: _any_rank(ctx, has_work))
         return run, (runner.graphed_steps - before[0], runner.eager_steps - before[1])
 
