@@ -51,13 +51,18 @@ def test_aligned_step_lasts_the_slowest_ranks():
     assert [r["token_s"] for r in free.records] == [[1.0, 1.25], [0.25, 0.5]]
 
 
-def test_aligned_idle_ranks_run_padding_steps_until_an_arrival():
-    # padding steps of 0.25 s at 0, 0.25, 0.5; the arrival at 0.6 is seen at 0.75 (as the engine's loop)
+def test_aligned_ranks_with_nothing_to_compute_wait_for_the_earliest_arrival():
+    # no rank has work before 0.6: none steps (no padding steps), the step starts at the arrival, as free.
+    # Two ranks, arrivals at 0.6 and 2.0: rank 1 pads the step at 0.6 (rank 0 works), then both wait to 2.0.
     r = Request(0, 0, 0.6, (1,), 1)
     rp = replay([[r]], 4, lambda n, c: 0.25, aligned=True, token_budget=4, max_context=16)
-    assert rp.idle_steps == 3 and rp.records[0]["token_s"] == [1.0]
+    assert rp.idle_steps == 0 and rp.steps == 1 and rp.records[0]["token_s"] == [0.85]
     free = replay([[r]], 4, lambda n, c: 0.25, aligned=False, token_budget=4, max_context=16)
     assert free.idle_steps == 0 and free.records[0]["token_s"] == [0.85]
+    late = Request(0, 1, 2.0, (2,), 1)
+    two = replay([[r], [late]], 4, lambda n, c: 0.25, aligned=True, token_budget=4, max_context=16)
+    assert two.steps == 2 and two.idle_steps == 2 and two.clock_s == 2.25
+    assert [rec["token_s"] for rec in two.records] == [[0.85], [2.25]]
 
 
 def test_aligned_rank_with_nothing_scheduled_counts_an_idle_step():

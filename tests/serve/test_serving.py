@@ -245,10 +245,11 @@ def test_serve_and_its_replay(model):
     assert [r["preempted"] for r in again.records] == [r["preempted"] for r in run.records]
 
 
-def test_arrivals_are_respected_a_free_rank_waits_and_an_aligned_one_pads(model, monkeypatch):
-    """A request is not scheduled before it arrives; its times count from its arrival. Free (no
-    ``agree``, a replicated rank) the rank waits for the arrival and runs no step; aligned it runs idle
-    steps until then, counted."""
+def test_arrivals_are_respected_a_rank_with_nothing_to_compute_waits_free_or_aligned(model, monkeypatch):
+    """A request is not scheduled before it arrives; its times count from its arrival. With nothing to
+    compute on any rank a rank waits for the arrival and runs no step: free (no ``agree``, a replicated
+    rank) and aligned alike (one rank: ``agree`` is the identity) -- an aligned rank pads only while a
+    peer computes (the next test)."""
     reqs = [_req(0, 3, 2), _req(1, 2, 2, arrival=0.75)]
     now = [0.0]
 
@@ -263,12 +264,39 @@ def test_arrivals_are_respected_a_free_rank_waits_and_an_aligned_one_pads(model,
     # clock reads 0.6 and the rank waits 0.15 s for request 1 (at 0.75) instead of running idle steps
     assert run.step_requests == [1, 1, 1, 1] and run.idle_steps == 0 and slept == [pytest.approx(0.15)]
     assert run.records[1]["token_s"][0] - run.records[1]["sent_s"] == pytest.approx(0.2)
-    ticks = iter(range(100))
-    aligned = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4,
-                    clock=lambda: next(ticks) / 10, warmup=0, agree=bool)
-    # steps schedule at 0.1, 0.3, 0.5, 0.7, 0.9 s: request 1 arrives at 0.75 s, two idle steps until then
-    assert aligned.step_requests == [1, 1, 0, 0, 1, 1] and aligned.idle_steps == 2
-    assert [r["token_s"][0] - r["sent_s"] for r in aligned.records] == pytest.approx([0.2, 0.25])
+    now[0], slept[:] = 0.0, []
+    agreed = []
+    aligned = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4, clock=clock, warmup=0,
+                    agree=lambda t: (agreed.append(t), t)[1])
+    # before each step the rank says when it has work: 0 (request 0 is due), 0 (it runs), then 0.75 --
+    # request 1's arrival: the clock reads 0.6 (0.5 since the start), the rank waits 0.25 s, and steps at
+    # 0.85 -- then 0 (request 1 runs), and +inf: nothing left, it stops. Four steps, none idle.
+    assert agreed == [0.0, 0.0, 0.75, 0.0, float("inf")]
+    assert aligned.step_requests == [1, 1, 1, 1] and aligned.idle_steps == 0 and slept == [pytest.approx(0.25)]
+    assert aligned.schedule_times == pytest.approx([0.1, 0.3, 0.85, 1.05])
+    assert [r["token_s"][0] - r["sent_s"] for r in aligned.records] == pytest.approx([0.2, 0.2])
+
+
+def test_an_aligned_rank_pads_only_while_a_peer_computes(model, monkeypatch):
+    """A peer (faked in ``agree``) has work for the first three steps, then none: this rank, done with
+    request 0 after two steps, runs one idle step for the peer's third, then waits for request 1 with
+    no step, as a rank waits when no rank has anything to compute."""
+    reqs = [_req(0, 3, 2), _req(1, 2, 2, arrival=5.0)]
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.1
+        return now[0]
+
+    slept = []
+    monkeypatch.setattr("wsharding.serve.engine.time.sleep", lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    peer = iter([0.0, 0.0, 0.0] + [float("inf")] * 10)
+    run = serve(model, BlockPool.for_model(model, 2), reqs, token_budget=8, max_context=4, clock=clock, warmup=0,
+                agree=lambda t: min(t, next(peer)))
+    # steps at 0.1, 0.3 (request 0), 0.5 (idle: the peer's third step), then the clock reads 0.8 (0.7 since
+    # the start): a wait of 4.3 s to request 1 at 5.0, and its two steps at 5.1 and 5.3
+    assert run.step_requests == [1, 1, 0, 1, 1] and run.idle_steps == 1 and slept == [pytest.approx(4.3)]
+    assert run.schedule_times == pytest.approx([0.1, 0.3, 0.5, 5.1, 5.3])
 
 
 def test_a_replay_is_padded_to_the_longest_rank_with_idle_steps(model):

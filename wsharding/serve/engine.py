@@ -7,9 +7,10 @@ Two ways to run, as the two variants need:
   work is done -- as every replica of a replicated deployment does.
 * **aligned** (``agree`` given, a sharded model): every rank runs every step, working or not: a
   sharded model gathers its weights in every forward, and a rank that skipped one would leave the
-  others waiting in that gather. A rank with nothing to do runs a one-token padding step (an **idle
-  step**, counted). The ranks stop together when none has work left, which they agree on after every
-  step (``agree``).
+  others waiting in that gather. Before every step the ranks agree (``agree``) on when the earliest
+  of them has something to compute: while one has, a rank with nothing to do runs a one-token
+  padding step (an **idle step**, counted); while none has, none steps -- they all wait for the
+  earliest next arrival; with nothing left on any rank they stop together.
 
 What is recorded: per request, when it arrived, when it was sent, the time each token reached the
 host (TTFT, ITL, TPOT and end-to-end latency follow, :mod:`wsharding.serve.metrics`); per step, its
@@ -20,6 +21,7 @@ across buckets] in :mod:`wsharding.serve.step`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,7 +64,7 @@ class ServeRun:
     preemptions: int = 0
     recomputed_tokens: int = 0
     waited_for_memory: int = 0
-    #: Steps that computed nothing (aligned ranks pad with them; a free rank runs none).
+    #: Steps that computed nothing (an aligned rank pads with them while another rank computes; a free rank runs none).
     idle_steps: int = 0
     wall_s: float = 0.0
 
@@ -82,15 +84,18 @@ def record(seq: Sequence) -> dict[str, Any]:
 
 def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, token_budget: int,
           max_context: int, max_seqs: int | None = None, max_concurrency: int | None = None,
-          agree: Callable[[bool], bool] | None = None, clock: Callable[[], float] = time.perf_counter,
+          agree: Callable[[float], float] | None = None, clock: Callable[[], float] = time.perf_counter,
           warmup: int = 1, max_steps: int = 1_000_000, schedule_times: list[float] | None = None,
           pad_to: int | None = None, runner: Callable[[Any], torch.Tensor] | None = None) -> ServeRun:
     """Serve ``requests`` (this rank's) with ``model.forward_serve``.
 
     ``agree``: None runs **free** (no idle steps: with nothing to compute the rank waits for the next
     arrival; it stops when its own work is done); given, the ranks run **aligned** steps --
-    ``agree(has_work)`` returns whether any rank still has work (all ranks call it after every step)
-    and a rank with nothing to do runs an idle step. A request's times run from when it is sent
+    ``agree(ready_at)`` takes when this rank next has something to compute
+    (:meth:`~wsharding.serve.scheduler.Scheduler.ready_at`: 0.0 now, an arrival time, +inf never;
+    seconds since this rank's start) and returns the minimum over the ranks. Every rank calls it once
+    before every step and once more to stop: +inf stops every rank; otherwise each waits until then
+    and steps, a rank with nothing to do running an idle step. A request's times run from when it is sent
     (:mod:`~wsharding.serve.scheduler`). ``warmup`` padding steps of every token bucket run first,
     untimed (a process's first forward of a shape pays one-time costs). ``schedule_times``: replay --
     step i is scheduled as if at that time, and exactly that many steps run, then idle steps up to
@@ -109,11 +114,22 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
             for n in sizes:  # every shape once; the contents are padding
                 idle = build_step(pool, [], [n], widths)
                 model.forward_serve(idle.step).argmax(-1).tolist()
+    aligned = agree is not None and not replay
     t0 = clock()
     with torch.no_grad():
         while True:
             if replay and run.steps == total:
                 break
+            if aligned:
+                # Step or stop is decided from the agreed time alone, never from a rank's own clock (the
+                # ranks' clocks start apart): a rank that waited and agreed again while another stepped
+                # would meet the other's gathers with an all-reduce. So after a wait every rank steps --
+                # the earliest rank's arrival has come -- and every rank calls agree once per step.
+                ready = agree(sched.ready_at())
+                if ready == math.inf:
+                    break
+                if ready > 0.0:
+                    time.sleep(max(0.0, ready - (clock() - t0)))  # no rank has work before then: no idle steps
             began = clock()
             if replay:
                 padding = run.steps >= len(schedule_times)
@@ -147,12 +163,8 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
             run.step_requests.append(len(scheduled))
             run.step_s.append(ended - began)
             run.idle_steps += not scheduled
-            if not replay:
-                if agree is None:
-                    if not sched.has_work():
-                        break
-                elif not agree(sched.has_work()):
-                    break
+            if not replay and agree is None and not sched.has_work():
+                break
             if run.steps >= max_steps:
                 raise ServeStalled(f"serve: still working after {max_steps} steps on rank "
                                    f"{requests[0].rank if requests else '?'}: {len(sched.running)} running, "

@@ -13,8 +13,9 @@ The parts, in reading order:
   or priced by the cost model for N GPUs over a named link.
 * :func:`replay` -- the Scheduler, per rank, on a virtual clock, the ranks run as
   :func:`~wsharding.serve.engine.serve` runs them: sharded ranks aligned (every rank joins every
-  gather, so a step lasts as long as the slowest rank's; an idle rank runs an idle step of one padding
-  token, counted); replicated ranks free (an idle one waits for its next arrival, no step). A step's
+  gather, so a step lasts as long as the slowest rank's; while some rank has work, an idle rank runs
+  an idle step of one padding token, counted; while none has, none steps: they wait for the earliest
+  arrival); replicated ranks free (an idle one waits for its next arrival, no step). A step's
   shape is :func:`~wsharding.serve.step.step_buckets`, a request's record the engine's
   :func:`~wsharding.serve.engine.record`.
 * :func:`predict_pair` / :func:`pair_sweep` -- both variants on the same rescaled arrivals, judged as
@@ -401,11 +402,13 @@ def replay(requests: Sequence[list[Request]], blocks: int, seconds: Callable[[in
     of shape (tokens, context) (:func:`~wsharding.serve.step.step_buckets`) lasting ``seconds(tokens, context)``.
 
     As :func:`~wsharding.serve.engine.serve` runs them: a step is scheduled at the clock's time, its
-    tokens reach the host when it ends, the next starts then. ``aligned`` (sharded ranks): every rank
-    runs every step, a rank with nothing scheduled an idle step of one padding token, the step lasts
-    the slowest rank's, and the ranks stop together when none has work left -- so while no rank has
-    anything scheduled they run idle steps until the next arrival. Otherwise (replicated, free) each
-    rank runs on its own, waits for its next arrival with no step, and stops when its own work is done."""
+    tokens reach the host when it ends, the next starts then. ``aligned`` (sharded ranks): before every
+    step the clock moves on to when the earliest rank has something to compute
+    (:meth:`~wsharding.serve.scheduler.Scheduler.ready_at`, the engine's agreement) -- while no rank
+    has, none steps -- then every rank runs the step, a rank with nothing scheduled an idle step of one
+    padding token, the step lasting the slowest rank's; the ranks stop together when none has work left.
+    Otherwise (replicated, free) each rank runs on its own, waits for its next arrival with no step, and
+    stops when its own work is done."""
     sizes, widths = token_buckets(token_budget), context_buckets(max_context)
     scheds = []
     for reqs in requests:
@@ -417,19 +420,12 @@ def replay(requests: Sequence[list[Request]], blocks: int, seconds: Callable[[in
     end = 0.0
     if aligned:
         t = 0.0
-        pad = seconds(*step_buckets([], sizes, widths))
-        while any(s.has_work() for s in scheds):
+        while (ready := min(s.ready_at() for s in scheds)) != math.inf:
+            t = max(t, ready)  # no rank has anything to compute before then: every rank waits, no step
             plans = [s.schedule(t) for s in scheds]
             peak = max(peak, *(s.pool.used_blocks for s in scheds))
             if not any(plans):
-                nxt = [s.pending[0].arrival_s for s in scheds if s.pending]
-                if not nxt or any(s.running or s.waiting for s in scheds):
-                    raise ReplayStalled(f"replay: no rank could schedule a step at {t:.6f} s with work left")
-                n = max(1, math.ceil((min(nxt) - t) / pad))
-                t += n * pad
-                steps += n
-                idle += n * len(scheds)  # every rank ran them
-                continue
+                raise ReplayStalled(f"replay: no rank could schedule a step at {t:.6f} s with work left")
             t += max(seconds(*step_buckets(p, sizes, widths)) for p in plans)
             for s, p in zip(scheds, plans, strict=True):
                 s.step_done(p, [0] * sum(x.samples for x in p), t)

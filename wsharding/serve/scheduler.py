@@ -28,6 +28,7 @@ finishes, and its latencies are counted from then.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -133,6 +134,18 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.pending or self.waiting or self.running)
+
+    def ready_at(self) -> float:
+        """When this rank next has something to compute (seconds since the start): 0.0 with requests sent
+        and not finished, else its next arrival, else +inf (nothing left). Work with no arrival to wait
+        for is 0.0 too: a step, not a wait that would never end, shows the stall. Aligned ranks step from
+        the earliest rank's (:func:`~wsharding.serve.engine.serve`)."""
+        if self.waiting or self.running:
+            return 0.0
+        if not self.pending:
+            return math.inf
+        nxt = self.next_arrival()
+        return 0.0 if nxt is None else nxt
 
     def _send_arrived(self, now: float) -> None:
         while self.pending and self.pending[0].arrival_s <= now:

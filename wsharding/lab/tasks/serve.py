@@ -7,8 +7,9 @@ alternates from trial to trial, so a machine that slows down over a run does not
 variant). Each variant's KV pool is the budget less what *it* holds
 (:func:`wsharding.serve.budget.pool_blocks`). Replicated ranks run **free** -- a barrier before and
 after, no per-step agreement, no idle steps, each stops when its own work is done -- as replicas of
-a replicated deployment do; sharded ranks run **aligned** steps (their gathers pair up), and their
-idle steps are counted. The replicated run of each point's first trial records when it scheduled
+a replicated deployment do; sharded ranks run **aligned** steps (their gathers pair up; a rank pads
+while a peer computes, none steps while no rank has work: :func:`_earliest`), and their idle steps
+are counted. The replicated run of each point's first trial records when it scheduled
 each step; each sharded model then replays those steps with the replicated pool's size, padded with
 idle steps to the longest rank's schedule (every rank replays its own) -- the same steps, so every
 token must be equal ([Note: bits across buckets] in :mod:`wsharding.serve.step`).
@@ -82,8 +83,18 @@ def _reduced(ctx: RankContext, value: int, op: dist.ReduceOp) -> int:
 
 
 def _any_rank(ctx: RankContext, flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank: after every step, "some rank still has work"."""
+    """Whether ``flag`` holds on any rank."""
     return bool(_reduced(ctx, int(flag), dist.ReduceOp.MAX))
+
+
+def _earliest(ctx: RankContext, ready_at: float) -> float:
+    """The minimum of ``ready_at`` over every rank (every rank calls it before every aligned step): when
+    the earliest rank has something to compute. float64, so +inf ("nothing left") survives the reduction."""
+    if ctx.world_size == 1:
+        return ready_at
+    t = torch.tensor([ready_at], dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
 
 
 def _all_ranks_ready(ctx: RankContext, problem: Exception | None) -> None:
@@ -349,7 +360,7 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
         else:
             run = serve(built[variant][0], runner.pool, requests, token_budget=token_budget, max_context=max_context,
                         max_seqs=max_seqs, max_concurrency=max_concurrency, runner=runner, warmup=warmup, **replay,
-                        agree=None if replay else lambda has_work: _any_rank(ctx, has_work))
+                        agree=None if replay else lambda ready_at: _earliest(ctx, ready_at))
         return run, (runner.graphed_steps - before[0], runner.eager_steps - before[1])
 
     def close_budget(b: int) -> None:
