@@ -685,6 +685,20 @@ def _forward_after_destroy(tmp: Path, mp: pytest.MonkeyPatch) -> object:
         return model(torch.ones(1, 4))
 
 
+def _model_off_the_comm_device(tmp: Path, mp: pytest.MonkeyPatch) -> object:
+    import torch.distributed as dist
+
+    from wsharding.core.runner import shard_blocks
+    from wsharding.core.torch_backend import TorchDistComm
+
+    # a CPU model beside a communicator on another device: "meta" stands in for a GPU on this machine
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 1), rank=0, world_size=1)
+    try:
+        return shard_blocks(_blocks_model(), "layers", ["fc1"], TorchDistComm(device="meta"))
+    finally:
+        dist.destroy_process_group()
+
+
 def _export(tmp: Path, mp: pytest.MonkeyPatch) -> object:
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -758,6 +772,12 @@ CASES: dict[str, Case] = {
         ("step 1 on rank 0", "process group of this weight sharding was destroyed", "ws.close()"),
         "close the sharding (ws.close()) before destroying the group; shard a freshly built model to run again",
         _forward_after_destroy),
+    "model off the comm's device": Case(
+        "sharded a model whose blocks are on another device than the communicator's (built on the CPU, a GPU comm)",
+        "wsharding.core.sharding:ShardingError",
+        ("rank 0", "block 0's fc1.weight is on cpu", "gathers on meta", "model.to(ctx.device)"),
+        "build or move the model to the communicator's device before sharding, or shard over a communicator on "
+        "the model's device", _model_off_the_comm_device),
     "torch.export": Case(
         "exported a sharded model (torch.export.export)", "wsharding.core.sharding:ShardingError",
         ("torch.export of a sharded model", "Export the model before it is sharded"),

@@ -172,6 +172,24 @@ def check_shard_blocks_args(
     return block_list, pattern_list, layer_indices(sharded_layers)
 
 
+def refuse_blocks_off_device(block_list: nn.ModuleList, sharded_layers: list[int] | None, comm: Communicator) -> None:
+    """Every parameter of a sharded block on the communicator's device (meta ones aside: they are loaded
+    there). The block computes with the weights gathered on that device; a parameter elsewhere -- a
+    model built on the CPU beside a GPU communicator -- would meet them in the block's first forward
+    as torch's device error, after the sharding and far from its cause."""
+    dev = torch.device(comm.device)
+    for i, block in enumerate(block_list):
+        if sharded_layers is not None and i not in sharded_layers:
+            continue
+        for name, p in block.named_parameters():
+            if p.is_meta or (p.device.type == dev.type and (dev.index is None or p.device.index == dev.index)):
+                continue
+            raise ShardingError(f"rank {comm.rank}: block {i}'s {name} is on {p.device}, but the communicator gathers "
+                                f"on {dev}: the block would compute with weights on both. Build or move the model to "
+                                f"{dev} before sharding (model.to(ctx.device)), or shard over a communicator on "
+                                f"{p.device}")
+
+
 def shard_blocks(
     model: nn.Module,
     blocks: str | nn.ModuleList,
@@ -222,6 +240,7 @@ def shard_blocks(
     options = ShardingOptions(sharded_layers, lookahead, trace, keep_initial_weights, plugins, map_own_chunk,
                               prefetch_depth, on_miss, verify_replicas)
     try:
+        refuse_blocks_off_device(block_list, sharded_layers, comm)
         targets = {i: find_targets(b, patterns) for i, b in enumerate(block_list)}
         warn_unmatched_patterns(block_list, patterns, targets, comm.rank)
         ws = WeightSharding(comm, block_list, targets, options=options)

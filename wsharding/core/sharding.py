@@ -72,8 +72,11 @@ def abandon_sharding(comm: Communicator, why: str) -> None:
     every peer raises a :class:`ShardingError` naming this rank rather than waiting in a gather that
     never comes. Returns; the caller raises its own error. A communicator that fails here (its peers
     are gone too) is left to that error."""
+    tag = f"ws{_next_sharding_number(comm)}.agree"
+    if comm.world_size == 1:
+        return  # no peer waits in finalize
     try:
-        agree_or_raise(comm, {}, [why], tag=f"ws{_next_sharding_number(comm)}.agree")
+        agree_or_raise(comm, {}, [why], tag=tag)
     except (ShardingError, CommError):
         pass
 
