@@ -351,6 +351,18 @@ def test_refusals_before_anything_runs(model):
         serve(model, BlockPool.for_model(model, 2), [_req(0, 4, 9)], token_budget=8, max_context=16, max_steps=3)
 
 
+def test_an_aligned_rank_that_can_schedule_nothing_says_so_at_once(model, monkeypatch):
+    """A scheduler that sends a request and never schedules it: a free rank says so (no arrival to wait
+    for), and so does an aligned one -- at its first such step, not after max_steps padding steps."""
+    from wsharding.serve.scheduler import Scheduler
+
+    scheduled = Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, now: (scheduled(self, now), [])[1])
+    with pytest.raises(ServeStalled, match=r"rank 0 scheduled nothing with 0 waiting and 1 running \(step 0\)"):
+        serve(model, BlockPool.for_model(model, 2), [_req(0, 4, 9)], token_budget=8, max_context=16, warmup=0,
+              agree=lambda ready_at: ready_at, max_steps=50)
+
+
 def test_arrivals_are_rescaled_to_the_rate_exactly():
     """The realised rate (requests over the time to the last arrival) equals the label: drawn gaps
     alone offered 2.80/s at a label of 3/s."""

@@ -37,7 +37,8 @@ from wsharding.serve.workload import Request
 
 
 class ServeStalled(WshardingError, RuntimeError):
-    """The step loop ran ``max_steps`` steps and some rank still had work."""
+    """The step loop can make no progress: a rank with requests sent scheduled none, or ``max_steps``
+    steps ran and some rank still had work."""
 
 
 @dataclass
@@ -147,6 +148,14 @@ def serve(model: torch.nn.Module, pool: BlockPool, requests: list[Request], *, t
                                            f"to wait for: {len(sched.waiting)} waiting, {len(sched.running)} running")
                     time.sleep(max(0.0, nxt - (clock() - t0)))  # a free rank waits; it runs no idle step
                     continue
+                if not scheduled and (sched.waiting or sched.running):
+                    # An aligned rank with requests sent and none scheduled: every request fits the pool
+                    # alone (checked above) and nothing else would free blocks or budget for them, so its
+                    # padding steps would go on to max_steps. Said now; its peers then meet a missing
+                    # rank in their next agreement or gather (the collective timeout), not a silent spin.
+                    raise ServeStalled(f"serve: rank {requests[0].rank} scheduled nothing with "
+                                       f"{len(sched.waiting)} waiting and {len(sched.running)} running "
+                                       f"(step {run.steps}): the scheduler can make no progress")
             run.peak_blocks = max(run.peak_blocks, pool.used_blocks)
             run.step_blocks.append(pool.used_blocks)
             run.step_in_flight.append(sched.in_flight)
