@@ -73,13 +73,15 @@ VARIANTS = ("replicated", "sharded")
 PLAIN = "sharded_plain"
 
 
-def _reduced(ctx: RankContext, value: int, op: dist.ReduceOp) -> int:
-    """``value`` reduced over every rank (every rank calls it), on the device the process group uses."""
+def _reduced(ctx: RankContext, value: int | float, op: dist.ReduceOp) -> int | float:
+    """``value`` reduced over every rank (every rank calls it), on the device the process group uses;
+    an int as int64, a float as float64 (so +inf survives the reduction)."""
     if ctx.world_size == 1:
         return value
-    t = torch.tensor([value], device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dtype = torch.float64 if isinstance(value, float) else torch.int64
+    t = torch.tensor([value], dtype=dtype, device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(t, op=op)
-    return int(t.item())
+    return t.item()
 
 
 def _any_rank(ctx: RankContext, flag: bool) -> bool:
@@ -89,12 +91,8 @@ def _any_rank(ctx: RankContext, flag: bool) -> bool:
 
 def _earliest(ctx: RankContext, ready_at: float) -> float:
     """The minimum of ``ready_at`` over every rank (every rank calls it before every aligned step): when
-    the earliest rank has something to compute. float64, so +inf ("nothing left") survives the reduction."""
-    if ctx.world_size == 1:
-        return ready_at
-    t = torch.tensor([ready_at], dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+    the earliest rank has something to compute; +inf: nothing left on any rank."""
+    return float(_reduced(ctx, float(ready_at), dist.ReduceOp.MIN))
 
 
 def _all_ranks_ready(ctx: RankContext, problem: Exception | None) -> None:
