@@ -341,13 +341,16 @@ def serve_rank(ctx: RankContext, preset: str, *, workload: dict[str, Any], budge
 
     warmed: set[str] = set()
 
-    def serve_on(variant: str, runner: StepRunner, requests: list[Any], **replay: Any) -> tuple[ServeRun, tuple[int, int]]:
-        """One run of ``variant`` through ``runner``; its steps replayed and run eagerly."""
+    def serve_on(variant: str, runner: StepRunner, requests: list[Any], warmup: int | None = None,
+                 **replay: Any) -> tuple[ServeRun, tuple[int, int]]:
+        """One run of ``variant`` through ``runner``; its steps replayed and run eagerly. ``warmup``: None,
+        one round of warm-up steps in this variant's first run only."""
         before = (runner.graphed_steps, runner.eager_steps)
         # serve's warm-up (a padding step of every token bucket, untimed) pays each shape's first-forward costs in
         # this process: once per variant's model. A later run (another budget or rate: another pool, the same
         # shapes) has none left to pay, and its warm-up steps -- gathers included -- were CPU time for nothing.
-        warmup = replay.pop("warmup", 0 if variant in warmed else 1)
+        if warmup is None:
+            warmup = 0 if variant in warmed else 1
         if warmup:
             warmed.add(variant)
         align_ranks(ctx)
