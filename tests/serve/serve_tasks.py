@@ -11,12 +11,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from wsharding.comm_by_name import shard_comm_for
-from wsharding.lab.tasks.serve import _earliest
 from wsharding.models import build_pair, decoder_config
 from wsharding.serve import BlockPool, Request, Workload, serve
 from wsharding.serve.runner import StepRunner, shapes_of_every_rank
 from wsharding.serve.step import context_buckets
+
+
+def _earliest(ctx, ready_at: float) -> float:
+    """When the earliest rank has something to compute (every rank calls it before every step: the ranks
+    stay in step); float64, so +inf -- nothing left -- survives the reduction. The lab's own
+    (``wsharding.lab.tasks.serve._earliest``) is out of reach: library tests do not import the lab."""
+    if ctx.world_size == 1:
+        return ready_at
+    t = torch.tensor([ready_at], dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
 
 
 def serve_with_graphs(ctx, preset: str, *, comm: str = "torch", requests: int = 5, blocks: int = 24,
