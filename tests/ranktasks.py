@@ -125,3 +125,49 @@ def keep_a_process_lock(ctx) -> int:
 
     _KEPT_LOCKS.append(multiprocessing.RLock())
     return ctx.rank
+
+
+def model_off_the_comm_device(ctx, comm: str = "torch") -> dict[str, Any]:
+    """Shard a model built on the CPU over a GPU communicator (refused, naming the block and both
+    devices), then the same model moved to the communicator's device (sharded, and it computes)."""
+    from torch import nn
+
+    from wsharding.core.runner import shard_blocks
+    from wsharding.core.sharding import ShardingError
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(8, 8 * ctx.world_size, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc1(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            for block in self.layers:
+                h = block(h[:, :8])
+            return h
+
+    c = shard_comm_for(ctx, comm)
+    torch.manual_seed(0)
+    model = Model()
+    try:
+        shard_blocks(model, "layers", ["fc1"], c)
+        refused = None
+    except ShardingError as e:
+        refused = str(e)
+    torch.manual_seed(0)
+    moved = Model().to(c.device)
+    ws = shard_blocks(moved, "layers", ["fc1"], c)
+    h = torch.ones(1, 8, device=c.device)
+    with torch.no_grad():
+        h = moved(h)
+    gathers = ws.planner.gathers_total
+    ws.close()
+    return {"rank": ctx.rank, "device": str(c.device), "refused": refused, "out_device": str(h.device),
+            "gathers": gathers}

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.ranktasks import graph_replay, memory_over_steps
+from tests.ranktasks import graph_replay, memory_over_steps, model_off_the_comm_device
 from wsharding.comm_by_name import multi_rank_per_gpu_supported, shard_comm_for
 from wsharding.core.units import align_up
 from wsharding.lab.cluster import RankCluster
@@ -63,6 +63,19 @@ def test_gpu_next_step_prefetch_equals_replicated(gpu_cluster, comm):
 def test_gpu_cuda_graph_replay_equals_eager(gpu_cluster, comm):
     for r in gpu_cluster.run(graph_replay, "small", 16, comm=comm):
         assert r["replays"] == [(True, True)] * 3
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_gpu_model_built_on_the_cpu_is_refused(gpu_cluster, comm):
+    """A model built on the CPU, sharded over a GPU communicator: refused before sharding, naming the
+    block, the weight and both devices (without the guard the target rows went to the GPU, the rest stayed,
+    and the first forward failed inside torch). Moved to the GPU first, it shards and computes there."""
+    for r in gpu_cluster.run(model_off_the_comm_device, comm=comm):
+        assert r["device"].startswith("cuda")
+        assert r["refused"] is not None
+        assert f"rank {r['rank']}: block 0's fc1.weight is on cpu" in r["refused"]
+        assert "model.to(ctx.device)" in r["refused"]
+        assert r["out_device"] == r["device"] and r["gathers"] == 2
 
 
 @pytest.mark.parametrize("comm", COMMS)
