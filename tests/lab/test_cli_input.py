@@ -302,6 +302,22 @@ def test_check_output_path(tmp_path):
         check_output_path(tmp_path / "f" / "x" / "r.json", "--json")
 
 
+def test_a_dotted_json_prefix_keeps_its_dot(tmp_path, capsys):
+    """``--json run_kv0.05`` then ``--json run_kv0.6``: two files, each its own report. With
+    ``Path.with_suffix`` both were written to ``run_kv0.json``, the second over the first, without a word."""
+    from wsharding.lab.bench.report import json_path, save_report
+
+    def no_figure(report):
+        raise ImportError("no figure in this test")
+
+    for share in ("0.05", "0.6"):
+        save_report({"kv_share": share}, str(tmp_path / f"run_kv{share}"), no_figure)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run_kv0.05.json", "run_kv0.6.json"]
+    assert json.loads((tmp_path / "run_kv0.05.json").read_text()) == {"kv_share": "0.05"}
+    assert json.loads((tmp_path / "run_kv0.6.json").read_text()) == {"kv_share": "0.6"}
+    assert json_path("out/r.json") == Path("out/r.json") and json_path("out/r") == Path("out/r.json")
+
+
 # ---- errors from the ranks ------------------------------------------------------------------------
 def raise_on_ranks(ctx, which: str):
     if which == "same":

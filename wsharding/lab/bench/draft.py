@@ -20,7 +20,7 @@ from typing import Any
 from wsharding.lab.args.bench_draft import MAX_COMMIT_MS as MAX_COMMIT_MS
 from wsharding.lab.args.bench_draft import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
-from wsharding.lab.bench.report import save_report
+from wsharding.lab.bench.report import json_path, save_report
 from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.tasks.draft import draft_exposed
 from wsharding.runtime import gpu_count, in_ci
@@ -61,7 +61,7 @@ def _figure(report: dict[str, Any]) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    check_output_path(args.json + ".json" if args.json else "", "--json")
+    check_output_path(str(json_path(args.json)) if args.json else "", "--json")
     gpus = gpu_count()
     n = args.ranks or (gpus if gpus else 2)
     preset = args.preset or ("k3-like" if gpus and not in_ci() else "tiny")

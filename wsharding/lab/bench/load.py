@@ -32,6 +32,7 @@ from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 from wsharding.lab.args.bench_load import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
+from wsharding.lab.bench.report import json_path
 from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.tasks.loading import outside_allocator_bytes
 from wsharding.memory import PeakMeter, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -213,7 +214,7 @@ def format_table(results: list[dict[str, Any]], preset: str, tokens: int) -> str
 
 
 def main(args: argparse.Namespace) -> int:
-    check_output_path(args.json + ".json" if args.json else "", "--json")
+    check_output_path(str(json_path(args.json)) if args.json else "", "--json")
     gpus = gpu_count()
     n = args.ranks or (gpus if gpus else 2)
     model = args.model or ("llama8b-blocks" if gpus and not in_ci() else "tiny-blocks")
@@ -222,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
         results = cluster.run(load_peak_rank, model, path, args.tokens, comm=auto_comm(args.comm))
     print(format_table(results, model, args.tokens))
     if args.json:
-        out = Path(args.json).with_suffix(".json")
+        out = json_path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"model": model, "tokens": args.tokens, "ranks": results}, indent=1))
         print(f"  wrote {out}")

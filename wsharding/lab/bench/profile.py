@@ -43,7 +43,7 @@ from wsharding.core.observe import StepObserver, observing
 from wsharding.io_checks import read_saved_report
 from wsharding.lab.args.bench_profile import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
-from wsharding.lab.bench.report import save_report
+from wsharding.lab.bench.report import json_path, save_report
 from wsharding.lab.cliargs import check_output_path
 from wsharding.models import ToyDecoder, decoder_config
 from wsharding.runtime import gpu_count, in_ci
@@ -356,7 +356,7 @@ def newest_saved(folder: str | Path, pattern: str = "profile_*.json") -> dict[st
 
 
 def main(args: argparse.Namespace) -> int:
-    check_output_path(args.json + ".json" if args.json else "", "--json")
+    check_output_path(str(json_path(args.json)) if args.json else "", "--json")
     report = run_profile(args.ranks, args.preset, tokens=args.tokens, steps=args.steps, comm=args.comm)
     print(format_table(report))
     if args.json:

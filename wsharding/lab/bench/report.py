@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def json_path(prefix: str | os.PathLike[str]) -> Path:
+    """The JSON file of a ``--json PREFIX``: the prefix with ``.json`` appended (one that already ends in
+    ``.json`` kept as given). Not ``Path.with_suffix``: a prefix with a dot in its last part --
+    ``run_kv0.05`` -- would lose it (``run_kv0.json``), and the next run at ``kv0.6`` would overwrite
+    that file without a word."""
+    text = os.fspath(prefix)
+    return Path(text if text.endswith(".json") else text + ".json")
 
 
 def save_report(report: dict[str, Any], prefix: str, figure: Callable[[dict[str, Any]], Any]) -> None:
     """Write ``prefix.json`` and the figure that ``figure(report)`` draws (it imports plotly when
     called). The GPU machine has no plotly: there the JSON is the result, drawn elsewhere."""
     out = Path(prefix)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    print(f"  wrote {out.with_suffix('.json')}")
+    path = json_path(prefix)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"  wrote {path}")
     try:
         from wsharding.lab.viz.export import save_figure
 

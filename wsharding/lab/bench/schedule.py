@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from wsharding.core.context import RankContext
 from wsharding.core.units import MiB
 from wsharding.lab.args.bench_schedule import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, bench_cluster
+from wsharding.lab.bench.report import json_path
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.bench.step import check_cost_us, sharded_twin, timed_steps
 from wsharding.lab.cliargs import check_output_path
@@ -117,7 +117,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    check_output_path(args.json + ".json" if args.json else "", "--json")
+    check_output_path(str(json_path(args.json)) if args.json else "", "--json")
     gpus = gpu_count()
     n = args.ranks or (gpus if gpus else 2)
     model = args.model or ("llama8b-blocks" if gpus and not in_ci() else "tiny-blocks")
@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
     report = summarize(results, model)
     print(format_table(report))
     if args.json:
-        out = Path(args.json).with_suffix(".json")
+        out = json_path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
         print(f"  wrote {out}")

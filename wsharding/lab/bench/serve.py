@@ -26,7 +26,7 @@ from typing import Any
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.args.bench_serve import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, run_on_ranks
-from wsharding.lab.bench.report import save_report
+from wsharding.lab.bench.report import json_path, save_report
 from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.cluster import RankCluster
@@ -180,12 +180,12 @@ def main(args: argparse.Namespace) -> int:
         report = saved[0] if len(saved) == 1 else merge_saved(saved, args.from_json)
         print(format_table(report))
         if args.json:
-            check_output_path(args.json + ".json", "--json")
+            check_output_path(str(json_path(args.json)), "--json")
             _save(report, args.json)
         if args.predict:
             print(predicted_text(report))
         return 0
-    check_output_path(args.json + ".json" if args.json else "", "--json")
+    check_output_path(str(json_path(args.json)) if args.json else "", "--json")
     gpus = gpu_count()
     if args.utilization is not None and args.memory_gib is None and not gpus:
         raise InvalidArgument("--utilization on CPU ranks needs --memory-gib (there is no GPU memory to take a share of)")

@@ -47,7 +47,7 @@ from wsharding.lab.args.bench_step import MODELS as MODELS
 from wsharding.lab.args.bench_step import add_arguments as add_arguments
 from wsharding.lab.bench.paired import PairedDifference, lookahead_vs_off, variants_paired
 from wsharding.lab.bench.planner_calls import planner_calls_us_per_layer
-from wsharding.lab.bench.report import save_report
+from wsharding.lab.bench.report import json_path, save_report
 from wsharding.lab.bench.rounds import round_orders
 from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.cluster import RankCluster
@@ -623,7 +623,7 @@ def _figure(report: dict[str, Any]) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    check_output_path(args.json + ".json" if args.json else "", "--json")  # before any rank starts
+    check_output_path(str(json_path(args.json)) if args.json else "", "--json")  # before any rank starts
     gpus = gpu_count()
     if args.issue_thread and (not gpus or args.comm == "torch"):
         print("wsharding bench step: error: --issue-thread is a thread of our NCCL binding on GPUs (--comm nccl or "
