@@ -382,19 +382,25 @@ def test_reports_of_one_set_up_at_other_budgets_merge_into_one_crossover(tmp_pat
     assert "its trials differs from" in capsys.readouterr().err
 
 
-#: The GPU run the README and notebook 07 quote (one H100, two ranks time-slicing it).
-GPU_RUN = SAVED.parents[1] / "h100-2026-12-05-pair" / "bench_serve_k3-like_2ranks-1gpu_h100_kv-steady.json"
+#: The GPU runs the README and notebook 07 quote (one H100, two ranks time-slicing it): one budget per call.
+GPU_RUNS = [SAVED.parents[1] / "h100-2026-12-06" / f"bench_serve_k3-like_2ranks-1gpu_h100_2026-12-06_{w}-steady.json"
+            for w in ("kv", "compute")]
 
 
-def test_the_saved_gpu_run_says_what_the_readme_says():
+def test_the_saved_gpu_runs_say_what_the_readme_says():
     from wsharding.lab.bench.serve import read_serve_report
-    from wsharding.lab.bench.serve_report import answer_text
+    from wsharding.lab.bench.serve_report import answer_text, merge_saved
 
-    report = read_serve_report(GPU_RUN)
-    (row,) = report["rows_by_budget"]
-    assert (row["replicated"]["pool_tokens"], row["sharded"]["pool_tokens"]) == (16_432, 50_032)
-    assert answer_text(row, report["variants"]) == (
+    report = merge_saved([read_serve_report(p) for p in GPU_RUNS], GPU_RUNS)
+    tight, roomy = report["rows_by_budget"]
+    assert (tight["replicated"]["pool_tokens"], tight["sharded"]["pool_tokens"]) == (16_432, 50_032)
+    assert (roomy["replicated"]["pool_tokens"], roomy["sharded"]["pool_tokens"]) == (49_200, 82_800)
+    assert answer_text(tight, report["variants"]) == (
         "per rank, replicated sustains 4/s, fails at 6/s; sharded at least 6/s (nothing failed); "
-        "goodput sharded/replicated 4/s 1.08x (pool-limited), 6/s 1.80x (pool-limited)")
+        "goodput sharded/replicated 4/s 1.00x (pool-limited), 6/s 2.81x (pool-limited)")
+    assert answer_text(roomy, report["variants"]) == (
+        "per rank, replicated at least 6/s (nothing failed); sharded at least 6/s (nothing failed); "
+        "goodput sharded/replicated 4/s 1.00x (compute-limited), 6/s 1.00x (compute-limited)")
     readme = (SAVED.parents[3] / "README.md").read_text()
-    assert "sustains 4/s and fails at 6/s" in readme and "1.80x at 6/s" in readme
+    assert "sustains 4/s and fails at 6/s" in readme and "2.81x at 6/s" in readme and "16,432" in readme
+    assert "49,200 against 82,800" in readme
