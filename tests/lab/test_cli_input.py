@@ -305,7 +305,7 @@ def test_check_output_path(tmp_path):
 def test_a_dotted_json_prefix_keeps_its_dot(tmp_path, capsys):
     """``--json run_kv0.05`` then ``--json run_kv0.6``: two files, each its own report. With
     ``Path.with_suffix`` both were written to ``run_kv0.json``, the second over the first, without a word."""
-    from wsharding.lab.bench.report import json_path, save_report
+    from wsharding.lab.bench.report import figure_prefix, json_path, save_report
 
     def no_figure(report):
         raise ImportError("no figure in this test")
@@ -316,6 +316,7 @@ def test_a_dotted_json_prefix_keeps_its_dot(tmp_path, capsys):
     assert json.loads((tmp_path / "run_kv0.05.json").read_text()) == {"kv_share": "0.05"}
     assert json.loads((tmp_path / "run_kv0.6.json").read_text()) == {"kv_share": "0.6"}
     assert json_path("out/r.json") == Path("out/r.json") and json_path("out/r") == Path("out/r.json")
+    assert figure_prefix("out/r.json") == "out/r" and figure_prefix("out/r_kv0.05") == "out/r_kv0.05"
 
 
 # ---- errors from the ranks ------------------------------------------------------------------------

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 from typing import Any
 
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.args.bench_serve import add_arguments as add_arguments
 from wsharding.lab.bench.ranks import auto_comm, run_on_ranks
-from wsharding.lab.bench.report import json_path, save_report
+from wsharding.lab.bench.report import figure_prefix, json_path, save_report
 from wsharding.lab.bench.serve_report import format_table, merge_saved, read_serve_report, summarize
 from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.cluster import RankCluster
@@ -166,7 +165,7 @@ def _save(report: dict[str, Any], prefix: str) -> None:
     except ImportError:
         return  # said once by save_report
     for fig, suffix in ((crossover_figure(report), "_crossover"), (kv_figure(report), "_kv")):
-        for path in save_figure(fig, Path(prefix + suffix)):
+        for path in save_figure(fig, figure_prefix(prefix) + suffix):
             print(f"  wrote {path}")
 
 
