@@ -239,6 +239,9 @@ def test_from_json_prints_a_saved_report_and_refuses_what_is_not_one(tmp_path, c
     (tmp_path / "x.json").write_text("[]")
     assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "x.json")]) != 0
     assert "not a report of wsharding bench serve" in capsys.readouterr().err
+    (tmp_path / "engine.json").write_text('{"bench": "serve-engine", "rows_by_budget": []}')
+    assert cli.main(["bench", "serve", "--from-json", str(tmp_path / "engine.json")]) != 0
+    assert "a report of wsharding bench serve --engine transformers" in capsys.readouterr().err
 
 
 def _crafted(tmp_path, change) -> str:

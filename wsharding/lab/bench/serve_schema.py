@@ -171,6 +171,10 @@ def check_report(report: Any, path: str | os.PathLike[str]) -> None:
     from wsharding.serve.metrics import SLO
 
     c = _Checker(path)
+    if isinstance(report, dict) and report.get("bench") == "serve-engine":
+        raise ReportRefused(f"{path}: a report of wsharding bench serve --engine transformers: --from-json reads the "
+                            "reports of the package's own scheduler, whose fields this engine does not give (KV blocks "
+                            "in use, waits, regimes); read the engine's JSON as it is, or the text its run printed")
     if not isinstance(report, dict) or report.get("bench") != "serve":
         raise ReportRefused(f"{path}: not a report of wsharding bench serve (its 'bench' field is not 'serve'); {TODO}")
     schema = report.get("schema")
