@@ -62,7 +62,36 @@ def test_engine_bench_end_to_end(cluster_of):
     assert "NOTE: emulated" in text and "CPU ranks: the budgets are emulated" in text
     assert "KV pool replicated 7 blocks = 112 tokens" in text and "sharded 13 blocks = 208 tokens" in text
     assert "every token equal on every rank" in text
-    assert "not reported by this engine: peak_blocks" in text
+    for v, pool in (("replicated", 7), ("sharded", 13)):  # each rank's pool held some blocks, never more than it has
+        assert 0 < point[v]["kv_peak_blocks"]["max"] <= pool
+        assert point[v]["kv_peak_blocks"]["by_trial"] == [point[v]["kv_peak_blocks"]["max"]]
+    assert "KV peak/pool" in text and "not reported by this engine: waited_for_memory" in text
+    assert "peak_blocks" not in report["missing"]
+
+
+def test_the_engine_counts_its_peak_blocks_exactly():
+    """One rank, three requests queued before the engine starts (one batch: 80 prompt tokens of at most 256):
+    prompts of 10, 30 and 40 tokens and outputs of 20, 20 and 5. The third ends at 44 tokens (3 blocks of 16)
+    while the first holds 14 (1) and the second 34 (3): 7 blocks, the most at once; then 2 + 4 = 6. A count
+    one block off (6) fails it."""
+    import torch
+
+    from wsharding.engines.transformers_cb import AlignedEngine
+    from wsharding.lab.tasks.engine_bench import build, engine_configs, llama_config
+
+    one_rank = SimpleNamespace(rank=0, world_size=1, group=None, group_ranks=None, timeout=None)
+    model = build(llama_config("tiny"), 0, torch.device("cpu"))
+    for blocks in (20, 40):  # the peak is the requests', not the pool's
+        gen, cb = engine_configs(20, blocks, 16, 256, 8)
+        engine = AlignedEngine(model, one_rank, generation_config=gen, cb_config=cb)
+        for i, (prompt, out) in enumerate([(10, 20), (30, 20), (40, 5)]):
+            engine.add_request(list(range(1, prompt + 1)), max_new_tokens=out, request_id=f"r{i}")
+        engine.start()
+        try:
+            engine.results([f"r{i}" for i in range(3)])
+        finally:
+            engine.stop()
+        assert engine.counters.kv_peak_blocks == 7
 
 
 def _tiny_odd_model(dtype_name: str = "bfloat16"):

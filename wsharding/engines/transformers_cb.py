@@ -85,11 +85,30 @@ class RoundCounters:
     quiet_rounds: int = 0
     #: Seconds spent in the agreements' all-reduce (host clock).
     agree_s: float = 0.0
+    #: The most KV blocks the engine's cache held at once, read after each of this rank's own steps
+    #: (the cache's blocks less its free capacity, as its scheduler counts it); None where the cache
+    #: has no such count.
+    kv_peak_blocks: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         per = self.agree_s / self.rounds * 1e6 if self.rounds else None
         return {"rounds": self.rounds, "steps": self.steps, "idle_steps": self.idle_steps,
-                "quiet_rounds": self.quiet_rounds, "agree_s": self.agree_s, "agree_us_per_round": per}
+                "quiet_rounds": self.quiet_rounds, "agree_s": self.agree_s, "agree_us_per_round": per,
+                "kv_peak_blocks": self.kv_peak_blocks}
+
+
+def kv_blocks_in_use(cache: Any) -> int | None:
+    """Blocks of the engine's paged cache held by requests now: its blocks less its free capacity (free
+    sectors and the free blocks of allocated ones, the count its scheduler admits by) in blocks of every
+    allocator together. Read after a step's forward, before the engine's update frees the blocks of the
+    requests it finished: the step's peak.
+    None where this transformers' cache counts otherwise."""
+    free_bytes = getattr(cache, "compute_free_capacity", None)
+    allocators = getattr(cache, "cache_allocators", None)
+    if free_bytes is None or not allocators:
+        return None
+    block = sum(ca.bytes_per_block for ca in allocators.values())
+    return cache.num_blocks - round(free_bytes(relative=False) / block)
 
 
 class StepAgreement:
@@ -239,6 +258,9 @@ class AlignedEngine:
                 self._announce(e)
                 raise
             self.counters.steps += 1
+            used = kv_blocks_in_use(bp.cache)
+            if used is not None and (self.counters.kv_peak_blocks is None or used > self.counters.kv_peak_blocks):
+                self.counters.kv_peak_blocks = used
 
         runner.compute_batch = compute_aligned
         runner._wsharding_wrapped = True

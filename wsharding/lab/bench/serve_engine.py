@@ -55,11 +55,11 @@ class EngineMismatch(WshardingError, AssertionError):
 
 #: What the report of the package's own scheduler has that this engine does not give, and why.
 MISSING = {
-    "peak_blocks": "the engine exposes no count of KV blocks in use per step",
     "waited_for_memory": "the engine's scheduler does not say which requests waited for blocks",
     "recomputed_tokens": "an evicted request is offloaded or reset inside the engine; its recomputed tokens are not "
                          "counted",
-    "regime": "read from the waits and preemptions of the replicated run: without waits it cannot be told",
+    "regime": "read from the replicated run's waits for memory and preemptions: this engine tells its peak blocks "
+              "(a full pool) but not its waits",
     "layer_times": "per-layer gather and compute are traced by the package's planner runs, not inside the engine",
 }
 #: Options of ``bench serve`` the engine run does not take (refused, not ignored).
@@ -111,8 +111,13 @@ def _point(results: list[dict[str, Any]], b: int, ri: int, warmup: int, slo: SLO
             first[v].append(r0["runs"][v][key]["first"])
     point: dict[str, Any] = {"rate": r0["rates"][ri], "realised_rate": interval(realised)}
     for v in trials:
+        # the most blocks any rank's pool held (each rank has its own pool of the same size), per trial
+        peaks = [[r["runs"][v][f"{b}/{ri}/{t}"].get("kv_peak_blocks") for r in results] for t in range(r0["trials"])]
+        by_trial = None if any(None in p for p in peaks) else [max(p) for p in peaks]
+        peak = None if by_trial is None else {"max": max(by_trial), "by_trial": by_trial}
         point[v] = {**over_trials(trials[v]), **{k: interval(xs) for k, xs in counts[v].items()},
-                    "counts_by_trial": counts[v], "first_in_trials": first[v], "trials": trials[v]}
+                    "kv_peak_blocks": peak, "counts_by_trial": counts[v], "first_in_trials": first[v],
+                    "trials": trials[v]}
     return point
 
 
@@ -191,6 +196,11 @@ def _lat(x: dict[str, Any], key: str, stat: str) -> str:
     return "-" if m is None else f"{m:,.1f}"
 
 
+def _peak(peak: dict[str, Any] | None, pool: int) -> str:
+    """``max/pool`` blocks (the largest peak over trials), ``-`` where the engine gave no count."""
+    return "-" if peak is None else f"{peak['max']:,}/{pool:,}"
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**30:,.2f} GiB" if b >= 2**30 else f"{b / 2**20:,.2f} MiB"
 
@@ -216,7 +226,7 @@ def format_engine_table(report: dict[str, Any]) -> str:
                  + f"; reserve for the engine's tensors {_mib(s['replicated']['reserve_bytes'])}")
     lines.append(f"  SLO: {report['slo_text'] or 'none given (no goodput)'}")
     head = (f"    {'':<12}{'req/s':>12}{'out tok/s':>14}{'TTFT mean/p99':>17}{'TPOT mean/p99':>16}"
-            f"{'goodput':>13}{'met':>6}{'preempt':>9}{'idle steps':>12}{'drain':>7}")
+            f"{'goodput':>13}{'met':>6}{'preempt':>9}{'KV peak/pool':>14}{'idle steps':>12}{'drain':>7}")
     for row in report["rows_by_budget"]:
         lines.append(f"  budget {_mib(row['budget_bytes'])} per rank: KV pool " + ", ".join(
             f"{v} {row[v]['pool_blocks']:,} blocks = {row[v]['pool_tokens']:,} tokens ({row[v]['kv_share']:.1%} of "
@@ -234,7 +244,9 @@ def format_engine_table(report: dict[str, Any]) -> str:
                              f"{_lat(x, 'tpot_ms', 'mean') + '/' + _lat(x, 'tpot_ms', 'p99'):>16}"
                              f"{_iv(x.get('goodput'), '.2f'):>13}"
                              f"{met:>6}"
-                             f"{_iv(x['preemptions'], '.0f'):>9}{_iv(x['idle_steps'], ',.0f'):>12}"
+                             f"{_iv(x['preemptions'], '.0f'):>9}"
+                             f"{_peak(x.get('kv_peak_blocks'), row[v]['pool_blocks']):>14}"
+                             f"{_iv(x['idle_steps'], ',.0f'):>12}"
                              f"{x['drain_share']['mean']:>7.0%}")
         a = row["answer"]
         if a["brackets"] is not None:

@@ -147,7 +147,7 @@ def serve_once(ctx: RankContext, model: Any, comm: Any, requests: list[Request],
     c = engine.counters
     return {"records": records, "tokens": {r.rid: list(outputs[f"r{r.rid}"].generated_tokens) for r in requests},
             "preemptions": sum(engine.preemptions.values()), "idle_steps": c.idle_steps, "steps": c.steps,
-            "rounds": c.rounds, "agree_s": c.agree_s, "wall_s": wall}
+            "rounds": c.rounds, "agree_s": c.agree_s, "wall_s": wall, "kv_peak_blocks": c.kv_peak_blocks}
 
 
 def engine_bench_rank(ctx: RankContext, model_name: str, *, workload: dict[str, Any], budgets: list[dict[str, Any]],
