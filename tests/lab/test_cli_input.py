@@ -199,6 +199,8 @@ def test_unwritable_output_is_refused_first(argv, tmp_path, capsys, no_ranks):
     ["bench", "allgather", "--json", "/proc/a.json"],
     ["bench", "step", "--json", "/proc/bench_step"],
     ["bench", "draft", "--json", "/proc/bench_draft"],
+    ["bench", "serve", "--json", "/proc/bench_serve"],
+    ["bench", "serve", "--engine", "transformers", "--json", "/proc/bench_serve"],
     ["info", "--json", "/proc/i.json"],
 ], ids=" ".join)
 def test_output_under_proc_is_refused_even_where_permission_bits_say_yes(argv, monkeypatch, capsys, no_ranks):

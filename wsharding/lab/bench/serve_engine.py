@@ -24,8 +24,9 @@ from typing import Any
 
 from wsharding.core.errors import InvalidArgument, WshardingError
 from wsharding.lab.bench.ranks import auto_comm, run_on_ranks
-from wsharding.lab.bench.report import save_report
+from wsharding.lab.bench.report import json_path, save_report
 from wsharding.lab.bench.serve_report import CPU_NOTE, SLICED_NOTE, rate_label
+from wsharding.lab.cliargs import check_output_path
 from wsharding.lab.cluster import RankCluster
 from wsharding.runtime import gpu_count
 from wsharding.serve.metrics import (
@@ -288,6 +289,7 @@ def main(args: argparse.Namespace) -> int:
     if given:
         raise InvalidArgument(f"--engine transformers does not take {', '.join(given)} (the package's own scheduler "
                               "does: --engine wsharding)")
+    check_output_path(str(json_path(args.json)) if args.json else "", "--json")  # before the ranks serve for minutes
     gpus = gpu_count()
     rates = args.rate or ([2.0, 4.0, 8.0] if gpus else [8.0, 32.0])
     wl = Workload(requests=args.requests or (60 if gpus else 12), prompt=args.prompt or ((64, 512) if gpus else (8, 24)),
