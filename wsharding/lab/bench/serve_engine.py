@@ -60,7 +60,8 @@ MISSING = {
     "recomputed_tokens": "an evicted request is offloaded or reset inside the engine; its recomputed tokens are not "
                          "counted",
     "regime": "read from the replicated run's waits for memory and preemptions: this engine tells its peak blocks "
-              "(a full pool) but not its waits",
+              "but not its waits, and its peak stays below the pool even while requests wait (its FIFO scheduler "
+              "admits no new prompt while less than its safety margin, 15 % by default, of the pool is free)",
     "layer_times": "per-layer gather and compute are traced by the package's planner runs, not inside the engine",
 }
 #: Options of ``bench serve`` the engine run does not take (refused, not ignored).
